@@ -1,0 +1,410 @@
+"""The precision policy: which format each layer computes in, as a YAML file (schema 1).
+
+```yaml
+autoprec: 1                     # schema version
+model: {name: GPT2LMHeadModel, fingerprint: "sha256:..."}
+default: bf16                   # every layer not matched below
+layers:                         # fqn or glob -> format; the most specific match wins
+  lm_head: fp32
+  "transformer.h.*.mlp.*": fp8
+fp8: {recipe: tensorwise}
+loss_scaling: {init_scale: 65536, growth_interval: 2000}
+tuned: {...}                    # provenance written by `tune`; informational
+```
+
+Patterns: ``*`` matches within one dotted component, ``**`` across components, ``?`` one
+character. A module's format is its own best match (an exact fqn beats any glob; among
+globs, more literal characters win, then fewer wildcards), else its nearest matched
+ancestor's, else ``default``.
+
+This module is on the production path: it imports neither Optuna nor SciPy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+import yaml
+from torch import nn
+
+from autoprec.formats import Format
+
+__all__ = [
+    "Policy",
+    "LossScaling",
+    "PolicyError",
+    "SCHEMA_VERSION",
+    "load_policy",
+    "model_fingerprint",
+]
+
+SCHEMA_VERSION = 1
+FP8_RECIPES = ("tensorwise",)
+
+_TOP_KEYS = ("autoprec", "model", "default", "layers", "fp8", "loss_scaling", "tuned")
+_MODEL_KEYS = ("name", "fingerprint")
+_FP8_KEYS = ("recipe",)
+_LOSS_SCALING_KEYS = ("init_scale", "growth_interval")
+
+
+class PolicyError(ValueError):
+    """A policy file or Policy that cannot be used as written; the message says the fix."""
+
+
+@dataclass(frozen=True)
+class LossScaling:
+    """GradScaler settings, used when any layer computes in fp16."""
+
+    # First loss scale; 2**16 is torch.amp.GradScaler's default.
+    init_scale: float = 65536.0
+    # Steps without overflow before the scale doubles.
+    growth_interval: int = 2000
+
+    def __post_init__(self):
+        if not (self.init_scale > 0 and self.init_scale < float("inf")):
+            raise PolicyError(f"loss_scaling.init_scale must be a positive finite number, "
+                              f"got {self.init_scale!r}.")
+        if int(self.growth_interval) != self.growth_interval or self.growth_interval < 1:
+            raise PolicyError(f"loss_scaling.growth_interval must be a positive integer, "
+                              f"got {self.growth_interval!r}.")
+
+
+def _glob_regex(pattern: str) -> re.Pattern:
+    out = []
+    i = 0
+    while i < len(pattern):
+        if pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^.]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^.]")
+            i += 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out))
+
+
+def _is_glob(pattern: str) -> bool:
+    return any(c in pattern for c in "*?")
+
+
+def _specificity(pattern: str) -> tuple[int, int, int]:
+    wild = pattern.count("*") + pattern.count("?")
+    literal = len(pattern) - wild
+    return (0 if _is_glob(pattern) else 1, literal, -wild)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A per-layer precision assignment. Build by hand, load with :func:`load_policy`, or get
+    one from ``tune``."""
+
+    # Format of every module no pattern matches (applied as a region around the root).
+    default: Format = Format.BF16
+    # fqn or glob -> format, in file order; see the module docstring for matching.
+    layers: Mapping[str, Format] = field(default_factory=dict)
+    # Class name of the model the policy was made for (informational, shown in errors).
+    model_name: str | None = None
+    # "sha256:<hex>" of the model's layer list, see model_fingerprint(); None = not checked.
+    fingerprint: str | None = None
+    # FP8 scaling recipe; only "tensorwise" (dynamic per-tensor scales) exists so far.
+    fp8_recipe: str = "tensorwise"
+    # GradScaler settings for policies with fp16 layers.
+    loss_scaling: LossScaling = field(default_factory=LossScaling)
+    # Provenance written by tune (device, torch version, objective, metrics); free-form.
+    tuned: Mapping[str, Any] | None = None
+    # Where the policy was read from, for error messages; not part of equality.
+    source: str | None = field(default=None, compare=False)
+    # YAML line of each layer pattern (and top-level key), for error messages.
+    lines: Mapping[str, int] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self):
+        where = self._where()
+        object.__setattr__(self, "default", Format.parse(self.default, where=f"for `default`{where}"))
+        layers = {}
+        for pattern, fmt in dict(self.layers).items():
+            if not isinstance(pattern, str) or not pattern.strip():
+                raise PolicyError(f"Layer pattern {pattern!r}{self._where(pattern)} must be a "
+                                  "non-empty string (a module fqn such as `lm_head` or a glob "
+                                  "such as `transformer.h.*.mlp.*`).")
+            layers[pattern] = Format.parse(fmt, where=f"for layer `{pattern}`{self._where(pattern)}")
+        object.__setattr__(self, "layers", layers)
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise PolicyError(f"Unknown fp8 recipe {self.fp8_recipe!r}{self._where('fp8')}; "
+                              f"expected one of {', '.join(FP8_RECIPES)}.")
+        if isinstance(self.loss_scaling, Mapping):
+            object.__setattr__(self, "loss_scaling", LossScaling(**self.loss_scaling))
+        if self.fingerprint is not None and not str(self.fingerprint).startswith("sha256:"):
+            raise PolicyError(f"model.fingerprint {self.fingerprint!r}{self._where('model')} "
+                              "must look like `sha256:<hex>`; delete the key to skip the check.")
+        compiled = {p: _glob_regex(p) for p in layers}
+        object.__setattr__(self, "_compiled", compiled)
+
+    # ---------------------------------------------------------------- queries
+    def _where(self, key: str | None = None) -> str:
+        if self.source is None:
+            return ""
+        line = self.lines.get(key) if key is not None else None
+        return f" in {self.source}" + (f" line {line}" if line else "")
+
+    def match(self, fqn: str) -> str | None:
+        """The pattern that names ``fqn`` itself (most specific wins), or None."""
+        hits = [p for p, rx in self._compiled.items() if rx.fullmatch(fqn)]
+        if not hits:
+            return None
+        return max(hits, key=_specificity)
+
+    def format_for(self, fqn: str) -> Format:
+        """The format module ``fqn`` computes in: its own match, else its nearest matched
+        ancestor's, else the default."""
+        name = fqn
+        while True:
+            pattern = self.match(name)
+            if pattern is not None:
+                return self.layers[pattern]
+            if not name:
+                return self.default
+            name = name.rpartition(".")[0]
+
+    def formats_used(self) -> set[Format]:
+        return {self.default, *self.layers.values()}
+
+    def uses(self, fmt: Format | str) -> bool:
+        return Format.parse(fmt) in self.formats_used()
+
+    def resolve(self, model: nn.Module) -> tuple[dict[str, Format], list[str]]:
+        """Map each module fqn a pattern names to its format, and list unused patterns."""
+        assigned: dict[str, Format] = {}
+        used: set[str] = set()
+        for fqn, _ in model.named_modules():
+            pattern = self.match(fqn)
+            if pattern is not None:
+                assigned[fqn] = self.layers[pattern]
+                used.add(pattern)
+        return assigned, [p for p in self.layers if p not in used]
+
+    def check_model(self, model: nn.Module, *, strict: bool = True) -> dict[str, Format]:
+        """Check the policy against ``model``: fingerprint and patterns. Returns the resolved
+        assignment. Mismatches raise PolicyError (``strict``) or warn."""
+        problems = []
+        if self.fingerprint is not None:
+            actual = model_fingerprint(model)
+            if actual != self.fingerprint:
+                made_for = f" (made for {self.model_name})" if self.model_name else ""
+                problems.append(
+                    f"Policy{self._where('model')}{made_for} has fingerprint "
+                    f"{self.fingerprint[:19]}… but the model {type(model).__name__} has "
+                    f"{actual[:19]}…: its layers (names, kinds or weight shapes) differ. "
+                    "Re-tune for this model, or pass strict=False to apply it anyway.")
+        assigned, unused = self.resolve(model)
+        for pattern in unused:
+            names = [n for n, _ in model.named_modules() if n][:6]
+            problems.append(
+                f"Layer pattern `{pattern}`{self._where(pattern)} matches no module of "
+                f"{type(model).__name__} (module names look like {', '.join(names)}, …). "
+                "Fix or delete the pattern, or pass strict=False to ignore it.")
+        for msg in problems:
+            if strict:
+                raise PolicyError(msg)
+            warnings.warn(msg, stacklevel=3)
+        return assigned
+
+    # ---------------------------------------------------------------- training helpers
+    def grad_scaler(self, device: str | torch.device = "cuda") -> torch.amp.GradScaler:
+        """The GradScaler this policy needs: enabled with ``loss_scaling`` settings when any
+        layer is fp16, a disabled pass-through otherwise."""
+        device = torch.device(device)
+        return torch.amp.GradScaler(
+            device.type, init_scale=self.loss_scaling.init_scale,
+            growth_interval=int(self.loss_scaling.growth_interval),
+            enabled=self.uses(Format.FP16))
+
+    def module_filter_fn(self) -> Callable[[nn.Module, str], bool]:
+        """A torchao-style ``(module, fqn) -> bool`` that selects exactly this policy's fp8
+        ``nn.Linear`` layers (for ``convert_to_float8_training(module_filter_fn=...)``)."""
+        def keep(module: nn.Module, fqn: str) -> bool:
+            return isinstance(module, nn.Linear) and self.format_for(fqn) is Format.FP8
+        return keep
+
+    def with_layers(self, updates: Mapping[str, Format | str], **changes) -> "Policy":
+        """A copy with ``updates`` added to (or overriding) the layer map."""
+        layers = dict(self.layers)
+        layers.update({k: Format.parse(v) for k, v in updates.items()})
+        return dataclasses.replace(self, layers=layers, **changes)
+
+    # ---------------------------------------------------------------- YAML
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"autoprec": SCHEMA_VERSION}
+        if self.model_name is not None or self.fingerprint is not None:
+            model = {}
+            if self.model_name is not None:
+                model["name"] = self.model_name
+            if self.fingerprint is not None:
+                model["fingerprint"] = self.fingerprint
+            out["model"] = model
+        out["default"] = self.default.value
+        out["layers"] = {p: f.value for p, f in self.layers.items()}
+        out["fp8"] = {"recipe": self.fp8_recipe}
+        ls = self.loss_scaling
+        out["loss_scaling"] = {"init_scale": ls.init_scale,
+                               "growth_interval": int(ls.growth_interval)}
+        if self.tuned is not None:
+            out["tuned"] = _plain(self.tuned)
+        return out
+
+    def to_yaml(self) -> str:
+        header = "# autoprec precision policy (schema 1): `autoprec show` prints it as a table\n"
+        return header + yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False,
+                                       allow_unicode=True, width=100)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the policy as YAML; ``load_policy(path)`` gives back an equal Policy."""
+        path = os.fspath(path)
+        parent = os.path.dirname(path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(self.to_yaml())
+        os.replace(tmp, path)  # never leave a half-written policy behind
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str | None = None,
+                  lines: Mapping[str, int] | None = None) -> "Policy":
+        """Validate a parsed YAML mapping (schema 1) and build the Policy."""
+        lines = dict(lines or {})
+        src = f" in {source}" if source else ""
+
+        def where(key):
+            line = lines.get(key)
+            return src + (f" line {line}" if line else "")
+
+        if not isinstance(data, Mapping):
+            raise PolicyError(f"A policy{src} must be a YAML mapping with keys "
+                              f"{', '.join(_TOP_KEYS)}; got {type(data).__name__}.")
+        if "autoprec" not in data:
+            raise PolicyError(f"Missing schema key `autoprec: {SCHEMA_VERSION}`{src}; a policy "
+                              "file starts with it.")
+        version = data["autoprec"]
+        if version != SCHEMA_VERSION:
+            raise PolicyError(f"Unknown policy schema version {version!r}{where('autoprec')}; "
+                              f"this autoprec reads version {SCHEMA_VERSION}. Upgrade autoprec "
+                              "or regenerate the policy.")
+        _reject_unknown(data, _TOP_KEYS, "top level", where)
+        model = data.get("model") or {}
+        _require_mapping(model, "model", where)
+        _reject_unknown(model, _MODEL_KEYS, "`model`", where, "model")
+        fp8 = data.get("fp8") or {}
+        _require_mapping(fp8, "fp8", where)
+        _reject_unknown(fp8, _FP8_KEYS, "`fp8`", where, "fp8")
+        ls = data.get("loss_scaling") or {}
+        _require_mapping(ls, "loss_scaling", where)
+        _reject_unknown(ls, _LOSS_SCALING_KEYS, "`loss_scaling`", where, "loss_scaling")
+        layers = data.get("layers") or {}
+        _require_mapping(layers, "layers", where)
+        tuned = data.get("tuned")
+        if tuned is not None:
+            _require_mapping(tuned, "tuned", where)
+        if "default" not in data:
+            raise PolicyError(f"Missing `default:`{src}: the format of every layer not listed "
+                              "under `layers` (one of fp32, bf16, fp16, fp8).")
+        try:
+            loss_scaling = LossScaling(**ls)
+        except TypeError as e:
+            raise PolicyError(f"Bad `loss_scaling`{where('loss_scaling')}: {e}") from e
+        except PolicyError as e:
+            raise PolicyError(f"{e}{where('loss_scaling')}") from None
+        try:
+            return cls(default=data["default"], layers=dict(layers),
+                       model_name=model.get("name"), fingerprint=model.get("fingerprint"),
+                       fp8_recipe=fp8.get("recipe", "tensorwise"), loss_scaling=loss_scaling,
+                       tuned=tuned, source=source, lines=lines)
+        except ValueError as e:
+            raise PolicyError(str(e)) from None
+
+
+def _plain(value: Any) -> Any:
+    """Provenance as plain YAML types (Formats and tuples become strings and lists)."""
+    if isinstance(value, Format):
+        return value.value
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _require_mapping(value, key, where):
+    if not isinstance(value, Mapping):
+        raise PolicyError(f"`{key}`{where(key)} must be a mapping, got "
+                          f"{type(value).__name__} {value!r}.")
+
+
+def _reject_unknown(data, known, what, where, line_key=None):
+    unknown = [k for k in data if k not in known]
+    if unknown:
+        key = line_key or unknown[0]
+        raise PolicyError(f"Unknown key(s) {', '.join(map(repr, unknown))} at {what}"
+                          f"{where(key)}; valid keys are {', '.join(known)}.")
+
+
+def _line_map(text: str) -> dict[str, int]:
+    """1-based line of each top-level key and each `layers` pattern (safe composer only)."""
+    lines: dict[str, int] = {}
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return lines
+    if not isinstance(root, yaml.MappingNode):
+        return lines
+    for key_node, value_node in root.value:
+        key = key_node.value
+        lines[key] = key_node.start_mark.line + 1
+        if key == "layers" and isinstance(value_node, yaml.MappingNode):
+            for k, _ in value_node.value:
+                lines[k.value] = k.start_mark.line + 1
+    return lines
+
+
+def load_policy(path: str | os.PathLike) -> Policy:
+    """Read a policy file (``yaml.safe_load`` only) and validate it against schema 1."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise PolicyError(f"Policy file {path} does not exist; `autoprec tune TASK -o {path}` "
+                          "writes one.") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise PolicyError(f"Malformed YAML in {path}{line}: {problem}. Fix the syntax "
+                          "(indentation, quotes around globs with `*`).") from None
+    return Policy.from_dict(data, source=path, lines=_line_map(text))
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """``sha256:<hex>`` of the model's layer list: fqn, class name and parameter shapes of every
+    module that owns parameters. Same architecture and sizes -> same fingerprint; weights and
+    dtypes do not enter it."""
+    h = hashlib.sha256()
+    for fqn, module in model.named_modules():
+        params = [(n, tuple(p.shape)) for n, p in module.named_parameters(recurse=False)]
+        if not params:
+            continue
+        h.update(f"{fqn}|{type(module).__name__}|{params}\n".encode())
+    return f"sha256:{h.hexdigest()}"

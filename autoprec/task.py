@@ -1,0 +1,159 @@
+"""Task: what a user hands autoprec — a model, calibration batches and a loss.
+
+```python
+task = autoprec.Task(model=lambda: GPT2LMHeadModel(cfg), batches=[...],
+                     loss_fn=lambda model, batch: model(**batch).loss)
+```
+
+``model`` is a module or a zero-argument factory; autoprec works on fresh copies
+(:meth:`Task.build_model`) so the user's module is never modified. ``loss_fn`` defaults to the
+output's ``.loss`` (HF models called with labels) or the output itself when it is a scalar.
+The CLI loads a task from ``path/to/file.py:function`` or ``package.module:function``; the
+function takes no arguments and returns a Task.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["Task", "load_task", "default_loss", "move_to"]
+
+
+def move_to(batch: Any, device: torch.device | str) -> Any:
+    """``batch`` with every tensor in it moved to ``device`` (dicts, lists, tuples)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        return type(batch)({k: move_to(v, device) for k, v in batch.items()}) \
+            if isinstance(batch, dict) else {k: move_to(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_to(v, device) for v in batch)
+    return batch
+
+
+def _call(model: nn.Module, batch: Any) -> Any:
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (list, tuple)):
+        return model(*batch)
+    return model(batch)
+
+
+def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """Call the model on the batch (``**dict``, ``*tuple`` or the tensor) and return the
+    output's ``.loss``, ``["loss"]``, or the output itself when it is a scalar tensor."""
+    out = _call(model, batch)
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, Mapping):
+        loss = out.get("loss")
+    if loss is None and isinstance(out, torch.Tensor) and out.dim() == 0:
+        loss = out
+    if loss is None:
+        raise ValueError(
+            f"The model returned {type(out).__name__}, which has no `.loss` and is not a "
+            "scalar: pass loss_fn=lambda model, batch: ... to Task, or give the model labels.")
+    return loss
+
+
+@dataclass
+class Task:
+    """A model, the batches to measure it on, and its loss."""
+
+    # An nn.Module (copied before use, never modified) or a zero-argument factory.
+    model: nn.Module | Callable[[], nn.Module]
+    # Calibration batches: tensors, tuples or dicts of tensors, as the model takes them.
+    batches: Sequence[Any]
+    # loss_fn(model, batch) -> scalar tensor; None uses default_loss.
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None
+    # Shown in progress output and written into the policy's provenance.
+    name: str | None = None
+    # Where measurements run; None picks CUDA when available, else CPU.
+    device: str | torch.device | None = None
+    # Builds the optimizer for training steps (timing a step, validation); default AdamW.
+    optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
+    # Seed for model construction and anything random in measurements.
+    seed: int = 0
+    # Free-form extras a task file wants to carry (e.g. a longer training stream).
+    extras: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not (isinstance(self.model, nn.Module) or callable(self.model)):
+            raise TypeError("Task(model=...) needs an nn.Module or a zero-argument callable "
+                            f"returning one, got {type(self.model).__name__}.")
+        if isinstance(self.batches, (torch.Tensor, Mapping)) or len(self.batches) == 0:
+            raise ValueError("Task(batches=...) needs a non-empty list of batches "
+                             "(one batch per element), not a single tensor or dict.")
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(self.device)
+        if self.name is None:
+            self.name = type(self.model).__name__ if isinstance(self.model, nn.Module) else \
+                getattr(self.model, "__name__", "task")
+
+    def build_model(self) -> nn.Module:
+        """A fresh FP32 model on the task's device: the factory's output (seeded), or a deep
+        copy of the given module."""
+        if isinstance(self.model, nn.Module):
+            model = copy.deepcopy(self.model)
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.seed)
+                model = self.model()
+            if not isinstance(model, nn.Module):
+                raise TypeError(f"The task's model factory returned {type(model).__name__}, "
+                                "not an nn.Module.")
+        return model.to(self.device)
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """The scalar loss of ``model`` on ``batch`` (moved to the task's device)."""
+        batch = move_to(batch, self.device)
+        fn = self.loss_fn or default_loss
+        return fn(model, batch)
+
+    def make_optimizer(self, params) -> torch.optim.Optimizer:
+        if self.optimizer is not None:
+            return self.optimizer(params)
+        return torch.optim.AdamW(params, lr=1e-3)
+
+    def example_batch(self) -> Any:
+        return move_to(self.batches[0], self.device)
+
+
+def load_task(spec: str) -> Task:
+    """Load a Task from ``path/to/file.py:function`` or ``package.module:function``.
+
+    The function is called with no arguments and must return a :class:`Task`.
+    """
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr:
+        raise ValueError(f"Task spec {spec!r} must look like `path/to/file.py:function` or "
+                         "`package.module:function`.")
+    if target.endswith(".py") or os.sep in target or "/" in target:
+        path = os.path.abspath(target)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"Task file {target} (from {spec!r}) does not exist.")
+        name = "_autoprec_task_" + os.path.splitext(os.path.basename(path))[0]
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module  # dataclasses and pickling look the module up by name
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(target)
+    if not hasattr(module, attr):
+        public = [n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n))]
+        raise AttributeError(f"{target} has no function {attr!r} (from task spec {spec!r}); "
+                             f"callables there: {', '.join(public[:10]) or 'none'}.")
+    task = getattr(module, attr)()
+    if not isinstance(task, Task):
+        raise TypeError(f"{spec} returned {type(task).__name__}; a task function must return "
+                        "autoprec.Task.")
+    return task

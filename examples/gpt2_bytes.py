@@ -1,0 +1,40 @@
+"""HF GPT-2 (random init from a config) trained on the stdlib's source bytes: the bundled
+example task, and the README's main job.
+
+    autoprec tune examples/gpt2_bytes.py:task -o policies/gpt2_bytes.yaml
+"""
+
+from __future__ import annotations
+
+import autoprec
+from examples.data import byte_batches
+
+__all__ = ["gpt2_config", "make_model", "task"]
+
+
+def gpt2_config(n_layer: int = 4, n_embd: int = 256, n_head: int = 4, seq_len: int = 128,
+                dropout: float = 0.0):
+    from transformers import GPT2Config
+
+    return GPT2Config(vocab_size=256, n_positions=seq_len, n_embd=n_embd, n_layer=n_layer,
+                      n_head=n_head, bos_token_id=0, eos_token_id=0, use_cache=False,
+                      resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+
+
+def make_model(n_layer: int = 4, n_embd: int = 256, n_head: int = 4, seq_len: int = 128,
+               attn_implementation: str = "eager"):
+    """GPT2LMHeadModel; eager attention so its matmuls are visible to the FP8 router."""
+    from transformers import GPT2LMHeadModel
+
+    cfg = gpt2_config(n_layer, n_embd, n_head, seq_len)
+    cfg._attn_implementation = attn_implementation
+    return GPT2LMHeadModel(cfg)
+
+
+def task(n_layer: int = 4, n_embd: int = 256, batch_size: int = 16, seq_len: int = 128,
+         n_batches: int = 8) -> autoprec.Task:
+    return autoprec.Task(
+        model=lambda: make_model(n_layer, n_embd, max(1, n_embd // 64), seq_len),
+        batches=byte_batches(n_batches, batch_size, seq_len, seed=1),
+        name=f"gpt2-{n_layer}x{n_embd}-bytes",
+    )
