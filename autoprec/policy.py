@@ -130,8 +130,8 @@ class Policy:
     lines: Mapping[str, int] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
-        where = self._where()
-        object.__setattr__(self, "default", Format.parse(self.default, where=f"for `default`{where}"))
+        object.__setattr__(self, "default",
+                           Format.parse(self.default, where=f"for `default`{self._where('default')}"))
         layers = {}
         for pattern, fmt in dict(self.layers).items():
             if not isinstance(pattern, str) or not pattern.strip():
@@ -342,7 +342,17 @@ def _plain(value: Any) -> Any:
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
-    return value
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, str):
+        return str(value)  # str subclasses such as torch.__version__ are not safe-dumpable
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    if hasattr(value, "item"):  # numpy / torch scalars
+        return value.item()
+    return str(value)
 
 
 def _require_mapping(value, key, where):

@@ -143,11 +143,14 @@ class _Region:
     ``orig`` to the copied module.
     """
 
-    def __init__(self, module: nn.Module, orig, fmt: Format, fqn: str):
+    def __init__(self, module: nn.Module, orig, fmt: Format, fqn: str, cast_out: bool = False):
         self.orig = orig
         self.fmt = fmt
         self.fqn = fqn
         self.module = module
+        # Inside an fp32 region autocast is off, so a bf16 output reaching an fp32 op would be
+        # a dtype error: a low-precision region nested in fp32 hands back FP32 tensors.
+        self.cast_out = cast_out
 
     def __call__(self, *args, **kwargs):
         fmt = self.fmt
@@ -162,20 +165,22 @@ class _Region:
             with torch.autocast(device_type, dtype=fmt.autocast_dtype):
                 if fmt is Format.FP8:
                     with _FP8Router():
-                        return self.orig(*args, **kwargs)
-                return self.orig(*args, **kwargs)
+                        out = self.orig(*args, **kwargs)
+                else:
+                    out = self.orig(*args, **kwargs)
         finally:
             stack.pop()
+        return tree_map(_upcast, out) if self.cast_out else out
 
     def __repr__(self):
         return f"<autoprec region {self.fmt.value} around {self.fqn or 'root'}>"
 
 
-def _install(module: nn.Module, fmt: Format, fqn: str, record: list) -> None:
+def _install(module: nn.Module, fmt: Format, fqn: str, record: list, cast_out: bool) -> None:
     had_own = "forward" in module.__dict__
     orig = module.__dict__["forward"] if had_own else module.forward
     record.append((module, had_own, orig))
-    module.forward = _Region(module, orig, fmt, fqn)
+    module.forward = _Region(module, orig, fmt, fqn, cast_out)
 
 
 def apply(model: nn.Module, policy: Policy | str | os.PathLike, *, strict: bool = True) -> nn.Module:
@@ -193,7 +198,7 @@ def apply(model: nn.Module, policy: Policy | str | os.PathLike, *, strict: bool 
     assigned = policy.check_model(model, strict=strict)
     remove(model)
 
-    if policy.uses(Format.FP8):
+    if policy.default is Format.FP8 or Format.FP8 in assigned.values():
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         if device.type != "meta" and supported_formats(device)[Format.FP8] is not Support.NATIVE:
             warnings.warn(
@@ -212,7 +217,8 @@ def apply(model: nn.Module, policy: Policy | str | os.PathLike, *, strict: bool 
         inherited = None if fqn == "" else policy.format_for(fqn.rpartition(".")[0])
         if own is inherited:
             continue  # same format as the enclosing region: a region would only cost time
-        _install(module, own, fqn, record)
+        _install(module, own, fqn, record,
+                 cast_out=inherited is Format.FP32 and own is not Format.FP32)
     setattr(model, _APPLIED_ATTR, record)
     model._autoprec_policy = policy
     return model

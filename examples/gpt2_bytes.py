@@ -18,7 +18,8 @@ def gpt2_config(n_layer: int = 4, n_embd: int = 256, n_head: int = 4, seq_len: i
 
     return GPT2Config(vocab_size=256, n_positions=seq_len, n_embd=n_embd, n_layer=n_layer,
                       n_head=n_head, bos_token_id=0, eos_token_id=0, use_cache=False,
-                      resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+                      resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                      loss_type="ForCausalLM")
 
 
 def make_model(n_layer: int = 4, n_embd: int = 256, n_head: int = 4, seq_len: int = 128,

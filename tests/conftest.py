@@ -66,3 +66,64 @@ def cnn_model():
 @pytest.fixture
 def cnn_batch():
     return cnn.image_batches(1, batch_size=4, seed=0)[0]
+
+
+class ComputeProbe:
+    """Observes, inside each module's forward, the dtypes the matmul-like aten ops really run in.
+
+    A TorchDispatchMode sees every aten op after autocast and the FP8 router have done their
+    work; forward pre/post hooks track the innermost running module. Records, per module fqn,
+    a list of (op name, operand dtypes) and the number of casts to an FP8 dtype.
+    """
+
+    MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_mm"}
+
+    def __init__(self, model):
+        self.model = model
+        self.ops: dict[str, list] = {}
+        self.fp8_casts: dict[str, int] = {}
+        self._stack = [None]  # None: outside every forward (e.g. in backward): not recorded
+        self._handles = []
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        probe = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                name = func.overloadpacket.__name__
+                fqn = probe._stack[-1]
+                if fqn is None:
+                    return func(*args, **kwargs)
+                if name in probe.MATMUL_OPS:
+                    # the two multiplied operands: addmm/baddbmm take the bias first
+                    first = 1 if name in ("addmm", "baddbmm") else 0
+                    dtypes = tuple(a.dtype for a in args[first:first + 2])
+                    probe.ops.setdefault(fqn, []).append((name, dtypes))
+                if name in ("_to_copy", "to") and kwargs.get("dtype") in (
+                        torch.float8_e4m3fn, torch.float8_e5m2):
+                    probe.fp8_casts[fqn] = probe.fp8_casts.get(fqn, 0) + 1
+                return func(*args, **kwargs)
+
+        for fqn, mod in self.model.named_modules():
+            self._handles.append(mod.register_forward_pre_hook(
+                lambda m, a, fqn=fqn: self._stack.append(fqn)))
+            self._handles.append(mod.register_forward_hook(self._pop))
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def _pop(self, module, args, output):
+        self._stack.pop()  # returns None: a forward hook's return value replaces the output
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
+        return False
+
+    def matmul_dtypes(self, fqn: str) -> set:
+        """Operand dtypes of the matmul-like ops run directly inside module ``fqn``."""
+        return {d for _, dts in self.ops.get(fqn, []) for d in dts}

@@ -1,0 +1,308 @@
+"""The rewriting pass on inline modules and on real models (HF GPT-2, pretrained MiniLM BERT,
+HF ResNet): each layer is observed computing in its format, the state_dict never changes,
+and training matches plain torch.autocast."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import ComputeProbe, tiny_gpt2
+from torch import nn
+
+import autoprec
+from autoprec import Format, Policy
+from autoprec.fp8 import fp8_shape_supported
+
+DTYPE = {Format.FP32: torch.float32, Format.BF16: torch.bfloat16, Format.FP16: torch.float16}
+
+
+@pytest.fixture(autouse=True)
+def _quiet_fp8_warning():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*can only emulate.*")
+        yield
+
+
+class Inline(nn.Module):
+    """A linear layer, a functional matmul and a nested block."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+        self.block = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+        self.mix = nn.Parameter(torch.randn(32, 32) / 6)
+
+    def forward(self, x):
+        h = self.proj(x)
+        h = torch.matmul(h, self.mix)
+        return self.block(h).sum(-1)
+
+
+def expected_matmul_dtypes(policy, fqn, shapes_ok=True):
+    fmt = policy.format_for(fqn)
+    if fmt is Format.FP8:
+        # emulated FP8 multiplies dequantized FP32 operands; unsupported shapes run bf16
+        return {torch.float32} if shapes_ok else {torch.bfloat16}
+    return {DTYPE[fmt]}
+
+
+def check_observed(model, policy, run, *, outer_autocast=None):
+    """Run ``run()`` under a probe and check every module's matmuls ran in its format."""
+    with ComputeProbe(model) as probe:
+        if outer_autocast is not None:
+            with torch.autocast("cpu", dtype=outer_autocast):
+                run()
+        else:
+            run()
+    assert probe.ops, "the probe saw no matmul at all"
+    checked = []
+    for fqn, ops in probe.ops.items():
+        fmt = policy.format_for(fqn)
+        got = probe.matmul_dtypes(fqn)
+        casts = probe.fp8_casts.get(fqn, 0)
+        if fmt is Format.FP8 and casts == 0:
+            # the kernel cannot take this shape: the layer must have run in bf16
+            assert got == {torch.bfloat16}, f"{fqn}: fp8 layer without FP8 casts ran {got}"
+        else:
+            assert got == expected_matmul_dtypes(policy, fqn), \
+                f"{fqn}: policy says {fmt}, matmuls ran with {got}"
+        if fmt is Format.FP8 and casts:
+            assert casts >= 2 * len([o for o in ops if o[0] != "convolution"]), \
+                f"{fqn}: {casts} FP8 casts for {len(ops)} matmuls"
+        else:
+            assert casts == 0, f"{fqn} is {fmt} but cast to FP8 {casts} times"
+        checked.append((fqn, fmt))
+    return probe, checked
+
+
+# ----------------------------------------------------------------------------- inline
+def test_fp32_policy_is_eager_exactly_and_remove_restores():
+    torch.manual_seed(0)
+    m = Inline()
+    x = torch.randn(8, 32)
+    eager = m(x)
+    autoprec.apply(m, Policy(default="fp32"))
+    assert autoprec.applied_formats(m) == {"": Format.FP32}
+    assert torch.equal(m(x), eager)
+    assert "forward" in m.__dict__
+    autoprec.remove(m)
+    assert "forward" not in m.__dict__ and autoprec.applied_formats(m) == {}
+    assert torch.equal(m(x), eager)
+    autoprec.remove(m)  # removing twice is a no-op
+
+
+def test_regions_nest_innermost_wins_and_redundant_ones_are_skipped():
+    torch.manual_seed(0)
+    m = Inline()
+    policy = Policy(default="fp8", layers={"block": "fp32", "block.2": "bf16", "proj": "fp8"})
+    autoprec.apply(m, policy)
+    # `proj` inherits fp8 from the root: no region of its own
+    assert autoprec.applied_formats(m) == {"": Format.FP8, "block": Format.FP32,
+                                           "block.2": Format.BF16}
+    x = torch.randn(16, 32)
+    probe, checked = check_observed(m, policy, lambda: m(x))
+    assert {f for f, _ in checked} == {"", "proj", "block.0", "block.2"}
+    assert probe.fp8_casts[""] >= 2 and probe.fp8_casts["proj"] >= 2  # functional matmul too
+
+
+def test_outer_autocast_does_not_override_an_fp32_layer():
+    torch.manual_seed(0)
+    m = Inline()
+    policy = Policy(default="bf16", layers={"block": "fp32"})
+    autoprec.apply(m, policy)
+    x = torch.randn(16, 32)
+    check_observed(m, policy, lambda: m(x), outer_autocast=torch.bfloat16)
+    # and inputs arriving in bf16 are upcast at the fp32 boundary
+    out = m.block(x.to(torch.bfloat16))
+    assert out.dtype == torch.float32
+
+
+def test_apply_twice_replaces_and_accepts_a_path(tmp_path):
+    m = Inline()
+    autoprec.apply(m, Policy(default="bf16", layers={"block": "fp32"}))
+    path = tmp_path / "p.yaml"
+    Policy(default="fp16").save(path)
+    autoprec.apply(m, str(path))
+    assert autoprec.applied_formats(m) == {"": Format.FP16}
+    with pytest.raises(TypeError, match="needs an nn.Module"):
+        autoprec.apply(lambda x: x, Policy())
+
+
+def test_deepcopy_of_an_applied_model_is_independent():
+    torch.manual_seed(0)
+    m = Inline()
+    autoprec.apply(m, Policy(default="bf16", layers={"proj": "fp32"}))
+    x = torch.randn(4, 32)
+    before = m(x)
+    c = copy.deepcopy(m)
+    with torch.no_grad():
+        c.proj.weight.zero_()
+    assert torch.equal(m(x), before)
+    assert not torch.equal(c(x), before)
+    assert autoprec.applied_formats(c) == autoprec.applied_formats(m)
+
+
+# ----------------------------------------------------------------------------- real models
+GPT2_POLICY = Policy(default="bf16", layers={
+    "lm_head": "fp32",
+    "transformer.h.*.mlp.c_fc": "fp8",
+    "transformer.h.0.attn": "fp16",
+    "transformer.h.1.attn": "fp8",      # Conv1D children and the functional matmuls
+    "transformer.h.1.attn.c_proj": "fp32",
+})
+
+
+def test_gpt2_each_layer_computes_in_its_format(gpt2, gpt2_batch):
+    autoprec.apply(gpt2, GPT2_POLICY)
+
+    def step():
+        gpt2(**gpt2_batch).loss.backward()
+
+    probe, checked = check_observed(gpt2, GPT2_POLICY, step)
+    fmts = dict(checked)
+    # every kind of layer was seen: Conv1D in each format, attention matmuls, the head
+    assert fmts["lm_head"] is Format.FP32
+    assert fmts["transformer.h.0.mlp.c_fc"] is Format.FP8
+    assert fmts["transformer.h.0.attn"] is Format.FP16          # eager q@k, attn@v
+    assert fmts["transformer.h.1.attn"] is Format.FP8
+    assert fmts["transformer.h.1.attn.c_attn"] is Format.FP8
+    assert fmts["transformer.h.1.attn.c_proj"] is Format.FP32
+    assert fmts["transformer.h.0.mlp.c_proj"] is Format.BF16
+    assert len([o for o in probe.ops["transformer.h.1.attn"] if o[0] in ("bmm", "mm")]) >= 2
+    # parameters stay FP32 master weights with FP32 gradients
+    assert all(p.dtype == torch.float32 for p in gpt2.parameters())
+    assert all(p.grad.dtype == torch.float32 for p in gpt2.parameters() if p.grad is not None)
+
+
+def test_minilm_each_layer_computes_in_its_format(minilm_model, minilm_batch):
+    policy = Policy(default="fp32", layers={
+        "bert.encoder.layer.*.intermediate.dense": "fp8",
+        "bert.encoder.layer.*.attention.self": "bf16",
+        "bert.encoder.layer.0.output.dense": "fp16",
+        "classifier": "fp8",            # N = 4 labels: the FP8 kernel can't take it -> bf16
+    })
+    autoprec.apply(minilm_model, policy)
+    assert not fp8_shape_supported(minilm_batch["labels"].numel(), 384, 4)[0]
+    probe, checked = check_observed(
+        minilm_model, policy, lambda: minilm_model(**minilm_batch).loss.backward())
+    fmts = dict(checked)
+    assert fmts["bert.encoder.layer.3.intermediate.dense"] is Format.FP8
+    assert probe.fp8_casts.get("bert.encoder.layer.3.intermediate.dense", 0) >= 2
+    assert fmts["bert.encoder.layer.0.attention.self.query"] is Format.BF16
+    assert fmts["bert.encoder.layer.0.output.dense"] is Format.FP16
+    assert fmts["bert.encoder.layer.1.output.dense"] is Format.FP32
+    assert probe.matmul_dtypes("classifier") == {torch.bfloat16}
+    assert "classifier" not in probe.fp8_casts
+
+
+def test_cnn_convolutions_follow_the_policy(cnn_model, cnn_batch):
+    policy = Policy(default="bf16", layers={
+        "resnet.embedder": "fp32", "resnet.encoder.stages.1": "fp8", "classifier": "fp32"})
+    autoprec.apply(cnn_model, policy)
+    probe, checked = check_observed(cnn_model, policy,
+                                    lambda: cnn_model(**cnn_batch).loss.backward())
+    convs = {f: probe.matmul_dtypes(f) for f, _ in checked if "convolution" in f}
+    assert convs["resnet.embedder.embedder.convolution"] == {torch.float32}
+    assert convs["resnet.encoder.stages.0.layers.0.layer.0.convolution"] == {torch.bfloat16}
+    # no FP8 convolution kernels exist: convs in an fp8 region run bf16
+    assert convs["resnet.encoder.stages.1.layers.0.layer.0.convolution"] == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("which", ["gpt2", "minilm"])
+def test_state_dict_unchanged_by_apply_and_remove(which, gpt2, minilm_model, gpt2_batch,
+                                                  minilm_batch):
+    model, batch = (gpt2, gpt2_batch) if which == "gpt2" else (minilm_model, minilm_batch)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    autoprec.apply(model, Policy(default="fp8", layers={"**.dense": "bf16", "lm_head": "fp32"}),
+                   strict=False)
+    after_apply = model.state_dict()
+    with torch.no_grad():
+        model(**batch)
+    autoprec.remove(model)
+    after_remove = model.state_dict()
+    for sd in (after_apply, after_remove):
+        assert list(sd) == list(before)
+        for k in before:
+            assert sd[k].dtype == before[k].dtype and torch.equal(sd[k], before[k]), k
+    # and the plain model loads it back unchanged
+    fresh = copy.deepcopy(model)
+    fresh.load_state_dict(after_apply)
+
+
+def _train(model, batches, steps, *, autocast=False, scaler=None):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for i in range(steps):
+        batch = batches[i % len(batches)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(**batch).loss
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.slow
+def test_all_bf16_policy_matches_autocast_step_for_step():
+    from examples.data import byte_batches
+
+    batches = byte_batches(4, 8, 32, seed=3)
+    ref_model = tiny_gpt2().train()
+    pol_model = copy.deepcopy(ref_model)
+    ref = _train(ref_model, batches, 20, autocast=True)
+    autoprec.apply(pol_model, Policy(default="bf16"))
+    got = _train(pol_model, batches, 20)
+    worst = max(abs(a - b) / abs(a) for a, b in zip(ref, got))
+    assert worst < 1e-3, f"losses differ by up to {worst:.2e} relative: {ref} vs {got}"
+    assert ref[-1] < ref[0]  # it really trained
+    for (n, a), (_, b) in zip(ref_model.named_parameters(), pol_model.named_parameters()):
+        assert torch.allclose(a, b, rtol=1e-3, atol=1e-4), n
+
+
+def test_fp16_layers_train_with_the_policys_grad_scaler():
+    from examples.data import byte_batches
+
+    model = tiny_gpt2().train()
+    policy = Policy(default="bf16", layers={"transformer.h.*.mlp.*": "fp16"},
+                    loss_scaling={"init_scale": 1024.0, "growth_interval": 2})
+    autoprec.apply(model, policy)
+    scaler = policy.grad_scaler("cpu")
+    assert scaler.is_enabled()
+    losses = _train(model, byte_batches(2, 8, 32, seed=4), 6, scaler=scaler)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert scaler.get_scale() >= 1024.0  # no overflow backed the scale off; it grew
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_compiled_model_matches_eager(fmt, gpt2_batch):
+    torch._dynamo.reset()
+    eager = tiny_gpt2().train()
+    policy = Policy(default=fmt, layers={"lm_head": "fp32"})
+    autoprec.apply(eager, policy)
+    compiled_src = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_src)
+    le = eager(**gpt2_batch).loss
+    le.backward()
+    lc = compiled(**gpt2_batch).loss
+    lc.backward()
+    assert torch.allclose(le, lc, rtol=2e-3), (le.item(), lc.item())
+    ge = eager.transformer.h[0].mlp.c_fc.weight.grad
+    gc = compiled_src.transformer.h[0].mlp.c_fc.weight.grad
+    rel = ((ge - gc).norm() / ge.norm()).item()
+    assert rel < 0.05, f"compiled vs eager c_fc gradient differ by {rel:.3g}"
+    # the compiled model really runs in the format: it differs from an fp32 run
+    plain = tiny_gpt2().train()
+    lf = plain(**gpt2_batch).loss
+    assert lf.item() != lc.item()
