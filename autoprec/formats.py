@@ -48,7 +48,7 @@ class Format(str, enum.Enum):
         return self.value
 
     @classmethod
-    def parse(cls, value: "Format | str", *, where: str = "") -> "Format":
+    def parse(cls, value: Format | str, *, where: str = "") -> Format:
         """Return the Format named by ``value``; a clear ValueError for anything else."""
         if isinstance(value, Format):
             return value
@@ -90,7 +90,7 @@ class Format(str, enum.Enum):
         """Smallest positive value at all: below it a value flushes to zero."""
         return _RANGE[self][2]
 
-    def demoted(self) -> "Format":
+    def demoted(self) -> Format:
         """One step towards safety: fp8 -> bf16 -> fp32; fp16 -> fp32 (used by the guard)."""
         return {Format.FP8: Format.BF16, Format.BF16: Format.FP32,
                 Format.FP16: Format.FP32, Format.FP32: Format.FP32}[self]

@@ -27,8 +27,9 @@ import hashlib
 import os
 import re
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 import yaml
@@ -237,7 +238,7 @@ class Policy:
             return isinstance(module, nn.Linear) and self.format_for(fqn) is Format.FP8
         return keep
 
-    def with_layers(self, updates: Mapping[str, Format | str], **changes) -> "Policy":
+    def with_layers(self, updates: Mapping[str, Format | str], **changes) -> Policy:
         """A copy with ``updates`` added to (or overriding) the layer map."""
         layers = dict(self.layers)
         layers.update({k: Format.parse(v) for k, v in updates.items()})
@@ -281,7 +282,7 @@ class Policy:
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str | None = None,
-                  lines: Mapping[str, int] | None = None) -> "Policy":
+                  lines: Mapping[str, int] | None = None) -> Policy:
         """Validate a parsed YAML mapping (schema 1) and build the Policy."""
         lines = dict(lines or {})
         src = f" in {source}" if source else ""

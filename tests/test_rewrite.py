@@ -9,7 +9,6 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import ComputeProbe, tiny_gpt2
 from torch import nn
 
