@@ -1,7 +1,8 @@
 """autoprec: measure each layer's numerics and speed in fp32/bf16/fp16/fp8, tune a per-layer
 precision policy, and apply it in training.
 
-The production path (``load_policy`` + ``apply``) imports neither Optuna nor SciPy.
+The production path (``load_policy`` + ``apply``) imports neither Optuna nor SciPy: the
+search (``tune``) and validation load on first use.
 """
 
 from __future__ import annotations
@@ -21,6 +22,19 @@ __all__ = [
     "Format",
     "Support",
     "supported_formats",
+    # capture
+    "capture",
+    "Layer",
+    "LayerGraph",
+    "CaptureError",
+    # profile
+    "profile",
+    "Profile",
+    # tune
+    "tune",
+    "TuneResult",
+    "validate",
+    "ValidationResult",
     # policy
     "Policy",
     "LossScaling",
@@ -32,3 +46,24 @@ __all__ = [
     "remove",
     "applied_formats",
 ]
+
+_LAZY = {
+    "capture": "autoprec.graph", "Layer": "autoprec.graph", "LayerGraph": "autoprec.graph",
+    "CaptureError": "autoprec.graph",
+    "profile": "autoprec.profile", "Profile": "autoprec.profile",
+    "tune": "autoprec.search", "TuneResult": "autoprec.search",
+    "validate": "autoprec.validate", "ValidationResult": "autoprec.validate",
+}
+
+
+def __getattr__(name: str):
+    # Stages beyond apply load on first use, so a training job that only applies a policy
+    # never imports Optuna or SciPy.
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'autoprec' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

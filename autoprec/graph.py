@@ -1,0 +1,1085 @@
+"""Capture: which modules of a model compute, what they compute, and how data flows between them.
+
+``capture(model, example_batch)`` runs the model once on ``example_batch`` under a tracer and
+returns a :class:`LayerGraph`: the model's layers in execution order, each with the shapes of
+the matmuls it runs (``(batch, M, K, N)``), its FLOPs, bytes moved and parameters, plus the
+edges along which tensors flow from one layer to another (where a change of format costs a
+cast). It is the input of profiling and search, and plain data: it saves to and loads from JSON.
+
+Three tracers, tried in this order (``method="auto"``); the first that works wins:
+
+- ``"export"``: ``torch.export.export(..., strict=False)``. Every node carries
+  ``nn_module_stack`` (which module ran it) and a fake tensor with its shape. Works on HF
+  GPT-2, BERT and ResNet (with ``use_cache=False``).
+- ``"symbolic_trace"``: ``torch.fx`` symbolic tracing (layer modules kept as leaves) plus
+  ``ShapeProp`` on the real batch. Takes some models export cannot (helpers marked with
+  ``torch.fx.wrap``), fails on HF models (Python control flow on inputs).
+- ``"hooks"``: runs the model eagerly under module hooks (which module is running) and a
+  ``TorchDispatchMode`` (which aten ops it runs, on which tensors). Takes any model that runs.
+  Its edges are real data flow too (tensors followed by identity), not just the order in which
+  layers ran.
+
+All three are read into one small op list (``_Op``) that a single builder turns into layers, so
+the tracers agree on what a layer is. The export and fx graphs are walked, not run: export's
+fake tensors and ShapeProp (an ``fx.Interpreter``) already put each node's shape in its meta.
+
+What is a layer: a module that computes. Leaves by class: ``nn.Linear`` and HF ``Conv1D``
+("linear"), ``nn.Conv*`` ("conv"), ``nn.Embedding`` ("embedding"), any ``*Norm``/``*Norm2d``
+class ("norm"). And any other module that itself runs a matmul-like op outside its child layers,
+such as GPT-2's attention running ``q @ k.T`` or ``scaled_dot_product_attention``: "attention"
+(class named like attention, or an SDPA op), "conv" (functional convs only) or "matmul".
+Each op is attributed to the innermost module that ran it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import inspect
+import json
+import logging
+import math
+import operator
+import os
+import re
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakTensorKeyDictionary
+
+__all__ = ["Layer", "LayerGraph", "CaptureError", "capture", "KINDS", "METHODS"]
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("linear", "conv", "matmul", "embedding", "norm", "attention")
+METHODS = ("export", "symbolic_trace", "hooks")
+GRAPH_SCHEMA = 1
+
+# Norms cost a few elementwise ops per element (mean, variance, normalise, scale, shift); the
+# exact count does not matter next to the matmuls, only that it is small and nonzero.
+_NORM_FLOPS_PER_ELEMENT = 5
+_FP32_BYTES = 4
+
+
+class CaptureError(RuntimeError):
+    """No tracer could capture the model; the message lists why each one failed."""
+
+
+# ============================================================================ data types
+def _tuple4(value: Any, where: str) -> tuple[int, int, int, int]:
+    t = tuple(int(v) for v in value)
+    if len(t) != 4 or min(t) < 0:
+        raise ValueError(f"{where}: a matmul is (batch, M, K, N) with non-negative ints, got "
+                         f"{value!r}.")
+    return t  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One module that computes, with what it computes per forward of the model."""
+
+    # Module name as in model.named_modules() ('' is the root module).
+    fqn: str
+    # One of KINDS: "linear", "conv", "matmul", "embedding", "norm", "attention".
+    kind: str
+    # Class name of the module, e.g. "Conv1D", "Linear", "GPT2Attention".
+    module_type: str
+    # (batch, M, K, N) of each matmul-like op this module itself runs per forward of the model,
+    # in execution order (ops of child layers excluded). Conv as implicit GEMM: batch = groups,
+    # M = N*H_out*W_out, K = C_in/groups*kh*kw, N = C_out/groups. SDPA counts as its two matmuls.
+    matmuls: tuple[tuple[int, int, int, int], ...] = ()
+    # Forward FLOPs per forward of the model: 2*batch*M*K*N summed over matmuls; embeddings 0;
+    # norms a small elementwise estimate. A module called twice counts both calls.
+    flops: int = 0
+    # Bytes read + written per forward at fp32 (4 bytes per floating element, integer tensors
+    # at their own size): activations in, weights read, activations out of this layer.
+    bytes: int = 0
+    # Parameters this module owns, recursively, excluding those of child layers.
+    params: int = 0
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"Layer {self.fqn!r} has kind {self.kind!r}; expected one of "
+                             f"{', '.join(KINDS)}.")
+        object.__setattr__(self, "matmuls", tuple(_tuple4(m, f"Layer {self.fqn!r}")
+                                                  for m in self.matmuls))
+        for name in ("flops", "bytes", "params"):
+            value = getattr(self, name)
+            if int(value) != value or value < 0:
+                raise ValueError(f"Layer {self.fqn!r} has {name}={value!r}; it must be a "
+                                 "non-negative integer.")
+            object.__setattr__(self, name, int(value))
+
+    @property
+    def matmul_flops(self) -> int:
+        """FLOPs of the matmuls alone (2*batch*M*K*N each)."""
+        return sum(2 * b * m * k * n for b, m, k, n in self.matmuls)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["matmuls"] = [list(m) for m in self.matmuls]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Layer:
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(names))
+        if unknown:
+            raise ValueError(f"Unknown keys {unknown} in a layer record; expected {names}.")
+        d = dict(d)
+        d["matmuls"] = tuple(tuple(m) for m in d.get("matmuls", ()))
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class LayerGraph:
+    """The layers of a model in execution order and the data flow between them."""
+
+    # type(model).__name__.
+    model_name: str
+    # The tracer that captured it: "export", "symbolic_trace" or "hooks".
+    method: str
+    # Layers in execution order (by the first op each runs).
+    layers: tuple[Layer, ...]
+    # (producer fqn, consumer fqn): a tensor flows from one layer to the other, possibly through
+    # non-layer ops (reshape, add, gelu, ...); where the two differ in format it costs a cast.
+    edges: tuple[tuple[str, str], ...] = ()
+    # fqn -> index into layers; derived, not compared or saved.
+    _index: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"LayerGraph method {self.method!r} is not one of "
+                             f"{', '.join(METHODS)}.")
+        object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "edges", tuple((str(a), str(b)) for a, b in self.edges))
+        index = {}
+        for i, layer in enumerate(self.layers):
+            if layer.fqn in index:
+                raise ValueError(f"LayerGraph lists layer {layer.fqn!r} twice; fqns are unique.")
+            index[layer.fqn] = i
+        for a, b in self.edges:
+            for end in (a, b):
+                if end not in index:
+                    raise ValueError(f"LayerGraph edge ({a!r}, {b!r}) names {end!r}, which is "
+                                     "not one of its layers.")
+        object.__setattr__(self, "_index", index)
+
+    # ------------------------------------------------------------------ lookups
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __iter__(self) -> Iterator[Layer]:
+        return iter(self.layers)
+
+    def __contains__(self, fqn: object) -> bool:
+        return fqn in self._index
+
+    def layer(self, fqn: str) -> Layer:
+        """The layer named ``fqn``; KeyError naming close matches when there is none."""
+        try:
+            return self.layers[self._index[fqn]]
+        except KeyError:
+            close = difflib.get_close_matches(fqn, list(self._index), n=3)
+            hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise KeyError(f"{self.model_name} has no layer {fqn!r}.{hint}") from None
+
+    @property
+    def fqns(self) -> tuple[str, ...]:
+        return tuple(layer.fqn for layer in self.layers)
+
+    def by_kind(self, kind: str) -> tuple[Layer, ...]:
+        """Layers of one kind, in execution order."""
+        if kind not in KINDS:
+            raise ValueError(f"Unknown layer kind {kind!r}; expected one of {', '.join(KINDS)}.")
+        return tuple(layer for layer in self.layers if layer.kind == kind)
+
+    def matmul_layers(self) -> tuple[Layer, ...]:
+        """Layers whose FLOPs come from matmul-like ops (linear, conv, attention, matmul)."""
+        return tuple(layer for layer in self.layers if layer.matmuls)
+
+    @property
+    def total_flops(self) -> int:
+        return sum(layer.flops for layer in self.layers)
+
+    def producers(self, fqn: str) -> tuple[str, ...]:
+        """Layers whose outputs flow into ``fqn``."""
+        self.layer(fqn)
+        return tuple(a for a, b in self.edges if b == fqn)
+
+    def consumers(self, fqn: str) -> tuple[str, ...]:
+        """Layers that read the outputs of ``fqn``."""
+        self.layer(fqn)
+        return tuple(b for a, b in self.edges if a == fqn)
+
+    # ------------------------------------------------------------------ printing
+    def table(self) -> str:
+        """One row per layer: fqn, kind, matmul shapes (batch x M x K x N), GFLOPs, params."""
+        def shape(layer: Layer) -> str:
+            parts = [("x".join(map(str, m)) if m[0] > 1 else "x".join(map(str, m[1:])))
+                     for m in layer.matmuls]
+            text = ", ".join(parts) or "-"
+            return text if len(text) <= 36 else text[:33] + "..."
+
+        rows = [(layer.fqn or "(root)", layer.kind, layer.module_type, shape(layer),
+                 f"{layer.flops / 1e9:.4f}", f"{layer.params:,}") for layer in self.layers]
+        header = ("fqn", "kind", "type", "matmuls (b x M x K x N)", "GFLOPs", "params")
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        right = {4, 5}
+        lines = []
+        for r in [header, *rows]:
+            lines.append("  ".join(c.rjust(w) if i in right else c.ljust(w)
+                                   for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+        lines.insert(1, "-" * len(lines[0]))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return (f"LayerGraph of {self.model_name} ({self.method}): {len(self.layers)} layers, "
+                f"{len(self.edges)} edges, {self.total_flops / 1e9:.3f} GFLOPs per forward\n"
+                + self.table())
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict:
+        return {"autoprec_graph": GRAPH_SCHEMA, "model_name": self.model_name,
+                "method": self.method, "layers": [layer.to_dict() for layer in self.layers],
+                "edges": [list(e) for e in self.edges]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LayerGraph:
+        keys = {"autoprec_graph", "model_name", "method", "layers", "edges"}
+        unknown = sorted(set(d) - keys)
+        if unknown:
+            raise ValueError(f"Unknown keys {unknown} in a LayerGraph record; expected "
+                             f"{sorted(keys)}.")
+        version = d.get("autoprec_graph")
+        if version != GRAPH_SCHEMA:
+            raise ValueError(f"LayerGraph record has schema version {version!r}; this autoprec "
+                             f"reads version {GRAPH_SCHEMA}. Capture the model again.")
+        return cls(model_name=d["model_name"], method=d["method"],
+                   layers=tuple(Layer.from_dict(x) for x in d["layers"]),
+                   edges=tuple(tuple(e) for e in d.get("edges", ())))
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write as JSON (see :meth:`load`)."""
+        with open(path, "w") as fh:
+            json.dump(self.to_dict(), fh, indent=1)
+            fh.write("\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> LayerGraph:
+        with open(path) as fh:
+            try:
+                data = json.load(fh)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} is not a LayerGraph JSON file: {e}.") from e
+        try:
+            return cls.from_dict(data)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path} is not a valid LayerGraph file: {e}") from e
+
+
+# ============================================================================ layer classes
+_NORM_CLASS_NAME = re.compile(r"Norm(?:[123]d)?$")
+_ATTENTION_CLASS_NAME = re.compile(r"atten|attn", re.IGNORECASE)
+
+
+def _class_kind(module: nn.Module) -> str | None:
+    """The kind of a module that is a layer by its class, else None."""
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return "conv"
+    # HF transformers.pytorch_utils.Conv1D (GPT-2): a linear layer with a transposed weight
+    # that calls torch.addmm; matched by name so that capture does not import transformers.
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+        return "linear"
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        return "embedding"
+    if isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase,
+                           nn.LocalResponseNorm)) or (hasattr(nn, "RMSNorm") and
+                                                      isinstance(module, nn.RMSNorm)):
+        return "norm"
+    if _NORM_CLASS_NAME.search(type(module).__name__):
+        return "norm"
+    return None
+
+
+# ============================================================================ ops (one IR)
+# The three tracers each turn what they see into a list of _Op in execution order, over
+# _Values (tensors) named by hashable keys; one builder (_build) turns that into a LayerGraph.
+# Normalised op names: matmul-like ones are in _MATMUL_OPS; "embedding", "norm", and "other".
+_MATMUL_OPS = frozenset({"linear", "addmm", "mm", "bmm", "baddbmm", "addbmm", "matmul", "mv",
+                         "addmv", "scaled_mm", "einsum", "sdpa", "conv"})
+
+_ATEN_NAMES = {
+    "linear": "linear", "addmm": "addmm", "mm": "mm", "bmm": "bmm", "baddbmm": "baddbmm",
+    "addbmm": "addbmm", "matmul": "matmul", "mv": "mv", "addmv": "addmv", "einsum": "einsum",
+    "_scaled_mm": "scaled_mm",
+    "scaled_dot_product_attention": "sdpa", "_scaled_dot_product_attention_math": "sdpa",
+    "_scaled_dot_product_flash_attention": "sdpa",
+    "_scaled_dot_product_flash_attention_for_cpu": "sdpa",
+    "_scaled_dot_product_efficient_attention": "sdpa",
+    "_scaled_dot_product_cudnn_attention": "sdpa",
+    "_scaled_dot_product_fused_attention_overrideable": "sdpa",
+    "convolution": "conv", "_convolution": "conv", "conv1d": "conv", "conv2d": "conv",
+    "conv3d": "conv", "conv_transpose1d": "conv", "conv_transpose2d": "conv",
+    "conv_transpose3d": "conv", "mkldnn_convolution": "conv", "cudnn_convolution": "conv",
+    "cudnn_convolution_transpose": "conv", "miopen_convolution": "conv",
+    "_slow_conv2d_forward": "conv", "slow_conv3d_forward": "conv",
+    "slow_conv_transpose2d": "conv", "slow_conv_transpose3d": "conv",
+    "embedding": "embedding", "_embedding_bag": "embedding", "embedding_bag": "embedding",
+}
+_NORM_OP = re.compile(r"(?:^|_)(?:batch|layer|group|instance|rms)_norm(?:$|_)")
+
+
+def _aten_name(target: Any) -> str:
+    """Normalised name of an aten OpOverload (see _MATMUL_OPS), "norm", or "other"."""
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return "other"
+    ns, _, name = schema.name.partition("::")
+    if ns != "aten":
+        return "other"
+    if name in _ATEN_NAMES:
+        return _ATEN_NAMES[name]
+    if _NORM_OP.search(name) and "backward" not in name:
+        return "norm"
+    return "other"
+
+
+def _conv_transposed(target: Any, args: tuple) -> bool:
+    name = getattr(getattr(target, "_schema", None), "name", "") or getattr(target, "__name__",
+                                                                             "")
+    if "transpose" in name:
+        return True
+    if name.endswith("convolution") and len(args) > 6 and isinstance(args[6], bool):
+        return args[6]  # aten.convolution(input, weight, bias, stride, pad, dil, transposed, ..)
+    return False
+
+
+@dataclass
+class _Value:
+    """A tensor (or a tuple of them) flowing through the traced program."""
+
+    numel: int
+    nbytes: int         # at fp32: 4 per floating element, integers at their own size
+
+
+@dataclass
+class _Op:
+    """One op the model ran, normalised across tracers."""
+
+    name: str                                  # see _MATMUL_OPS; "embedding", "norm", "other"
+    owner: str | None                          # innermost module that ran it; None: not a module
+    shapes: list[tuple[int, ...] | None]       # shape of each positional tensor argument
+    out: tuple[int, ...] | None                # shape of the (first) tensor output
+    inputs: list[Any]                          # keys of the values it reads
+    outputs: list[Any]                         # keys of the values it writes
+    transposed: bool = False                   # conv only
+    equation: str | None = None                # einsum only
+    gather_key: Any = None                     # embedding: key of the table (read sparsely)
+
+
+@dataclass
+class _Trace:
+    ops: list[_Op]
+    values: dict[Any, _Value]
+
+    def read_outputs(self, keys: list) -> None:
+        """A last op, in no module, that reads what the model returns: values a layer makes
+        and the model returns are written out of that layer."""
+        self.ops.append(_Op("other", None, [], None, list(keys), []))
+
+
+def _size(x: Any) -> int:
+    try:
+        return int(x)
+    except Exception:  # an unbacked SymInt: use its example value where there is one
+        hint = getattr(getattr(x, "node", None), "hint", None)
+        return int(hint) if hint is not None else 1
+
+
+def _bytes_at_fp32(numel: int, dtype: torch.dtype) -> int:
+    if dtype.is_floating_point or dtype.is_complex:
+        return numel * _FP32_BYTES * (2 if dtype.is_complex else 1)
+    return numel * dtype.itemsize
+
+
+def _tensor_leaves(obj: Any) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of every tensor in a nested value (fake tensors, TensorMetadata, lists)."""
+    out: list = []
+
+    def visit(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            out.append((tuple(_size(s) for s in x.shape), x.dtype))
+        elif isinstance(x, TensorMetadata):
+            out.append((tuple(_size(s) for s in x.shape), x.dtype))
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                visit(y)
+        elif isinstance(x, Mapping):
+            for y in x.values():
+                visit(y)
+
+    visit(obj)
+    return out
+
+
+def _value_of(leaves: list) -> _Value:
+    return _Value(numel=sum(math.prod(s) for s, _ in leaves),
+                  nbytes=sum(_bytes_at_fp32(math.prod(s), d) for s, d in leaves))
+
+
+# ============================================================================ FLOPs per op
+def _prod(xs) -> int:
+    return math.prod(int(x) for x in xs)
+
+
+def _matmul_shape(a: tuple, b: tuple) -> tuple[int, int, int, int]:
+    """torch.matmul semantics; batch dims broadcast, a 2-D operand folds into M like mm."""
+    m, k = (1, a[0]) if len(a) == 1 else (a[-2], a[-1])
+    n = 1 if len(b) == 1 else b[-1]
+    batch_a, batch_b = tuple(a[:-2]), tuple(b[:-2])
+    if not batch_b:  # what torch runs: (..., M, K) @ (K, N) is one mm over all rows
+        return (1, _prod(batch_a) * m, k, n)
+    return (_prod(torch.broadcast_shapes(batch_a, batch_b)), m, k, n)
+
+
+def _einsum_shape(equation: str, shapes: list) -> list[tuple[int, int, int, int]]:
+    eq = equation.replace(" ", "")
+    if "." in eq or len(shapes) != 2 or any(s is None for s in shapes):
+        return []  # ellipses or >2 operands: not a matmul we can name
+    lhs, arrow, out = eq.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != 2:
+        return []
+    a, b = terms
+    if not arrow:
+        out = "".join(sorted(c for c in set(a + b) if (a + b).count(c) == 1))
+    sizes = {}
+    for term, shape in zip(terms, shapes):
+        for c, s in zip(term, shape):
+            sizes[c] = s
+    dims = lambda cs: _prod(sizes[c] for c in cs)  # noqa: E731
+    batch = dims(c for c in set(a) & set(b) & set(out))
+    m = dims(c for c in set(a) & set(out) - set(b))
+    n = dims(c for c in set(b) & set(out) - set(a))
+    k = dims(c for c in (set(a) & set(b)) - set(out))
+    return [(batch, m, k, n)]
+
+
+def _op_matmuls(op: _Op) -> list[tuple[int, int, int, int]]:
+    """(batch, M, K, N) of each matmul a matmul-like op runs."""
+    s, name = op.shapes, op.name
+    try:
+        if name == "linear":
+            x, w = s[0], s[1]
+            n = 1 if len(w) == 1 else w[0]
+            return [(1, _prod(x[:-1]), x[-1], n)]
+        if name in ("mm", "scaled_mm"):
+            return [(1, s[0][0], s[0][1], s[1][1])]
+        if name == "addmm":
+            return [(1, s[1][0], s[1][1], s[2][1])]
+        if name == "bmm":
+            return [(s[0][0], s[0][1], s[0][2], s[1][2])]
+        if name in ("baddbmm", "addbmm"):
+            return [(s[1][0], s[1][1], s[1][2], s[2][2])]
+        if name == "mv":
+            return [(1, s[0][0], s[0][1], 1)]
+        if name == "addmv":
+            return [(1, s[1][0], s[1][1], 1)]
+        if name == "matmul":
+            return [_matmul_shape(s[0], s[1])]
+        if name == "einsum":
+            return _einsum_shape(op.equation or "", s)
+        if name == "sdpa":
+            q, k, v = s[0], s[1], s[2]
+            b = _prod(q[:-2])
+            return [(b, q[-2], q[-1], k[-2]), (b, q[-2], k[-2], v[-1])]
+        if name == "conv":
+            return [_conv_gemm(s[0], s[1], op.out, op.transposed)]
+    except (IndexError, TypeError) as e:
+        raise RuntimeError(f"Cannot read the matmul shape of a {name} op with argument shapes "
+                           f"{s} (output {op.out}).") from e
+    return []
+
+
+def _conv_gemm(x: tuple, w: tuple, out: tuple, transposed: bool) -> tuple[int, int, int, int]:
+    """A convolution as implicit GEMM; groups are read off the shapes, not the arguments."""
+    spatial = len(w) - 2
+    batched = len(x) == len(w)
+    n = x[0] if batched else 1
+    kernel = _prod(w[2:])
+    if not transposed:  # w: [C_out, C_in/groups, *k]
+        c_in = x[-spatial - 1]
+        groups = max(1, c_in // w[1])
+        return (groups, n * _prod(out[-spatial:]), w[1] * kernel, w[0] // groups)
+    # transposed, w: [C_in, C_out/groups, *k]: each input pixel scatters a kernel-sized patch
+    c_out = out[-spatial - 1]
+    groups = max(1, c_out // w[1])
+    return (groups, n * _prod(x[-spatial:]), w[0] // groups, w[1] * kernel)
+
+
+# ============================================================================ tracer: export
+class _Modules:
+    """Maps the module paths tracers report to canonical names in model.named_modules()."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.by_id = {}
+        for fqn, m in model.named_modules(remove_duplicate=True):
+            self.by_id.setdefault(id(m), fqn)
+        self.modules = dict(model.named_modules())
+        self._cache: dict[str, str] = {}
+
+    def canon(self, path: str) -> str:
+        if path in self._cache:
+            return self._cache[path]
+        clean = re.sub(r"\[(\w+)\]", r".\1", path).strip(".")
+        if clean.startswith("L__self__"):
+            clean = clean[len("L__self__"):].strip(".")
+        fqn = ""
+        probe = clean
+        while probe:
+            try:
+                fqn = self.by_id.get(id(self.model.get_submodule(probe)), probe)
+                break
+            except AttributeError:
+                probe = probe.rpartition(".")[0]
+        self._cache[path] = fqn
+        return fqn
+
+    def owner(self, meta: Mapping[str, Any]) -> str:
+        stack = meta.get("nn_module_stack") or {}
+        if not stack:
+            return ""
+        path = list(stack.values())[-1][0]
+        return self.canon(path)
+
+
+def _trace_export(model: nn.Module, args: tuple, kwargs: dict, modules: _Modules) -> _Trace:
+    ep = torch.export.export(model, args, kwargs, strict=False)
+    trace = _Trace(ops=[], values={})
+    outputs = _walk_fx(ep.graph_module, modules, trace, env={}, scope=("export",))
+    trace.read_outputs([k for k in outputs if k is not None])
+    return trace
+
+
+class _Outputs(tuple):
+    """Value keys of an inlined subgraph's outputs; the getitem nodes after it index this."""
+
+
+def _read(env: dict, nodes: list) -> list:
+    keys: list = []
+    for n in nodes:
+        k = env.get(n)
+        if isinstance(k, _Outputs):
+            keys.extend(x for x in k if x is not None)
+        elif k is not None:
+            keys.append(k)
+    return keys
+
+
+def _walk_fx(gm: fx.GraphModule, modules: _Modules, trace: _Trace, env: dict, scope: tuple,
+             shape_key: str = "val") -> list:
+    """Append the ops of an export graph (aten ops, ``val`` metadata) or an fx graph
+    (``tensor_meta``) to ``trace``; returns the keys of what the graph outputs, by position.
+    Higher-order ops with one subgraph (grad-mode and autocast regions) are walked inline."""
+    for node in gm.graph.nodes:
+        key = (*scope, node.name)
+        try:
+            if node.op == "placeholder":
+                if node not in env:  # top level: a model input, parameter or buffer
+                    trace.values[key] = _value_of(_tensor_leaves(node.meta.get(shape_key)))
+                    env[node] = key
+                continue
+            if node.op == "get_attr":
+                attr = _getattr_path(gm, node.target)
+                if isinstance(attr, torch.Tensor):
+                    trace.values[key] = _value_of(_tensor_leaves(attr))
+                    env[node] = key
+                continue
+            if node.op == "output":
+                outs = node.args[0]
+                if isinstance(outs, (tuple, list)) and all(isinstance(a, fx.Node) or a is None
+                                                           for a in outs):
+                    return [env.get(a) for a in outs]  # by position: getitem indexes it
+                return _read(env, node.all_input_nodes)  # a dict or a nested structure
+            if (node.target is operator.getitem and isinstance(env.get(node.args[0]), _Outputs)
+                    and isinstance(node.args[1], int)):
+                env[node] = env[node.args[0]][node.args[1]]  # an alias, not an op
+                continue
+            if node.op == "call_function" and _is_inlinable_hop(gm, node):
+                # The subgraph's ops run as if inline; the HOP itself computes nothing.
+                sub, operands = _hop_subgraph(gm, node)
+                placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+                sub_env = {ph: env[a] for ph, a in zip(placeholders, operands) if a in env}
+                env[node] = _Outputs(_walk_fx(sub, modules, trace, sub_env, key, shape_key))
+                continue
+            trace.values[key] = _value_of(_tensor_leaves(node.meta.get(shape_key)))
+            op = _fx_node_op(gm, node, modules, env, shape_key, trace)
+            op.outputs = [key]
+            env[node] = key
+            trace.ops.append(op)
+        except Exception as e:
+            raise RuntimeError(f"autoprec.capture could not read node {node.format_node()} of "
+                               f"{type(modules.model).__name__}: {e}") from e
+    return []
+
+
+def _getattr_path(gm: nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _hop_subgraph(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.GraphModule, list]:
+    subs = [i for i, a in enumerate(node.args) if isinstance(a, fx.Node) and a.op == "get_attr"
+            and isinstance(_getattr_path(gm, a.target), fx.GraphModule)]
+    i = subs[0]
+    operands = [a for a in node.args[i + 1:] if isinstance(a, fx.Node)]
+    return _getattr_path(gm, node.args[i].target), operands
+
+
+def _is_inlinable_hop(gm: fx.GraphModule, node: fx.Node) -> bool:
+    if not isinstance(node.target, torch._ops.HigherOrderOperator):
+        return False
+    subs = [a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"
+            and isinstance(_getattr_path(gm, a.target), fx.GraphModule)]
+    # One subgraph (wrap_with_set_grad_enabled, wrap_with_autocast, ...): it runs exactly once.
+    # Control flow (cond: two branches, one runs) stays opaque rather than double counted.
+    return len(subs) == 1
+
+
+def _shape_of(node: Any, shape_key: str) -> tuple[int, ...] | None:
+    """Shape of a node that holds one tensor; None for anything else."""
+    if not isinstance(node, fx.Node):
+        return None
+    leaves = _tensor_leaves(node.meta.get(shape_key))
+    return leaves[0][0] if len(leaves) == 1 else None
+
+
+# fx (symbolic_trace) call_function / call_method targets, normalised like aten ops.
+_FX_FUNCTIONS: dict[Any, str] = {
+    torch.matmul: "matmul", operator.matmul: "matmul", torch.mm: "mm", torch.bmm: "bmm",
+    torch.addmm: "addmm", torch.baddbmm: "baddbmm", torch.addbmm: "addbmm", torch.mv: "mv",
+    torch.addmv: "addmv", F.linear: "linear", torch.einsum: "einsum",
+    F.scaled_dot_product_attention: "sdpa",
+    F.conv1d: "conv", F.conv2d: "conv", F.conv3d: "conv",
+    F.conv_transpose1d: "conv", F.conv_transpose2d: "conv", F.conv_transpose3d: "conv",
+    F.embedding: "embedding",
+    F.layer_norm: "norm", F.group_norm: "norm", F.batch_norm: "norm", F.instance_norm: "norm",
+}
+if hasattr(F, "rms_norm"):
+    _FX_FUNCTIONS[F.rms_norm] = "norm"
+_FX_METHODS = {"matmul": "matmul", "__matmul__": "matmul", "mm": "mm", "bmm": "bmm",
+               "addmm": "addmm", "baddbmm": "baddbmm", "mv": "mv"}
+
+
+def _fx_node_op(gm: fx.GraphModule, node: fx.Node, modules: _Modules, env: dict,
+                shape_key: str, trace: _Trace) -> Any:
+    inputs = _read(env, node.all_input_nodes)
+    out_leaves = _tensor_leaves(node.meta.get(shape_key))
+    out = out_leaves[0][0] if out_leaves else None
+    shapes = [_shape_of(a, shape_key) for a in node.args]
+    if node.op == "call_module":
+        op = _module_op(modules, node, inputs, shapes, out)
+        # A leaf module's parameters and floating buffers (BN running stats) are no graph
+        # inputs: read them as weight values.
+        leaf = modules.model.get_submodule(node.target)
+        weights = [*leaf.named_parameters(),
+                   *((n, b) for n, b in leaf.named_buffers() if b.is_floating_point())]
+        for pname, p in weights:
+            key = ("param", id(p))
+            trace.values.setdefault(key, _value_of(_tensor_leaves(p)))
+            op.inputs.append(key)
+            if op.name == "embedding" and pname == "weight":
+                op.gather_key = key
+        return op
+    owner = modules.owner(node.meta)
+    if node.op == "call_function" and hasattr(node.target, "_schema"):
+        name = _aten_name(node.target)
+    elif node.op == "call_function":
+        name = _FX_FUNCTIONS.get(node.target, "other")
+    elif node.op == "call_method":
+        name = _FX_METHODS.get(node.target, "other")
+    else:
+        name = "other"
+    op = _Op(name, owner, shapes, out, inputs, [])
+    if name == "conv":
+        op.transposed = _conv_transposed(node.target, node.args)
+    elif name == "einsum":
+        op.equation = node.args[0] if isinstance(node.args[0], str) else None
+        operands = node.args[1] if len(node.args) == 2 and isinstance(node.args[1],
+                                                                      (list, tuple)) \
+            else node.args[1:]
+        op.shapes = [_shape_of(a, shape_key) for a in operands]
+    elif name == "embedding":
+        if node.target is F.embedding:  # F.embedding(input, weight); aten is (weight, input)
+            op.shapes = shapes[1::-1] + shapes[2:]
+            table = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+        else:
+            table = node.args[0]
+        op.gather_key = env.get(table)
+    return op
+
+
+def _module_op(modules: _Modules, node: fx.Node, inputs: list, shapes: list,
+               out: tuple | None) -> _Op:
+    """A call_module node: a layer the fx tracer kept as a leaf, read from the module itself."""
+    fqn = modules.canon(node.target)
+    module = modules.modules.get(fqn) or modules.model.get_submodule(node.target)
+    kind = _class_kind(module)
+    x = shapes[0] if shapes else None
+    if kind == "linear":
+        w = tuple(module.weight.shape)
+        if isinstance(module, nn.Linear):
+            return _Op("linear", fqn, [x, w], out, inputs, [])
+        return _Op("linear", fqn, [x, (w[1], w[0])], out, inputs, [])  # Conv1D: [in, out]
+    if kind == "conv":
+        return _Op("conv", fqn, [x, tuple(module.weight.shape)], out, inputs, [],
+                   transposed=bool(getattr(module, "transposed", False)))
+    if kind == "embedding":
+        return _Op("embedding", fqn, [tuple(module.weight.shape), x], out, inputs, [])
+    if kind == "norm":
+        return _Op("norm", fqn, shapes, out, inputs, [])
+    return _Op("other", fqn, shapes, out, inputs, [])
+
+
+# ============================================================================ tracer: fx
+class _LayerTracer(fx.Tracer):
+    """Keeps every layer-class module a leaf (so HF Conv1D or custom norms are not traced
+    through) besides torch.nn's own leaves."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return _class_kind(m) is not None or super().is_leaf_module(m, module_qualified_name)
+
+
+def _trace_fx(model: nn.Module, args: tuple, kwargs: dict, modules: _Modules) -> _Trace:
+    tracer = _LayerTracer()
+    graph = tracer.trace(model)
+    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    # ShapeProp takes positional args in placeholder order: bind the batch to the signature.
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    bound.apply_defaults()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    values = []
+    for ph in placeholders:
+        name = ph.target.lstrip("*")
+        if name not in bound.arguments:
+            raise RuntimeError(f"symbolic_trace made an input {ph.target!r} that the batch does "
+                               "not provide.")
+        values.append(bound.arguments[name])
+    with torch.no_grad():
+        ShapeProp(gm).propagate(*values)
+    trace = _Trace(ops=[], values={})
+    outputs = _walk_fx(gm, modules, trace, env={}, scope=("fx",), shape_key="tensor_meta")
+    trace.read_outputs([k for k in outputs if k is not None])
+    return trace
+
+
+# ============================================================================ tracer: hooks
+def _trace_hooks(model: nn.Module, args: tuple, kwargs: dict, modules: _Modules) -> _Trace:
+    trace = _Trace(ops=[], values={})
+    stack: list[str] = []
+    keys = WeakTensorKeyDictionary()  # tensor -> key of the value it holds now
+    counter = iter(range(1 << 62))
+
+    def key_of(t: torch.Tensor, new: bool = False) -> Any:
+        if not new and t in keys:
+            return keys[t]
+        key = ("hooks", next(counter))
+        trace.values[key] = _value_of(_tensor_leaves(t))
+        keys[t] = key
+        return key
+
+    class OpLog(TorchDispatchMode):
+        # Sees aten ops after autograd and composite decomposition: F.linear arrives as
+        # t + addmm, torch.matmul as bmm, F.layer_norm as native_layer_norm.
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            result = func(*args, **kwargs)
+            try:
+                name = _aten_name(func)
+                shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args]
+                ins = [key_of(t) for t in tree_leaves((args, kwargs))
+                       if isinstance(t, torch.Tensor)]
+                outs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
+                op = _Op(name, stack[-1] if stack else "", shapes,
+                         tuple(outs[0].shape) if outs else None, ins, [])
+                if name == "conv":
+                    op.transposed = _conv_transposed(func, args)
+                elif name == "embedding" and isinstance(args[0], torch.Tensor):
+                    op.gather_key = key_of(args[0])
+                # Every output is a new value, even an in-place op's: it is a new version.
+                op.outputs = [key_of(t, new=True) for t in outs]
+                trace.ops.append(op)
+            except Exception as e:
+                raise RuntimeError(f"autoprec.capture(method='hooks') could not record {func} "
+                                   f"in module {stack[-1] if stack else '(root)'!r}: {e}") from e
+            return result
+
+    def pre_hook(fqn: str) -> Callable:
+        def hook(module, inputs):
+            stack.append(fqn)
+        return hook
+
+    def post_hook(module, inputs, output):
+        stack.pop()
+
+    handles = []
+    try:
+        for fqn, module in model.named_modules():
+            handles.append(module.register_forward_pre_hook(pre_hook(fqn)))
+            handles.append(module.register_forward_hook(post_hook, always_call=True))
+        with torch.no_grad(), OpLog():
+            result = model(*args, **kwargs)
+        trace.read_outputs([keys[t] for t in _flatten_output(result) if t in keys])
+    finally:
+        for h in handles:
+            h.remove()
+    return trace
+
+
+def _flatten_output(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, Mapping):
+        return [t for v in obj.values() for t in _flatten_output(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _flatten_output(v)]
+    return []
+
+
+# ============================================================================ builder
+def _build(model: nn.Module, trace: _Trace, method: str, modules: _Modules) -> LayerGraph:
+    ops = trace.ops
+    own: dict[str, list[int]] = {}  # module fqn -> indices of the ops it ran itself
+    for i, op in enumerate(ops):
+        if op.owner is not None:
+            own.setdefault(op.owner, []).append(i)
+
+    # Which modules are layers: layer classes that ran ops of their own, and any module that
+    # itself ran a matmul-like op outside its child layers.
+    kinds: dict[str, str] = {}
+    for fqn, idx in own.items():
+        module = modules.modules.get(fqn)
+        if module is None:
+            continue
+        kind = _class_kind(module)
+        names = {ops[i].name for i in idx}
+        if kind is None and names & _MATMUL_OPS:
+            if "sdpa" in names or _ATTENTION_CLASS_NAME.search(type(module).__name__):
+                kind = "attention"
+            elif names & _MATMUL_OPS == {"conv"}:
+                kind = "conv"
+            else:
+                kind = "matmul"
+        if kind is not None:
+            kinds[fqn] = kind
+
+    # An op belongs to a layer when that layer is the innermost module running it. Ops of
+    # non-layer modules (GELU, dropout, the residual add of a block), also those nested inside
+    # a layer, belong to none: they compute in whatever format reaches them and cost no cast.
+    regions = [op.owner if op.owner in kinds else None for op in ops]
+    order = {fqn: _first(own[fqn], ops) for fqn in kinds}
+
+    # Data flow: each value remembers the layers whose outputs reach it through non-layer ops.
+    producer_op: dict[Any, int] = {}
+    sources: dict[Any, frozenset] = {}
+    edges: dict[tuple[str, str], None] = {}
+    consumed_outside: set = set()
+    for i, op in enumerate(ops):
+        reg = regions[i]
+        src: set = set()
+        for k in op.inputs:
+            src |= sources.get(k, frozenset())
+            p = producer_op.get(k)
+            if p is not None and regions[p] != reg:
+                consumed_outside.add(k)
+        if reg is not None:
+            for p in sorted(src - {reg}, key=order.__getitem__):
+                edges[(p, reg)] = None
+            src = {reg}
+        for k in op.outputs:
+            producer_op[k] = i
+            sources[k] = frozenset(src)
+
+    layers = []
+    for fqn in sorted(kinds, key=order.__getitem__):
+        kind = kinds[fqn]
+        module = modules.modules[fqn]
+        matmuls = [m for i in own[fqn] for m in _op_matmuls(ops[i])
+                   if ops[i].name in _MATMUL_OPS]
+        nbytes, out_numel = _region_bytes(ops, own[fqn], trace.values, producer_op,
+                                          consumed_outside)
+        flops = sum(2 * b * m * k * n for b, m, k, n in matmuls)
+        if kind == "norm":
+            flops += _NORM_FLOPS_PER_ELEMENT * out_numel
+        layers.append(Layer(fqn=fqn, kind=kind, module_type=type(module).__name__,
+                            matmuls=tuple(matmuls), flops=flops, bytes=nbytes,
+                            params=_own_params(module, fqn, kinds)))
+    return LayerGraph(model_name=type(model).__name__, method=method, layers=tuple(layers),
+                      edges=tuple(edges))
+
+
+def _first(idx: list[int], ops: list[_Op]) -> int:
+    """Where a layer sits in execution order: at its first computing op (so BERT's attention,
+    whose reshapes of q run before k and v are projected, sorts after v at its SDPA), else at
+    its first op."""
+    return next((i for i in idx if ops[i].name != "other"), idx[0])
+
+
+def _region_bytes(ops: list[_Op], idx: list[int], values: dict[Any, _Value],
+                  producer_op: dict[Any, int], consumed_outside: set) -> tuple[int, int]:
+    """Bytes a layer's region reads and writes at fp32 (values from outside it, weights, and
+    values it makes that are read outside it), and the element count of those outputs."""
+    members = set(idx)
+    reads: dict[Any, int] = {}
+    writes: dict[Any, int] = {}
+    for i in idx:
+        op = ops[i]
+        for k in op.inputs:
+            if producer_op.get(k) in members or k not in values:
+                continue
+            nbytes = values[k].nbytes
+            if k == op.gather_key and op.out is not None:
+                # An embedding reads only the rows it gathers, not the whole table.
+                nbytes = min(nbytes, _prod(op.out) * _FP32_BYTES)
+            reads[k] = max(reads.get(k, 0), nbytes)
+        for k in op.outputs:
+            if k in consumed_outside and k in values:
+                writes[k] = values[k].nbytes
+    out_numel = sum(values[k].numel for k in writes)
+    return sum(reads.values()) + sum(writes.values()), out_numel
+
+
+def _own_params(module: nn.Module, fqn: str, kinds: dict) -> int:
+    """Parameters of ``module`` and its descendants, except those inside child layers."""
+    seen: set[int] = set()
+    total = 0
+
+    def visit(m: nn.Module, name: str) -> None:
+        nonlocal total
+        for p in m.parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel()
+        for child_name, child in m.named_children():
+            full = f"{name}.{child_name}" if name else child_name
+            if full not in kinds:
+                visit(child, full)
+
+    visit(module, fqn)
+    return total
+
+
+# ============================================================================ capture
+_TRACERS = {"export": _trace_export, "symbolic_trace": _trace_fx, "hooks": _trace_hooks}
+
+
+def _split_batch(batch: Any) -> tuple[tuple, dict]:
+    if isinstance(batch, Mapping):
+        return (), dict(batch)
+    if isinstance(batch, (list, tuple)):
+        return tuple(batch), {}
+    return (batch,), {}
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """Eval mode for the capture (no dropout, BN running stats), each module's flag restored."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+@contextlib.contextmanager
+def _quiet_failures() -> Iterator[None]:
+    """Hold back what a tracer writes to stderr and torch's shape-guard warnings while it
+    tries: a failed export prints its partial graph and a warning before raising, which is noise
+    when capture then falls back. What a successful attempt wrote is passed on."""
+    import io
+    import sys
+
+    shapes_log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = shapes_log.level
+    buffer = io.StringIO()
+    shapes_log.setLevel(logging.ERROR)
+    ok = False
+    try:
+        with contextlib.redirect_stderr(buffer), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+        ok = True
+    finally:
+        shapes_log.setLevel(level)
+        if ok:
+            sys.stderr.write(buffer.getvalue())
+            for w in caught:  # re-issued under the caller's filters
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        elif buffer.getvalue():
+            logger.debug("tracer output before it failed:\n%s", buffer.getvalue())
+
+
+def capture(model: nn.Module, example_batch: Any, *, method: str = "auto") -> LayerGraph:
+    """The layers of ``model``, with shapes, FLOPs and data flow, from one forward on
+    ``example_batch``.
+
+    ``example_batch`` is what the model takes: a dict (``model(**batch)``), a tuple or list
+    (``model(*batch)``) or a tensor (``model(batch)``). ``method`` is ``"auto"`` (try
+    ``"export"``, then ``"symbolic_trace"``, then ``"hooks"``) or one of them to force it. The
+    model runs in eval mode and is left as it was (training flags restored, no hooks left).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"capture(model, example_batch) needs an nn.Module, got "
+                        f"{type(model).__name__}.")
+    if method != "auto" and method not in METHODS:
+        raise ValueError(f"Unknown capture method {method!r}; expected 'auto' or one of "
+                         f"{', '.join(map(repr, METHODS))}.")
+    args, kwargs = _split_batch(example_batch)
+    modules = _Modules(model)
+    tried = METHODS if method == "auto" else (method,)
+    failures: list[tuple[str, BaseException]] = []
+    with _eval_mode(model):
+        for name in tried:
+            try:
+                quiet = _quiet_failures() if method == "auto" else contextlib.nullcontext()
+                with quiet:
+                    trace = _TRACERS[name](model, args, kwargs, modules)
+            except Exception as e:  # noqa: BLE001 - any tracer failure means: try the next one
+                if method != "auto":
+                    raise CaptureError(f"capture(method={name!r}) could not trace "
+                                       f"{type(model).__name__}: {type(e).__name__}: "
+                                       f"{_first_line(e)}. Try method='auto' or 'hooks'.") from e
+                logger.info("autoprec.capture: %s could not trace %s (%s: %s); trying the next "
+                            "method.", name, type(model).__name__, type(e).__name__,
+                            _first_line(e))
+                failures.append((name, e))
+                continue
+            # Building is not a tracer failure: a bug there should surface, not fall back.
+            return _build(model, trace, name, modules)
+    reasons = "; ".join(f"{n}: {type(e).__name__}: {_first_line(e)}" for n, e in failures)
+    raise CaptureError(f"No method could capture {type(model).__name__} ({reasons}). Check that "
+                       "model(**batch) / model(*batch) / model(batch) runs on example_batch.") \
+        from failures[-1][1]
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    line = text[0] if text else ""
+    return line if len(line) <= 200 else line[:197] + "..."

@@ -1,0 +1,406 @@
+"""Tests of autoprec.timing: measured layer speed on this device, and the roofline cost model
+for devices that are not here.
+
+Measured tests assert orderings with margins, never tight ratios, and print the measured
+ratio on failure: the CPU is shared with other test runs. They pin torch to one thread: on a
+2-core machine shared with other processes a second OpenMP thread mostly waits for a
+preempted sibling, so the timing would measure the neighbours; which format a core runs
+faster is a property of the core.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+import autoprec
+from autoprec.formats import Format, Support, supported_formats
+from autoprec.timing import (
+    DEVICES,
+    DeviceSpec,
+    LayerTime,
+    estimate_layer,
+    estimate_layers,
+    estimate_step,
+    measure_layers,
+    measure_step,
+)
+
+ALL = ("fp32", "bf16", "fp16", "fp8")
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _linear(d_in: int, d_out: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(d_in, d_out))
+
+
+# ============================================================================ measured, CPU
+def test_bf16_faster_than_fp32_on_a_large_linear(one_thread):
+    # 1024 -> 4096 at 1024 tokens: 8.6 GFLOP per forward, large enough that the matmul, not
+    # dispatch or casts, decides. This CPU has BF16 dot-product instructions and no fast path
+    # for FP32 beyond FMA.
+    model = _linear(1024, 4096)
+    x = torch.randn(1024, 1024)
+    t = measure_layers(model, (x,), ["0"], ("fp32", "bf16"), warmup=1, repeats=3)["0"]
+    ratio = t[Format.BF16].seconds / t[Format.FP32].seconds
+    assert ratio < 0.85, (f"bf16 took {ratio:.2f}x the fp32 time on a 1024x1024x4096 linear "
+                          f"(fp32 {t[Format.FP32].seconds * 1e3:.1f} ms, bf16 "
+                          f"{t[Format.BF16].seconds * 1e3:.1f} ms); expected clearly faster")
+    for lt in t.values():
+        assert lt.source == "measured" and lt.repeats == 3 and not lt.emulated
+        assert lt.seconds == lt.raw_seconds > 0 and math.isfinite(lt.spread)
+
+
+def test_fp16_not_faster_than_bf16(one_thread):
+    # Smaller than the bf16 test on purpose: where a CPU lacks FP16 matmul kernels (this
+    # one runs them at ~1 GFLOP/s) a large layer would take a minute.
+    model = _linear(256, 1024)
+    x = torch.randn(256, 256)
+    t = measure_layers(model, (x,), ["0"], ("bf16", "fp16"), warmup=1, repeats=3)["0"]
+    ratio = t[Format.FP16].seconds / t[Format.BF16].seconds
+    assert ratio > 0.9, (f"fp16 took {ratio:.2f}x the bf16 time on a 256x256x1024 linear "
+                         f"(bf16 {t[Format.BF16].seconds * 1e3:.2f} ms, fp16 "
+                         f"{t[Format.FP16].seconds * 1e3:.2f} ms); on this CPU fp16 should not "
+                         "be faster than bf16")
+
+
+def test_fp8_on_cpu_is_emulated_and_never_faster_than_fp32(one_thread):
+    assert supported_formats("cpu")[Format.FP8] is Support.EMULATED
+    model = _linear(256, 512)
+    x = torch.randn(128, 256)
+    # fp8 alone: fp32 is timed anyway for the floor, but only fp8 is reported.
+    t = measure_layers(model, (x,), ["0"], ("fp8",), warmup=1, repeats=3)["0"]
+    assert list(t) == [Format.FP8]
+    lt = t[Format.FP8]
+    assert lt.emulated and "emulated" in lt.note
+    assert lt.raw_seconds > 0
+    both = measure_layers(model, (x,), ["0"], ("fp32", "fp8"), warmup=1, repeats=3)["0"]
+    fp32, fp8 = both[Format.FP32], both[Format.FP8]
+    assert fp8.seconds >= fp32.seconds, (fp8.seconds, fp32.seconds)
+    assert fp8.seconds == max(fp8.raw_seconds, fp32.seconds)
+    assert not fp32.emulated
+
+
+def test_emulated_floor_applies_when_emulation_times_faster(monkeypatch):
+    # Emulated fp8 on a real CPU is slower than fp32 anyway, so the floor is checked with
+    # fake timings: an emulated format that *measures* faster must still report fp32's time.
+    import autoprec.timing as timing
+
+    def fake(fqn, module, inputs, formats, timer, **kw):
+        times = {Format.FP32: [2.0, 2.0, 2.0], Format.BF16: [1.5] * 3, Format.FP8: [1.0] * 3}
+        return {f: (times[f], None, "") for f in formats}
+
+    monkeypatch.setattr(timing, "_time_module", fake)
+    t = measure_layers(_linear(16, 16), torch.randn(4, 16), ["0"], ("bf16", "fp8"))["0"]
+    assert t[Format.FP8].raw_seconds == 1.0 and t[Format.FP8].seconds == 2.0
+    assert t[Format.BF16].seconds == t[Format.BF16].raw_seconds == 1.5
+
+
+def test_fp8_note_names_shapes_the_kernel_cannot_take(one_thread):
+    model = _linear(100, 64)  # K = 100 is not a multiple of 16
+    t = measure_layers(model, (torch.randn(32, 100),), ["0"], ("fp8",), warmup=0, repeats=1)
+    note = t["0"][Format.FP8].note
+    assert "1 of 1 matmuls cannot take the fp8 kernel" in note and "K=100" in note, note
+
+
+def _hooks(model: nn.Module) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+
+def test_measure_layers_on_gpt2_leaves_the_model_unchanged(gpt2, gpt2_batch, one_thread):
+    fqns = ["transformer.h.0.attn", "transformer.h.0.attn.c_attn", "transformer.h.1.mlp.c_proj",
+            "transformer.h.0.ln_1"]
+    gpt2.transformer.h[1].train()  # a mixed training flag must survive as it was
+    flags = {n: m.training for n, m in gpt2.named_modules()}
+    state = {k: v.clone() for k, v in gpt2.state_dict().items()}
+    hooks = _hooks(gpt2)
+    rng = torch.get_rng_state()
+
+    prof = measure_layers(gpt2, gpt2_batch, fqns, ALL, warmup=1, repeats=3)
+
+    assert list(prof) == fqns
+    for fqn in fqns:
+        assert set(prof[fqn]) == {Format(f) for f in ALL}
+        for fmt, lt in prof[fqn].items():
+            assert lt.ok, f"{fqn} in {fmt}: {lt.error}"
+            assert lt.fqn == fqn and lt.fmt is fmt
+            assert math.isfinite(lt.seconds) and lt.seconds > 0, (fqn, fmt, lt)
+            assert lt.emulated == (fmt is Format.FP8)
+    # Unchanged: same weights and buffers, no regions, no hooks, no grads, same flags and RNG.
+    after = gpt2.state_dict()
+    assert all(torch.equal(state[k], after[k]) for k in state)
+    assert autoprec.applied_formats(gpt2) == {}
+    assert all("forward" not in m.__dict__ for m in gpt2.modules())
+    assert _hooks(gpt2) == hooks
+    assert all(p.grad is None for p in gpt2.parameters())
+    assert {n: m.training for n, m in gpt2.named_modules()} == flags
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_measure_layers_keeps_existing_grads_and_buffers(one_thread):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.BatchNorm1d(32), nn.Linear(32, 8)).eval()
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    grad = model[0].weight.grad
+    mean = model[1].running_mean.clone()
+    # train=True runs BatchNorm in training mode, which updates running stats: undone after.
+    measure_layers(model, torch.randn(16, 32), ["0", "1"], ("fp32", "bf16"), warmup=0, repeats=1)
+    assert model[0].weight.grad is grad and torch.equal(grad, torch.ones_like(grad))
+    assert torch.equal(model[1].running_mean, mean)
+    assert model[1].num_batches_tracked.item() == 0
+    assert not model.training
+
+
+class _Float32Only(nn.Module):
+    """A layer written for FP32 only: it refuses the low-precision result autocast gives it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if y.dtype != torch.float32:
+            raise TypeError(f"expected float32 activations, got {y.dtype}")
+        return y
+
+
+def test_a_layer_that_raises_in_a_format_records_the_error():
+    model = nn.Sequential(_Float32Only(), nn.Linear(16, 4))
+    prof = measure_layers(model, torch.randn(8, 16), ["0", "1"], ("fp32", "bf16"),
+                          warmup=0, repeats=2)
+    bad = prof["0"][Format.BF16]
+    assert not bad.ok and "expected float32 activations" in bad.error
+    assert bad.seconds == math.inf
+    assert prof["0"][Format.FP32].ok and prof["1"][Format.BF16].ok
+    assert autoprec.applied_formats(model[0]) == {}
+    assert "forward" not in model[0].__dict__
+
+
+def test_unknown_fqn_is_a_clear_error(gpt2, gpt2_batch):
+    with pytest.raises(ValueError, match=r"no module 'transformer\.h\.0\.atn'.*Did you mean"):
+        measure_layers(gpt2, gpt2_batch, ["transformer.h.0.atn"], ("fp32",))
+
+
+def test_a_module_the_batch_never_calls_is_reported_not_fatal():
+    model = nn.ModuleDict({"used": nn.Linear(8, 8), "unused": nn.Linear(8, 8)})
+    model.forward = lambda x: model["used"](x)
+    prof = measure_layers(model, torch.randn(4, 8), ["used", "unused"], ("fp32",), repeats=1)
+    assert prof["used"][Format.FP32].ok
+    assert "was not called" in prof["unused"][Format.FP32].error
+
+
+def test_budget_stops_a_slow_format_early():
+    model = _linear(64, 64)
+    prof = measure_layers(model, torch.randn(32, 64), ["0"], ("fp32",), warmup=1, repeats=50,
+                          budget_s=1e-9)
+    lt = prof["0"][Format.FP32]
+    assert lt.ok and lt.repeats == 1 and "budget" in lt.note, lt
+
+
+def test_layer_time_json_round_trip():
+    good = LayerTime("a.b", "bf16", 1.5e-3, 1.5e-3, 0.04, source="model:h100", note="x")
+    bad = LayerTime("a.c", Format.FP16, math.inf, math.inf, math.nan, error="TypeError: no")
+    for lt in (good, bad):
+        text = json.dumps(lt.to_dict(), allow_nan=False)  # strict JSON: no inf / nan
+        back = LayerTime.from_dict(json.loads(text))
+        assert back.fqn == lt.fqn and back.fmt is lt.fmt and back.error == lt.error
+        assert back.seconds == lt.seconds and back.note == lt.note
+    assert LayerTime.from_dict(good.to_dict()) == good
+    with pytest.raises(ValueError, match="source"):
+        LayerTime("a", "fp32", 1.0, 1.0, source="guess")
+    with pytest.raises(ValueError, match="finite"):
+        LayerTime("a", "fp32", math.inf, math.inf)
+    with pytest.raises(ValueError, match="Unknown format 'fp9'"):
+        LayerTime("a", "fp9", 1.0, 1.0)
+
+
+def test_measure_step_times_a_step_and_restores_the_model(gpt2, gpt2_batch):
+    opt = torch.optim.AdamW(gpt2.parameters(), lr=1e-2)
+    state = {k: v.clone() for k, v in gpt2.state_dict().items()}
+    opt_state = opt.state_dict()
+    secs = measure_step(gpt2, [gpt2_batch], lambda m, b: m(**b).loss, optimizer=opt,
+                        warmup=1, repeats=2)
+    assert math.isfinite(secs) and secs > 0
+    after = gpt2.state_dict()
+    assert all(torch.equal(state[k], after[k]) for k in state), "weights changed"
+    assert opt.state_dict()["state"] == opt_state["state"] == {}
+    assert all(p.grad is None for p in gpt2.parameters())
+    assert not gpt2.training
+
+
+def test_measure_step_times_a_policy(gpt2, gpt2_batch):
+    autoprec.apply(gpt2, autoprec.Policy(default="bf16"))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    secs = measure_step(gpt2, gpt2_batch, None, grad_scaler=scaler, warmup=1, repeats=1)
+    assert secs > 0 and autoprec.applied_formats(gpt2) == {"": Format.BF16}
+    assert scaler.get_scale() == 1024.0  # the caller's scaler is not stepped
+
+
+def test_measure_layers_refuses_a_model_with_a_policy_applied(gpt2, gpt2_batch):
+    autoprec.apply(gpt2, autoprec.Policy(default="bf16", layers={"lm_head": "fp32"}))
+    with pytest.raises(ValueError, match=r"policy applied \(at \(root\)\).*autoprec.remove"):
+        measure_layers(gpt2, gpt2_batch, ["lm_head"], ("fp32", "bf16"))
+    assert autoprec.applied_formats(gpt2) == {"": Format.BF16, "lm_head": Format.FP32}
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_measure_layers_on_cuda():
+    model = _linear(1024, 4096).cuda()
+    x = torch.randn(4096, 1024, device="cuda")
+    t = measure_layers(model, (x,), ["0"], ALL, warmup=2, repeats=5)["0"]
+    native_fp8 = supported_formats("cuda")[Format.FP8] is Support.NATIVE
+    assert t[Format.FP8].emulated is not native_fp8
+    assert t[Format.BF16].seconds < 0.7 * t[Format.FP32].seconds, t
+
+
+# ============================================================================ cost model
+def _lin(m: int, k: int, n: int, fqn: str = "lin") -> SimpleNamespace:
+    return SimpleNamespace(fqn=fqn, kind="linear", matmuls=((1, m, k, n),),
+                           flops=2 * m * k * n, bytes=4 * (m * k + k * n + m * n), params=k * n)
+
+
+def _t(layer, fmt, target) -> float:
+    return estimate_layer(layer, fmt, target).seconds
+
+
+def test_model_large_linear_on_h100_orders_fp8_bf16_fp32():
+    big = _lin(4096, 8192, 16384)  # torchao's 1.39x case
+    fp32, bf16, fp8 = (_t(big, f, "h100") for f in ("fp32", "bf16", "fp8"))
+    assert fp8 < bf16 < fp32
+    assert 1.2 < bf16 / fp8 < 2.0, f"fp8 speedup over bf16 {bf16 / fp8:.2f}x (torchao: 1.39x)"
+
+
+def test_model_small_linear_gains_nothing_from_fp8():
+    small = _lin(1024, 2048, 1024)  # torchao measured fp8 at 0.80x of bf16 on H100
+    for target in ("h100", "h200"):
+        bf16, fp8 = _t(small, "bf16", target), _t(small, "fp8", target)
+        assert fp8 >= bf16, f"{target}: fp8 {fp8 * 1e6:.1f} us < bf16 {bf16 * 1e6:.1f} us"
+
+
+def test_model_crossover_is_monotone_in_size():
+    sizes = [256, 512, 1024, 2048, 4096, 8192]
+    speedups = [_t(_lin(s, s, s), "bf16", "h100") / _t(_lin(s, s, s), "fp8", "h100")
+                for s in sizes]
+    assert speedups == sorted(speedups), speedups
+    assert speedups[0] < 1 < speedups[-1], speedups
+
+
+def test_model_fp8_shape_the_kernel_cannot_take_is_priced_as_bf16():
+    odd = _lin(1000, 1024, 1024)  # M = 1000 tokens is not a multiple of 16
+    fp8 = estimate_layer(odd, "fp8", "h100")
+    assert fp8.seconds == _t(odd, "bf16", "h100")
+    assert "priced as bf16" in fp8.note and "M=1000" in fp8.note, fp8.note
+    assert not fp8.emulated and fp8.source == "model:h100"
+
+
+def test_model_a100_never_gives_fp8_faster_than_bf16():
+    for s in (16, 128, 1024, 4096, 16384):
+        layer = _lin(s, s, s)
+        fp8 = estimate_layer(layer, "fp8", "a100")
+        assert fp8.emulated and "emulated" in fp8.note
+        assert fp8.seconds >= _t(layer, "bf16", "a100")
+        assert fp8.seconds >= _t(layer, "fp32", "a100")
+
+
+def test_model_h200_never_slower_than_h100():
+    layers = [_lin(s, 2 * s, s) for s in (16, 256, 1000, 4096)]
+    layers.append(SimpleNamespace(fqn="ln", kind="norm", matmuls=(), flops=0,
+                                  bytes=8 * 2048 * 1024, params=2048))
+    for layer in layers:
+        for fmt in ALL:
+            assert _t(layer, fmt, "h200") <= _t(layer, fmt, "h100"), (layer.matmuls, fmt)
+
+
+def test_model_norm_and_embedding_are_memory_bound():
+    norm = SimpleNamespace(fqn="ln", kind="norm", matmuls=(), flops=5 * 4096 * 1024,
+                           bytes=8 * 4096 * 1024, params=2048)
+    emb = SimpleNamespace(fqn="wte", kind="embedding", matmuls=(), flops=0,
+                          bytes=4 * 4096 * 1024, params=50257 * 1024)
+    for layer in (norm, emb):
+        times = [_t(layer, f, "h100") for f in ("fp32", "bf16", "fp16")]
+        assert max(times) <= 1.05 * min(times), times
+        assert "memory-bound" in estimate_layer(layer, "bf16", "h100").note
+
+
+def test_model_cpu_amx_matches_the_measured_design_numbers():
+    big = _lin(2048, 2048, 2048)
+    fp32, bf16, fp16 = (_t(big, f, "cpu-amx") for f in ("fp32", "bf16", "fp16"))
+    assert bf16 < fp32 < fp16  # AMX BF16 ~6x FP32; FP16 slower than FP32 on that CPU
+    assert estimate_layer(big, "fp8", "cpu-amx").emulated
+
+
+def test_model_unknown_target_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="Unknown cost-model target 'h800'.*h100, h200, a100, cpu-amx"):
+        estimate_layer(_lin(16, 16, 16), "bf16", "h800")
+
+
+def test_device_spec_validates():
+    with pytest.raises(ValueError, match="natively but gives no"):
+        DeviceSpec(name="x", matmul_flops={"fp32": 1e12}, bandwidth=1e12,
+                   support={f: Support.NATIVE for f in Format})
+    with pytest.raises(ValueError, match="efficiency"):
+        DeviceSpec(name="x", matmul_flops={f: 1e12 for f in Format}, bandwidth=1e12,
+                   support={f: Support.NATIVE for f in Format}, efficiency=1.5)
+    spec = DeviceSpec(name="mine", matmul_flops={f: 1e12 for f in Format}, bandwidth=1e12,
+                      support={f: Support.NATIVE for f in Format})
+    assert estimate_layer(_lin(64, 64, 64), "bf16", spec).source == "model:mine"
+
+
+def test_estimate_step_sums_layers_and_prices_casts_on_edges():
+    layers = [_lin(4096, 4096, 4096, "a"), _lin(4096, 4096, 4096, "b")]
+    uniform = {"a": "bf16", "b": "bf16"}
+    assert estimate_step(layers, uniform, "h100") == pytest.approx(
+        sum(_t(x, "bf16", "h100") for x in layers))
+    edges = [("a", "b")]
+    same = estimate_step(layers, uniform, "h100", edges=edges)
+    mixed = estimate_step(layers, {"a": "bf16", "b": "fp32"}, "h100", edges=edges)
+    no_cast = estimate_step(layers, {"a": "fp8", "b": "bf16"}, "h100", edges=edges)
+    # Dropping the per-layer boundary casts makes the edge-aware sum cheaper than the
+    # conservative one; a bf16 -> fp32 edge adds one cast; fp8 -> bf16 needs none.
+    assert same < estimate_step(layers, uniform, "h100")
+    b_fp32 = estimate_step(layers[1:], {"b": "fp32"}, "h100", edges=[])
+    a_bf16 = estimate_step(layers[:1], {"a": "bf16"}, "h100", edges=[])
+    assert mixed > a_bf16 + b_fp32
+    a_fp8 = estimate_step(layers[:1], {"a": "fp8"}, "h100", edges=[])
+    b_bf16 = estimate_step(layers[1:], {"b": "bf16"}, "h100", edges=[])
+    assert no_cast == pytest.approx(a_fp8 + b_bf16)
+    with pytest.raises(ValueError, match="no format for 1 layer"):
+        estimate_step(layers, {"a": "bf16"}, "h100")
+    assert estimate_step(layers, {"a": "bf16"}, "h100", default="bf16") == pytest.approx(
+        estimate_step(layers, uniform, "h100"))
+    with pytest.raises(ValueError, match="names 'c'"):
+        estimate_step(layers, {"a": "bf16", "b": "bf16", "c": "fp8"}, "h100")
+
+
+def test_estimate_layers_is_shaped_like_measure_layers():
+    layers = [_lin(64, 64, 64, "a"), _lin(128, 64, 64, "b")]
+    prof = estimate_layers(layers, ALL, "h200")
+    assert list(prof) == ["a", "b"] and list(prof["a"]) == [Format(f) for f in ALL]
+    assert all(lt.source == "model:h200" for d in prof.values() for lt in d.values())
+
+
+def test_model_prices_a_captured_gpt2_attention(gpt2, gpt2_batch):
+    """The cost model takes the real autoprec.graph.Layer of a real model."""
+    graph = pytest.importorskip("autoprec.graph")
+    g = graph.capture(gpt2, gpt2_batch)
+    attn = g.layer("transformer.h.0.attn")
+    for target in DEVICES:
+        for fmt in ALL:
+            lt = estimate_layer(attn, fmt, target)
+            assert lt.ok and lt.seconds > 0, (target, fmt, lt)
+    assert estimate_step(g.layers, {}, "h100", edges=g.edges, default="bf16") > 0
+
