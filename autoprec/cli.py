@@ -1,0 +1,232 @@
+"""The ``autoprec`` command: profile, tune, validate, show, diff.
+
+    autoprec profile examples/gpt2_bytes.py:task -o gpt2.profile.json
+    autoprec tune examples/gpt2_bytes.py:task -o policies/gpt2_bytes.yaml [--target h100]
+    autoprec validate policies/gpt2_bytes.yaml --task examples/gpt2_bytes.py:task --steps 200
+    autoprec show policies/gpt2_bytes.yaml
+    autoprec diff policies/a.yaml policies/b.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from configs or shipped packages
+
+__all__ = ["main"]
+
+
+def _profile_path(policy_path: str) -> str:
+    return os.path.splitext(policy_path)[0] + ".profile.json"
+
+
+def _load_task(spec: str):
+    from autoprec.task import load_task
+
+    # task files in the working directory (examples/...) import their siblings as a package
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    return load_task(spec)
+
+
+def _cmd_profile(args) -> int:
+    from autoprec.profile import profile
+
+    task = _load_task(args.task)
+    prof = profile(task, formats=args.formats, target=args.target, n_batches=args.batches)
+    print(prof.table())
+    print(f"\nprofiled {len(prof.layers)} layers in {prof.elapsed:.1f} s "
+          f"(capture: {prof.capture_method})")
+    if args.output:
+        prof.save(args.output)
+        print(f"wrote {args.output}")
+    return 0
+
+
+def _cmd_tune(args) -> int:
+    from autoprec.search import tune, validate_front
+
+    task = _load_task(args.task)
+    groups = {"auto": "auto", "layer": False, "role": True}[args.groups]
+    result = tune(task, formats=args.formats, max_loss_increase=args.max_loss_increase,
+                  max_grad_error=args.max_grad_error, n_trials=args.n_trials,
+                  timeout=args.timeout, storage=args.storage, study_name=args.study,
+                  target=args.target, seed=args.seed, groups=groups, output=args.output)
+    print(result.summary())
+    if args.validate_steps:
+        result = validate_front(result, task, steps=args.validate_steps)
+        if result.validation is None or not result.validation.passed:
+            print("no policy on the Pareto front passed validation; writing all-fp32",
+                  file=sys.stderr)
+    written = result.save(args.output)
+    if result.profile is not None:
+        result.profile.save(_profile_path(args.output))
+        written.append(_profile_path(args.output))
+    print("wrote " + ", ".join(written))
+    print(f"study: {result.study_name} in {result.storage}")
+    return 0
+
+
+def _cmd_validate(args) -> int:
+    from autoprec.policy import load_policy
+    from autoprec.validate import validate
+
+    policy = load_policy(args.policy)
+    task = _load_task(args.task)
+    res = validate(task, policy, steps=args.steps, tolerance=args.tolerance)
+    print(res.report())
+    return 0 if res.passed else 1
+
+
+def _cmd_show(args) -> int:
+    from autoprec.formats import Format
+    from autoprec.policy import load_policy
+
+    policy = load_policy(args.policy)
+    print(f"policy {args.policy}")
+    if policy.model_name:
+        print(f"  model: {policy.model_name}  fingerprint {policy.fingerprint or '-'}")
+    print(f"  default: {policy.default}")
+    for pattern, fmt in policy.layers.items():
+        print(f"  {pattern}: {fmt}")
+    if policy.tuned:
+        print("provenance:")
+        for k, v in policy.tuned.items():
+            print(f"  {k}: {v}")
+    prof_path = args.profile or _profile_path(args.policy)
+    if os.path.exists(prof_path):
+        from autoprec.profile import Profile
+
+        prof = Profile.load(prof_path)
+        budget = float(((policy.tuned or {}).get("objective") or {}).get("max_loss_increase", 0.01))
+        print(f"\nper layer (profile {prof_path}, "
+              f"{'cost model ' + prof.target if prof.target else 'measured on ' + prof.device}):")
+        rows = []
+        for lp in prof.layers:
+            fmt = policy.format_for(lp.fqn)
+            why = "" if fmt is Format.FP8 else prof.reason(lp.fqn, Format.FP8,
+                                                           max_loss_change=budget)
+            if Format.FP8 not in prof.formats:
+                why = "fp8 not profiled"
+            rows.append((lp.fqn, lp.layer.kind, fmt.value, f"{lp.layer.flops / 1e9:.3f}", why))
+        widths = [max(len(r[i]) for r in rows + [("layer", "kind", "format", "GFLOP", "")])
+                  for i in range(4)]
+        print("  " + "  ".join(h.ljust(w) for h, w in zip(("layer", "kind", "format", "GFLOP"),
+                                                           widths)) + "  why not fp8")
+        for r in rows:
+            print("  " + "  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
+        total = sum(lp.layer.flops for lp in prof.layers)
+        fp8 = sum(lp.layer.flops for lp in prof.layers if policy.format_for(lp.fqn) is Format.FP8)
+        print(f"\nmatmul FLOPs in fp8: {fp8 / max(total, 1):.1%}")
+    else:
+        print(f"\n(no profile at {prof_path}: per-layer reasons need the profile `tune` writes)")
+    return 0
+
+
+def _cmd_diff(args) -> int:
+    from autoprec.policy import load_policy
+
+    a, b = load_policy(args.a), load_policy(args.b)
+    lines = []
+    if a.default != b.default:
+        lines.append(f"default: {a.default} -> {b.default}")
+    for pattern in dict.fromkeys([*a.layers, *b.layers]):
+        fa = a.layers.get(pattern)
+        fb = b.layers.get(pattern)
+        if fa != fb:
+            lines.append(f"{pattern}: {fa.value if fa else '(default ' + a.default.value + ')'}"
+                         f" -> {fb.value if fb else '(default ' + b.default.value + ')'}")
+    prof_path = _profile_path(args.a)
+    if not os.path.exists(prof_path):
+        prof_path = _profile_path(args.b)
+    if os.path.exists(prof_path):
+        from autoprec.profile import Profile
+
+        prof = Profile.load(prof_path)
+        changed = [(lp.fqn, a.format_for(lp.fqn), b.format_for(lp.fqn)) for lp in prof.layers
+                   if a.format_for(lp.fqn) is not b.format_for(lp.fqn)]
+        lines.append(f"resolved per layer ({len(changed)} of {len(prof.layers)} differ):")
+        lines += [f"  {f}: {x} -> {y}" for f, x, y in changed]
+    print("\n".join(lines) if lines else "the two policies are the same")
+    return 0 if not lines else 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="autoprec", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    fmts = dict(nargs="+", default=["fp32", "bf16", "fp16", "fp8"],
+                help="formats to consider (default: all four)")
+    target = dict(default=None, help="price speed with the cost model of this device instead of "
+                                     "measuring here: h100, h200, a100, cpu-amx")
+
+    p = sub.add_parser("profile", help="each layer's error and speed in each format")
+    p.add_argument("task", help="path/file.py:function or package.module:function")
+    p.add_argument("-o", "--output", help="write the profile as JSON")
+    p.add_argument("--formats", **fmts)
+    p.add_argument("--target", **target)
+    p.add_argument("--batches", type=int, default=2, help="calibration batches (default 2)")
+    p.set_defaults(fn=_cmd_profile)
+
+    p = sub.add_parser("tune", help="search a per-layer policy and write it as YAML")
+    p.add_argument("task")
+    p.add_argument("-o", "--output", required=True, help="policy path, e.g. policies/NAME.yaml")
+    p.add_argument("--formats", **fmts)
+    p.add_argument("--target", **target)
+    p.add_argument("--max-loss-increase", type=float, default=0.01,
+                   help="relative loss change allowed vs FP32 (default 0.01 = 1%%)")
+    p.add_argument("--max-grad-error", type=float, default=0.25,
+                   help="relative gradient error allowed vs FP32 (default 0.25)")
+    p.add_argument("--n-trials", type=int, default=40, help="total trials (default 40)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds for this worker")
+    p.add_argument("--storage", default=None,
+                   help="Optuna storage URL (sqlite:///, postgresql://, journal:PATH); "
+                        "default: SQLite beside the output, so a rerun resumes")
+    p.add_argument("--study", default=None, help="study name (share it between workers)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--groups", choices=["auto", "layer", "role"], default="auto",
+                   help="one choice per layer, per role (transformer.h.*.mlp.c_fc) or auto")
+    p.add_argument("--validate-steps", type=int, default=0,
+                   help="train this many steps to validate the winner; fall back along the "
+                        "Pareto front if it fails")
+    p.set_defaults(fn=_cmd_tune)
+
+    p = sub.add_parser("validate", help="train with a policy and in FP32; compare loss curves")
+    p.add_argument("policy")
+    p.add_argument("--task", required=True)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="allowed loss gap beyond FP32's run-to-run noise (default: the "
+                        "policy's max_loss_increase, else 0.01)")
+    p.set_defaults(fn=_cmd_validate)
+
+    p = sub.add_parser("show", help="a policy's layers, formats, provenance and reasons")
+    p.add_argument("policy")
+    p.add_argument("--profile", default=None, help="profile JSON (default: beside the policy)")
+    p.set_defaults(fn=_cmd_show)
+
+    p = sub.add_parser("diff", help="what differs between two policies")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.set_defaults(fn=_cmd_diff)
+
+    args = ap.parse_args(argv)
+    try:
+        return args.fn(args)
+    except KeyboardInterrupt:
+        print("interrupted: completed trials are kept in the study; rerun the same command to "
+              "resume", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError, TypeError, AttributeError) as e:
+        from autoprec.policy import PolicyError
+
+        if isinstance(e, PolicyError) or type(e) in (ValueError, FileNotFoundError):
+            print(f"autoprec: error: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

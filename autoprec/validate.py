@@ -1,0 +1,166 @@
+"""validate(): train N steps with a policy and in FP32 from the same initialization, and judge
+the loss gap against the run-to-run noise of FP32 itself.
+
+Loss gaps between precisions are noisy: two FP32 runs that differ only in batch order end
+a few hundred steps apart by as much as a precision change does. So validation trains three
+runs from one initialization:
+
+- ``fp32``:    FP32, batch order A (the reference),
+- ``policy``:  the policy, batch order A,
+- ``fp32-b``:  FP32, batch order B (the noise run),
+
+and passes when ``gap = (policy - fp32) / fp32`` on held-out batches is at most
+``tolerance + noise``, with ``noise = |fp32-b - fp32| / fp32``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from autoprec.policy import Policy
+from autoprec.rewrite import apply
+from autoprec.task import Task
+
+__all__ = ["validate", "ValidationResult", "train_run"]
+
+
+@dataclass
+class ValidationResult:
+    """Outcome of :func:`validate`."""
+
+    # training losses per step of each run: "fp32", "policy", "fp32-b"
+    curves: dict[str, list[float]]
+    # held-out loss at the end of each run
+    eval_loss: dict[str, float]
+    # median step seconds of each run
+    step_seconds: dict[str, float]
+    # (policy - fp32) / fp32 on held-out batches
+    gap: float
+    # |fp32-b - fp32| / fp32: the run-to-run noise
+    noise: float
+    # allowed gap beyond the noise
+    tolerance: float
+    steps: int
+    passed: bool = field(init=False)
+
+    def __post_init__(self):
+        self.passed = math.isfinite(self.gap) and self.gap <= self.tolerance + self.noise
+
+    @property
+    def speedup(self) -> float:
+        return self.step_seconds["fp32"] / self.step_seconds["policy"]
+
+    def report(self) -> str:
+        lines = [f"validation over {self.steps} steps (held-out loss):"]
+        for name in ("fp32", "policy", "fp32-b"):
+            if name in self.eval_loss:
+                lines.append(f"  {name:<7} {self.eval_loss[name]:.4f}   "
+                             f"step {self.step_seconds[name] * 1e3:7.1f} ms")
+        lines.append(f"  gap {self.gap:+.3%} vs FP32; FP32 run-to-run noise {self.noise:.3%}; "
+                     f"tolerance {self.tolerance:.3%} + noise -> "
+                     f"{'PASS' if self.passed else 'FAIL'}")
+        lines.append(f"  curves: mean train-loss gap over the last quarter "
+                     f"{_tail_gap(self.curves['policy'], self.curves['fp32']):+.3%}")
+        return "\n".join(lines)
+
+
+def _tail_gap(a: Sequence[float], b: Sequence[float]) -> float:
+    n = max(1, len(a) // 4)
+    ma, mb = statistics.fmean(a[-n:]), statistics.fmean(b[-n:])
+    return (ma - mb) / abs(mb) if mb else float("nan")
+
+
+def _stream(task: Task, steps: int, order_seed: int) -> list[Any]:
+    """Training batches: the task's own stream if it provides one (``extras["train_batches"]``,
+    a callable ``(n, seed) -> list``), else its calibration batches in a seeded order."""
+    make = task.extras.get("train_batches")
+    if make is not None:
+        return list(make(steps, order_seed))
+    gen = torch.Generator().manual_seed(order_seed)
+    n = len(task.batches)
+    out = []
+    while len(out) < steps:
+        out.extend(task.batches[i] for i in torch.randperm(n, generator=gen).tolist())
+    return out[:steps]
+
+
+def train_run(task: Task, policy: Policy | None, batches: Sequence[Any], *,
+              eval_batches: Sequence[Any], lr_schedule: bool = True,
+              on_step: Callable[[int, float], None] | None = None) -> tuple[list, float, float]:
+    """Train a fresh model from the task's initialization; returns (losses, eval loss, median
+    step seconds). Non-finite losses are kept (the run goes on; the verdict will fail)."""
+    model = task.build_model().train()
+    scaler = None
+    if policy is not None:
+        apply(model, policy, strict=False)
+        scaler = policy.grad_scaler(task.device)
+        if not scaler.is_enabled():
+            scaler = None
+    opt = task.make_optimizer(model.parameters())
+    sched = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=len(batches))
+             if lr_schedule else None)
+    losses, times = [], []
+    for i, batch in enumerate(batches):
+        torch.manual_seed(task.seed + i)  # dropout masks identical across runs
+        t0 = time.perf_counter()
+        loss = task.loss(model, batch)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        if sched is not None:
+            sched.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+        if on_step is not None:
+            on_step(i, losses[-1])
+    model.eval()
+    with torch.no_grad():
+        ev = statistics.fmean(float(task.loss(model, b)) for b in eval_batches)
+    steady = times[min(3, len(times) - 1):]
+    return losses, ev, statistics.median(steady)
+
+
+def validate(task: Task, policy: Policy, *, steps: int = 100, tolerance: float | None = None,
+             eval_batches: Sequence[Any] | None = None, progress: bool = True,
+             noise_run: bool = True) -> ValidationResult:
+    """Train ``steps`` steps in FP32 and with ``policy`` from the same initialization and
+    judge the held-out loss gap against FP32's own run-to-run noise (see module docstring).
+
+    ``tolerance`` defaults to the policy's tuned ``max_loss_increase``, else 1%.
+    """
+    if tolerance is None:
+        tolerance = float(((policy.tuned or {}).get("objective") or {})
+                          .get("max_loss_increase", 0.01))
+    eval_batches = list(eval_batches if eval_batches is not None
+                        else task.extras.get("eval_batches") or task.batches[-2:])
+    runs = {"fp32": (None, 0), "policy": (policy, 0)}
+    if noise_run:
+        runs["fp32-b"] = (None, 1)
+    curves, evals, secs = {}, {}, {}
+    for name, (pol, order) in runs.items():
+        t0 = time.perf_counter()
+        if progress:
+            print(f"validate: training {name} for {steps} steps", file=sys.stderr, flush=True)
+        losses, ev, sec = train_run(task, pol, _stream(task, steps, task.seed + 1000 * order),
+                                    eval_batches=eval_batches)
+        curves[name], evals[name], secs[name] = losses, ev, sec
+        if progress:
+            print(f"validate: {name}: held-out loss {ev:.4f} "
+                  f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    ref = evals["fp32"]
+    gap = (evals["policy"] - ref) / abs(ref) if math.isfinite(evals["policy"]) else float("inf")
+    noise = abs(evals["fp32-b"] - ref) / abs(ref) if noise_run else 0.0
+    return ValidationResult(curves=curves, eval_loss=evals, step_seconds=secs, gap=gap,
+                            noise=noise, tolerance=tolerance, steps=steps)
