@@ -130,6 +130,7 @@ def _cmd_diff(args) -> int:
 
     a, b = load_policy(args.a), load_policy(args.b)
     lines = []
+    differ = False
     if a.default != b.default:
         lines.append(f"default: {a.default} -> {b.default}")
     for pattern in dict.fromkeys([*a.layers, *b.layers]):
@@ -147,10 +148,15 @@ def _cmd_diff(args) -> int:
         prof = Profile.load(prof_path)
         changed = [(lp.fqn, a.format_for(lp.fqn), b.format_for(lp.fqn)) for lp in prof.layers
                    if a.format_for(lp.fqn) is not b.format_for(lp.fqn)]
+        differ = bool(lines) or bool(changed)
         lines.append(f"resolved per layer ({len(changed)} of {len(prof.layers)} differ):")
         lines += [f"  {f}: {x} -> {y}" for f, x, y in changed]
-    print("\n".join(lines) if lines else "the two policies are the same")
-    return 0 if not lines else 1
+    else:
+        differ = bool(lines)
+    if not differ:
+        lines.insert(0, "the two policies are the same")
+    print("\n".join(lines))
+    return 1 if differ else 0
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,81 @@
+"""The `autoprec` command: profile, tune, show, diff, validate (exit codes included)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import autoprec
+from autoprec import Policy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TASKS = os.path.join(ROOT, "tests", "tasks.py")
+
+
+def cli(*args, cwd=None, timeout=600):
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "autoprec.cli", *args], capture_output=True,
+                          text=True, cwd=cwd, env=env, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_tune_show_diff(tmp_path):
+    out = tmp_path / "policies" / "small.yaml"
+    r = cli("tune", f"{TASKS}:small_gpt2_task", "-o", str(out), "--target", "cpu-amx",
+            "--n-trials", "8", "--seed", "3", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "winner: trial" in r.stdout and "sensitivity" in r.stderr
+    for suffix in (".yaml", ".pareto.csv", ".pareto.png", ".profile.json", ".study.db"):
+        assert (tmp_path / "policies" / f"small{suffix}").exists(), suffix
+
+    show = cli("show", str(out))
+    assert show.returncode == 0, show.stderr
+    assert "provenance:" in show.stdout and "why not fp8" in show.stdout
+    # every profiled layer kept out of fp8 has a measured reason
+    body = show.stdout.split("why not fp8", 1)[1].strip().splitlines()
+    layer_rows = [line for line in body if line.strip().startswith(("transformer", "lm_head"))]
+    assert layer_rows and all(len(line.split()) > 3 for line in layer_rows), layer_rows
+    assert "matmul FLOPs in fp8" in show.stdout
+
+    other = tmp_path / "policies" / "all_fp32.yaml"
+    Policy(default="fp32").save(other)
+    d = cli("diff", str(out), str(other))
+    assert d.returncode == 1 and "resolved per layer" in d.stdout
+    same = cli("diff", str(out), str(out))
+    assert same.returncode == 0 and "the same" in same.stdout
+
+
+def test_profile_command_writes_json(tmp_path):
+    r = cli("profile", f"{TASKS}:tiny_gpt2_task", "-o", str(tmp_path / "p.json"),
+            "--formats", "fp32", "bf16", "--target", "h100")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "transformer.h.0.attn.c_attn" in r.stdout
+    assert autoprec.Profile.load(tmp_path / "p.json").formats == (autoprec.Format.FP32,
+                                                                  autoprec.Format.BF16)
+
+
+def test_bad_task_spec_and_policy_are_clear_errors(tmp_path):
+    r = cli("profile", "no_colon_here")
+    assert r.returncode == 2 and "must look like" in r.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("autoprec: 1\ndefault: fp9\n")
+    r = cli("show", str(bad))
+    assert r.returncode == 2 and "Unknown format 'fp9'" in r.stderr and "line 2" in r.stderr
+
+
+@pytest.mark.slow
+def test_validate_passes_fp32_and_fails_an_overflowing_policy(tmp_path):
+    good = tmp_path / "fp32.yaml"
+    Policy(default="fp32").save(good)
+    r = cli("validate", str(good), "--task", f"{TASKS}:tiny_gpt2_task", "--steps", "8")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "gap +0.000%" in r.stdout and "PASS" in r.stdout
+
+    bad = tmp_path / "fp16.yaml"
+    Policy(default="fp32", layers={"transformer.h.1.mlp.c_proj": "fp16"}).save(bad)
+    r = cli("validate", str(bad), "--task", f"{TASKS}:overflow_gpt2_task", "--steps", "6")
+    assert r.returncode == 1, r.stdout + r.stderr[-2000:]
+    assert "FAIL" in r.stdout

@@ -1,0 +1,64 @@
+"""profile(): the per-layer table on real models, saved and loaded, deterministic, and a
+planted FP16 overflow flagged on exactly one layer."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from tasks import overflow_gpt2_task, tiny_gpt2_task
+
+from autoprec import Format
+from autoprec.profile import Profile, profile
+
+
+@pytest.fixture(scope="module")
+def tiny_prof():
+    return profile(tiny_gpt2_task(), progress=False, repeats=2)
+
+
+def test_profile_covers_every_matmul_layer(tiny_prof):
+    model = tiny_gpt2_task().build_model()
+    conv1d = [n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"]
+    attn = [n for n, m in model.named_modules() if type(m).__name__ == "GPT2Attention"]
+    assert {lp.fqn for lp in tiny_prof.layers} == set(conv1d) | set(attn) | {"lm_head"}
+    # embeddings and norms are captured but not searched: their format changes nothing
+    assert tiny_prof.fixed["transformer.wte"] == "embedding"
+    assert tiny_prof.fixed["transformer.ln_f"] == "norm"
+    for lp in tiny_prof.layers:
+        assert set(lp.times) == {Format.FP32, Format.BF16, Format.FP16, Format.FP8}
+        assert set(lp.errors) == {Format.BF16, Format.FP16, Format.FP8}
+        assert all(t.seconds > 0 for t in lp.times.values())
+        assert lp.times[Format.FP8].emulated  # never reported as fast on this CPU
+        assert lp.times[Format.FP8].seconds >= lp.times[Format.FP32].seconds
+
+
+def test_profile_round_trips_and_prints(tmp_path, tiny_prof):
+    path = tmp_path / "p.json"
+    tiny_prof.save(path)
+    again = Profile.load(path)
+    assert again.to_dict() == tiny_prof.to_dict()
+    table = tiny_prof.table()
+    assert "transformer.h.0.mlp.c_fc" in table and "verdict" in table
+    with pytest.raises(KeyError, match="not in the profile"):
+        tiny_prof.layer("transformer.h.9.mlp")
+
+
+def test_two_profiles_give_identical_errors(tiny_prof):
+    other = profile(tiny_gpt2_task(), progress=False, repeats=1, target="h100")
+    for a, b in zip(tiny_prof.layers, other.layers):
+        assert {f: e.to_dict() for f, e in a.errors.items()} == \
+               {f: e.to_dict() for f, e in b.errors.items()}, a.fqn
+
+
+def test_planted_fp16_overflow_is_flagged_on_that_layer_only():
+    prof = profile(overflow_gpt2_task(), formats=("fp32", "bf16", "fp16"), progress=False,
+                   target="h100")
+    flagged = [(lp.fqn, f) for lp in prof.layers for f, e in lp.errors.items() if not e.finite]
+    assert flagged == [("transformer.h.1.mlp.c_proj", Format.FP16)]
+    lp = prof.layer("transformer.h.1.mlp.c_proj")
+    assert lp.errors[Format.BF16].finite
+    assert lp.errors[Format.FP16].act_overflow > 0
+    assert not prof.allows("transformer.h.1.mlp.c_proj", Format.FP16)
+    assert "non-finite" in prof.reason("transformer.h.1.mlp.c_proj", Format.FP16)
+    assert math.isinf(prof.loss_change("transformer.h.1.mlp.c_proj", Format.FP16))
