@@ -17,12 +17,13 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
-from autoprec.formats import FORMAT_ORDER, Format, Support, supported_formats
+from autoprec.formats import FORMAT_ORDER, Format
 from autoprec.fp8 import fp8_shape_supported
 from autoprec.graph import Layer, LayerGraph, capture
 from autoprec.sensitivity import LayerError, measure_sensitivity
@@ -305,7 +306,7 @@ def _fp8_blocker(layer: Layer) -> str:
         return "convolution: no FP8 conv kernels in PyTorch, fp8 would run bf16"
     if not layer.matmuls:
         return "no matmul to run in FP8"
-    for batch, m, k, n in layer.matmuls:
+    for _batch, m, k, n in layer.matmuls:
         ok, reason = fp8_shape_supported(m, k, n)
         if not ok:
             return reason
@@ -346,6 +347,16 @@ def profile(task: Task, formats: Sequence[Format | str] = ("fp32", "bf16", "fp16
     errors = measure_sensitivity(task, fqns, low, batches=calib, progress=bar)
 
     layer_by_fqn = {L.fqn: L for L in searchable}
+    if target is not None and task.shape_batch is not None:
+        # price the layers at production shapes; numerics above used the calibration batches
+        priced = capture(model, task.shape_batch)
+        big = {L.fqn: L for L in priced.layers}
+        missing = [f for f in fqns if f not in big]
+        if missing:
+            raise RuntimeError(f"Capturing the task's shape_batch found different layers than "
+                               f"its calibration batch (missing {missing[:4]}).")
+        layer_by_fqn = {f: big[f] for f in fqns}
+        searchable = [big[f] for f in fqns]
     if target is None:
         if progress:
             print(f"timing {len(fqns)} layers x {len(fmts)} formats", file=sys.stderr, flush=True)

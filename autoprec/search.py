@@ -29,8 +29,9 @@ import re
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import optuna
@@ -38,7 +39,8 @@ import torch
 
 from autoprec.formats import FORMAT_ORDER, Format, Support, supported_formats
 from autoprec.policy import Policy, model_fingerprint
-from autoprec.profile import Profile, profile as run_profile
+from autoprec.profile import Profile
+from autoprec.profile import profile as run_profile
 from autoprec.rewrite import apply, remove
 from autoprec.task import Task
 
@@ -47,6 +49,14 @@ __all__ = ["tune", "TuneResult", "TrialResult", "evaluate_policy", "group_layers
 
 # A non-finite trial still needs finite objective values for Optuna's samplers.
 _PENALTY = 1e6
+# optuna 5 moved constraints from the sampler's constraints_func to Trial.set_constraint
+_NEW_CONSTRAINTS = hasattr(optuna.trial.Trial, "set_constraint")
+
+
+def _set_constraints(trial, cons) -> None:
+    if _NEW_CONSTRAINTS and cons is not None:
+        trial.set_constraint("loss_increase", float(cons[0]))
+        trial.set_constraint("grad_error", float(cons[1]))
 
 
 @dataclass(frozen=True)
@@ -446,8 +456,12 @@ def tune(task: Task, *, formats: Sequence[Format | str] = ("fp32", "bf16", "fp16
     def constraints(trial: optuna.trial.FrozenTrial) -> Sequence[float]:
         return trial.user_attrs.get("constraints", (_PENALTY, _PENALTY))
 
-    sampler = optuna.samplers.TPESampler(seed=seed, constraints_func=constraints,
-                                         multivariate=True, n_startup_trials=8)
+    if _NEW_CONSTRAINTS:
+        # optuna >= 5: constraints are set on the trial (Trial.set_constraint)
+        sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=8)
+    else:
+        sampler = optuna.samplers.TPESampler(seed=seed, constraints_func=constraints,
+                                             multivariate=True, n_startup_trials=8)
     study = optuna.create_study(study_name=study_name, storage=storage_obj, sampler=sampler,
                                 directions=["minimize", "minimize"], load_if_exists=True)
 
@@ -506,6 +520,7 @@ def tune(task: Task, *, formats: Sequence[Format | str] = ("fp32", "bf16", "fp16
             if old.params == choice:
                 for key in ("constraints", "grad_error", "finite", "step_seconds"):
                     trial.set_user_attr(key, old.user_attrs.get(key))
+                _set_constraints(trial, old.user_attrs.get("constraints"))
                 trial.set_user_attr("origin", f"repeat of {old.number}")
                 return tuple(old.values)
         policy = _assignment_policy(units, choice, model_name=ev.model_name,
@@ -518,6 +533,7 @@ def tune(task: Task, *, formats: Sequence[Format | str] = ("fp32", "bf16", "fp16
         cons = (li - max_loss_increase,
                 (ge - max_grad_error) if max_grad_error is not None else -1.0)
         trial.set_user_attr("constraints", cons)
+        _set_constraints(trial, cons)
         trial.set_user_attr("grad_error", ge)
         trial.set_user_attr("finite", finite)
         trial.set_user_attr("step_seconds", sec)
@@ -664,6 +680,10 @@ def _provenance(task, result: TuneResult, target, mli, mge, prof) -> dict:
                     "loss_increase": round(result.best.loss_increase, 6),
                     "grad_error": round(result.best.grad_error, 6)},
         "study": {"name": result.study_name, "trials": len(result.trials)},
+        # layers the policy puts in fp8 whose matmuls the FP8 kernel cannot take: they run bf16
+        **({"fp8_runs_bf16": blocked} if (blocked := {
+            lp.fqn: lp.fp8_blocker for lp in prof.layers
+            if lp.fp8_blocker and result.policy.format_for(lp.fqn) is Format.FP8}) else {}),
     }
 
 

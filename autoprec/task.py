@@ -85,6 +85,10 @@ class Task:
     seed: int = 0
     # Free-form extras a task file wants to carry (e.g. a longer training stream).
     extras: dict = field(default_factory=dict)
+    # A batch at production size, for tuning with a cost model (`target=`): its shapes price
+    # the layers, while numerics are measured on the (smaller) calibration batches. Only its
+    # shapes matter; capture traces it without heavy compute.
+    shape_batch: Any = None
 
     def __post_init__(self):
         if not (isinstance(self.model, nn.Module) or callable(self.model)):

@@ -165,7 +165,7 @@ def _two_workers(tmp_path, storage, name, n_trials=16):
     procs = [subprocess.Popen(args, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, cwd=tmp_path) for _ in range(2)]
     outs = [p.communicate(timeout=400) for p in procs]
-    for p, (o, e) in zip(procs, outs):
+    for p, (_o, e) in zip(procs, outs):
         assert p.returncode == 0, e[-3000:]
     study = optuna.load_study(study_name=name, storage=open_storage(storage, "")[0])
     trials = study.trials
