@@ -304,7 +304,10 @@ class _Evaluator:
             self.optimizer = task.make_optimizer(self.timing_model.parameters())
             for g in self.optimizer.param_groups:
                 g["lr"] = 0.0  # the step's full cost, without drifting the timing copy's weights
-        self.fp32_seconds = self.step_seconds(Policy(default="fp32"), {u: "fp32" for u in ()})
+        fp32 = Policy(default="fp32")
+        if target is None:
+            self.step_seconds(fp32, {})  # one-time costs (thread pools, allocator) first
+        self.fp32_seconds = self.step_seconds(fp32, {})
 
     def _losses_and_grads(self):
         losses, grads = [], None

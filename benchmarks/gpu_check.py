@@ -1,0 +1,862 @@
+"""The one GPU run of issue 5: real FP8 (``torch._scaled_mm``) against its emulation, per-layer
+speed of HF GPT-2 in every format, and whole training steps of FP32, ``torch.autocast(bf16)``,
+uniform FP8 and the policy ``tune`` finds on the device, all measured in one run.
+
+For the runner, from the repository root of a checkout on the GPU machine:
+
+    # torch (CUDA build) and transformers are expected there; the tuned-policy row also needs
+    # optuna + scipy (+ pyyaml, which autoprec always needs). `autoprec` itself is imported
+    # from the checkout: no install is needed, `pip install -e . --no-deps` also works.
+    pip install optuna scipy pyyaml
+    #   no network there? build wheels on a machine with one and carry them over:
+    #   pip download optuna scipy pyyaml -d wheels/      (here)
+    #   pip install --no-index --find-links wheels/ optuna scipy pyyaml     (there)
+    python benchmarks/gpu_check.py                # < 8 min on one H200
+    python benchmarks/gpu_check.py --skip-tune    # without optuna: everything but the tuned row
+
+Everything printed also goes to ``$OUT/gpu_check-<date>.txt`` when ``$OUT`` is set (the GPU
+runner collects ``$OUT``), else to ``benchmarks/results/``; the tuned policy (YAML), its
+Pareto front (CSV) and tune's log land beside it. No network is needed: the model is a
+randomly initialised HF GPT-2 from a config, the data the Python standard library's source.
+
+    python benchmarks/gpu_check.py --dry-run      # the same code path on CPU, tiny sizes, ~1-2 min
+
+The dry run is how the script is tested before the one GPU run. On CPU the "real" FP8 of the
+numerics section is ``torch._scaled_mm`` forced with ``native=True`` at tiny shapes (the CPU
+kernel does the same arithmetic, so it checks the layouts, not the GPU's accumulation); every
+other FP8 number is the emulation (quantize -> dequantize -> FP32 matmul), which is slower
+than FP32 by construction: CPU speed and memory figures say nothing about a GPU.
+
+Sections (each runs even when an earlier one failed; a failure prints its traceback and makes
+the exit status 1):
+
+1. FP8 numerics: relative difference of ``_scaled_mm`` (native=True) and the emulation
+   (native=False) on the same random operands, forward, dgrad and wgrad, next to the FP8
+   error itself (emulation vs the exact FP64 product of the unrounded operands).
+2. Per-layer speed (``autoprec.timing.measure_layers``, CUDA events on a GPU) of GPT-2's block 0
+   layers and lm_head in fp32/bf16/fp16/fp8, as speed-ups over fp32, and fp8 over bf16: which
+   layers are too small to gain from FP8; plus lone linear layers of growing size.
+3. Whole training step (forward, backward, grad clip, AdamW): median time (variants
+   interleaved), peak memory (``torch.cuda.max_memory_allocated``) and the loss after a short
+   training run from the same init on the same data, for FP32, autocast(bf16), uniform FP8
+   (``Policy(default="fp8")``) and the tuned policy, as ratios vs FP32 and vs autocast(bf16);
+   a second FP32 run with another batch order gives the run-to-run noise of the loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import gc
+import importlib
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+
+import _common  # noqa: F401  (puts the repo root on sys.path, HF offline)
+import torch
+from _common import ROOT, device_line, interleaved, median, spread
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+FORMATS = ("fp32", "bf16", "fp16", "fp8")
+
+
+# ============================================================================ configuration
+@dataclasses.dataclass
+class Config:
+    dry_run: bool
+    device: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    batch: int
+    seq: int
+    # (M, K, N) of x[M,K] @ w[N,K].T, or (B, H, T, d) of an attention score product
+    numeric_shapes: list
+    # (M, K, N) of lone nn.Linear layers for the FP8 crossover
+    linear_sweep: list
+    warmup: int
+    repeats: int
+    layer_budget_s: float
+    step_rounds: int
+    steps: int
+    trials: int
+    tune_timeout: float
+    budget_s: float
+    lr: float = 6e-4
+    eval_batches: int = 2
+
+    @classmethod
+    def full(cls) -> Config:
+        return cls(dry_run=False, device="cuda", n_layer=12, n_embd=768, n_head=12, batch=8,
+                   seq=1024,
+                   numeric_shapes=[(8192, 768, 2304), (8192, 768, 3072), (8192, 3072, 768),
+                                   (8192, 768, 256), (4096, 4096, 4096), (8, 12, 1024, 64)],
+                   linear_sweep=[(8192, 768, 768), (8192, 768, 3072), (8192, 4096, 4096),
+                                 (16384, 8192, 8192)],
+                   warmup=3, repeats=10, layer_budget_s=20.0, step_rounds=10, steps=150,
+                   trials=12, tune_timeout=150.0, budget_s=450.0)
+
+    @classmethod
+    def dry(cls) -> Config:
+        return cls(dry_run=True, device="cpu", n_layer=2, n_embd=64, n_head=2, batch=2, seq=64,
+                   numeric_shapes=[(32, 64, 48), (64, 128, 64), (2, 2, 32, 16)],
+                   linear_sweep=[(64, 64, 64), (128, 128, 128)],
+                   warmup=1, repeats=3, layer_budget_s=5.0, step_rounds=4, steps=6,
+                   trials=4, tune_timeout=60.0, budget_s=150.0)
+
+
+# ============================================================================ output
+class _Tee:
+    """stdout that is also written, line by line, to a file (kept even if the run is killed)."""
+
+    def __init__(self, stream, path: str):
+        self.stream = stream
+        self.file = open(path, "w", buffering=1)
+
+    def write(self, s: str) -> int:
+        self.stream.write(s)
+        self.file.write(s)
+        return len(s)
+
+    def flush(self) -> None:
+        self.stream.flush()
+        self.file.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _out_dir(explicit: str | None) -> str:
+    d = explicit or os.environ.get("OUT") or os.path.join(ROOT, "benchmarks", "results")
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+def _section(title: str) -> None:
+    print(f"\n== {title} " + "=" * max(3, 86 - len(title)), flush=True)
+
+
+def _table(rows: list[list], header: list[str]) -> None:
+    rows = [[str(c) for c in r] for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(header, *rows)]
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+
+
+def _f(x: float, fmt: str = ".3g") -> str:
+    return "n/a" if x is None or not math.isfinite(x) else format(x, fmt)
+
+
+def _x(ratio: float) -> str:
+    return "n/a" if ratio is None or not math.isfinite(ratio) else f"{ratio:.2f}x"
+
+
+# ============================================================================ helpers
+class ScaledMMCounter(TorchDispatchMode):
+    """Counts ``aten._scaled_mm`` calls (the real FP8 kernel), forward and backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket is torch.ops.aten._scaled_mm:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp(min=1e-300))
+
+
+def _model(cfg: Config):
+    from examples.gpt2_bytes import make_model
+
+    return make_model(n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head, seq_len=cfg.seq,
+                      attn_implementation="eager")
+
+
+def _batches(cfg: Config, n: int, seed: int, skip: int = 0):
+    from examples.data import byte_batches
+
+    return byte_batches(n, cfg.batch, cfg.seq, seed=seed, skip=skip)
+
+
+class _Clock:
+    def __init__(self, budget_s: float):
+        self.t0 = time.perf_counter()
+        self.budget_s = budget_s
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def left(self) -> float:
+        return self.budget_s - self.elapsed()
+
+
+# ============================================================================ 1. numerics
+def _numerics_row(shape: tuple, dev: torch.device) -> tuple[list, list[float]]:
+    """One row of section 1: real vs emulated vs exact, forward, dgrad and wgrad."""
+    from autoprec.fp8 import fp8_linear, fp8_matmul
+
+    gen = torch.Generator(device=dev).manual_seed(1234)
+    if len(shape) == 3:
+        m, k, n = shape
+        a = torch.randn(m, k, device=dev, generator=gen)
+        b = torch.randn(n, k, device=dev, generator=gen) / math.sqrt(k)
+        g = torch.randn(m, n, device=dev, generator=gen)
+
+        def op(x, y, native):
+            return fp8_linear(x, y, native=native)
+
+        def exact(x, y):
+            return x @ y.t()
+
+        label, kind = f"{m}x{k}x{n}", "linear"
+    else:
+        bsz, h, t, d = shape
+        a = torch.randn(bsz, h, t, d, device=dev, generator=gen)
+        b = torch.randn(bsz, h, t, d, device=dev, generator=gen) / math.sqrt(d)
+        g = torch.randn(bsz, h, t, t, device=dev, generator=gen)
+
+        def op(x, y, native):
+            return fp8_matmul(x, y.transpose(-1, -2), native=native)
+
+        def exact(x, y):
+            return x @ y.transpose(-1, -2)
+
+        label, kind = f"{bsz}x{h}x({t}x{d}x{t})", "q@k.T"
+    g16 = g.to(torch.bfloat16)
+    res = {}
+    for name, native in (("emu", False), ("real", True)):
+        x = a.clone().requires_grad_()
+        y = b.clone().requires_grad_()
+        counter = ScaledMMCounter()
+        with counter:
+            out = op(x, y, native)
+            out.backward(g16)
+        _sync(dev)
+        res[name] = (out.detach(), x.grad, y.grad, counter.calls)
+    x64 = a.double().requires_grad_()
+    y64 = b.double().requires_grad_()
+    exact(x64, y64).backward(g16.double())
+    ref = (exact(a.double(), b.double()), x64.grad, y64.grad)
+    diffs = [_rel(r, e) for r, e in zip(res["real"][:3], res["emu"][:3])]
+    errs = [_rel(e, x) for e, x in zip(res["emu"][:3], ref)]
+    margin = min(errs) / max(diffs) if max(diffs) > 0 else math.inf
+    ok = max(diffs) <= 1e-2 and margin >= 4 and res["real"][3] > 0
+    return [label, kind, *[_f(v, ".2e") for v in diffs], " / ".join(_f(v, ".2e") for v in errs),
+            "inf" if math.isinf(margin) else f"{margin:.0f}x", res["real"][3],
+            "ok" if ok else "CHECK"], diffs
+
+
+def section_numerics(cfg: Config, dev: torch.device, ctx: dict) -> None:
+    _section("1. FP8 numerics: real torch._scaled_mm (native=True) vs emulation (native=False)")
+    if dev.type == "cpu":
+        print("CPU dry run: 'real' is the CPU torch._scaled_mm kernel at tiny shapes (same "
+              "arithmetic as the emulation: this checks the layouts, not a GPU's accumulation).")
+    print("real~emu: ||real - emu|| / ||emu||, same operands, forward output (bf16), dgrad, "
+          "wgrad (fp32).\nfp8 err: ||emu - exact|| / ||exact||, exact = FP64 product of the "
+          "unrounded operands (the FP8 rounding itself).\nmargin: fp8 err / real~emu (how many "
+          "times smaller the kernel-vs-emulation difference is than FP8's own error).")
+    rows, worst = [], 0.0
+    for shape in cfg.numeric_shapes:
+        try:
+            row, diffs = _numerics_row(shape, dev)
+            worst = max(worst, *diffs)
+        except Exception as e:  # noqa: BLE001 - the other shapes still count
+            traceback.print_exc(file=sys.stdout)
+            ctx["failed"].append(f"numerics:{shape}")
+            row = [str(shape), "-", "-", "-", "-", "-", "-", "-",
+                   f"FAILED: {type(e).__name__}"]
+        rows.append(row)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    _table(rows, ["shape", "product", "out real~emu", "dgrad real~emu", "wgrad real~emu",
+                  "fp8 err out/dgrad/wgrad", "margin", "_scaled_mm calls", "verdict"])
+    print("verdict ok: real~emu <= 1e-2, at least 4x below FP8's own error, and the kernel ran "
+          "(_scaled_mm calls > 0).")
+    ctx["numerics_worst"] = worst
+    ctx["numerics_ok"] = all(r[-1] == "ok" for r in rows)
+
+
+# ============================================================================ 2. layer speed
+class _ShapeProbe(TorchFunctionMode):
+    """(batch, M, K, N) of each matmul-like call, attributed to every listed module it runs
+    inside (so a block's FLOPs include its layers', as its time does)."""
+
+    def __init__(self, stack: list, shapes: dict):
+        super().__init__()
+        self.stack, self.shapes = stack, shapes
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.stack:
+            try:
+                self._record(func, args, kwargs)
+            except Exception:  # noqa: BLE001 - a probe must not break the forward
+                pass
+        return func(*args, **kwargs)
+
+    def _record(self, func, args, kwargs):
+        F = torch.nn.functional
+        shape = None
+        if func is F.linear:
+            x, w = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            shape = (1, math.prod(x.shape[:-1]), x.shape[-1], w.shape[0])
+        elif func in (torch.addmm, torch.Tensor.addmm):
+            a, b = args[1], args[2]
+            shape = (1, a.shape[0], a.shape[1], b.shape[1])
+        elif func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm,
+                      torch.Tensor.mm, torch.bmm, torch.Tensor.bmm):
+            a, b = args[0], args[1]
+            if b.dim() == 2:
+                shape = (1, math.prod(a.shape[:-1]), a.shape[-1], b.shape[-1])
+            else:
+                shape = (math.prod(a.shape[:-2]), a.shape[-2], a.shape[-1], b.shape[-1])
+        if shape is not None:
+            for fqn in dict.fromkeys(self.stack):  # an enclosing module computes it too
+                self.shapes[fqn].append(shape)
+
+
+def _matmul_shapes(model, batch, fqns) -> dict[str, list[tuple]]:
+    mods = dict(model.named_modules())
+    stack: list[str] = []
+    shapes: dict[str, list] = {f: [] for f in fqns}
+    handles = []
+
+    def pre(fqn):
+        def hook(module, args):
+            stack.append(fqn)
+        return hook
+
+    def post(module, args, output):
+        stack.pop()  # returns None: the output is left alone
+
+    try:
+        for f in fqns:
+            handles.append(mods[f].register_forward_pre_hook(pre(f)))
+            handles.append(mods[f].register_forward_hook(post))
+        with torch.no_grad(), _ShapeProbe(stack, shapes):
+            if isinstance(batch, dict):
+                model(**batch)
+            else:
+                model(batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return shapes
+
+
+def _shape_text(shapes: list[tuple]) -> str:
+    if not shapes:
+        return "-"
+    parts = []
+    for b, m, k, n in shapes[:2]:
+        parts.append(f"{m}x{k}x{n}" if b == 1 else f"{b}x({m}x{k}x{n})")
+    return ", ".join(parts) + (f" +{len(shapes) - 2}" if len(shapes) > 2 else "")
+
+
+def _speed_rows(times: dict, shapes: dict, labels: dict) -> tuple[list[list], list[str]]:
+    from autoprec.formats import Format
+
+    rows, gains = [], []
+    for fqn, per in times.items():
+        t = {f: per[Format(f)] for f in FORMATS}
+        raw = {f: (t[f].raw_seconds if t[f].ok else math.inf) for f in FORMATS}
+        fp32 = raw["fp32"]
+        flops = sum(2 * b * m * k * n for b, m, k, n in shapes.get(fqn, []))
+        fp8_vs_bf16 = raw["bf16"] / raw["fp8"] if raw["fp8"] > 0 else math.nan
+        if t["fp8"].emulated:
+            verdict = "fp8 emulated here (not a speed)"
+        elif not t["fp8"].ok:
+            verdict = f"fp8 failed: {t['fp8'].error[:40]}"
+        elif "cannot take the fp8 kernel" in (t["fp8"].note or ""):
+            verdict = "fp8 falls back to bf16 (shape)"
+        elif fp8_vs_bf16 >= 1.05:
+            verdict = "fp8 gains over bf16"
+            gains.append(labels.get(fqn, fqn))
+        else:
+            verdict = "too small to gain from fp8"
+        cells = []
+        for f in ("bf16", "fp16", "fp8"):
+            star = "*" if t[f].emulated else ""
+            cells.append(_x(fp32 / raw[f]) + star if math.isfinite(raw[f]) else "failed")
+        rows.append([labels.get(fqn, fqn), _shape_text(shapes.get(fqn, [])),
+                     f"{flops * 3 / 1e9:.3g}", _f(fp32 * 1e3, ".3g"), *cells,
+                     _x(fp8_vs_bf16) + ("*" if t["fp8"].emulated else ""),
+                     _f(max((t[f].spread for f in FORMATS
+                             if t[f].ok and math.isfinite(t[f].spread)), default=math.nan), ".2f"),
+                     verdict])
+    return rows, gains
+
+
+_SPEED_HEADER = ["layer", "matmuls (MxKxN)", "GFLOP f+b", "fp32 ms", "bf16", "fp16", "fp8",
+                 "fp8 vs bf16", "max IQR/med", "verdict"]
+
+
+def section_layers(cfg: Config, dev: torch.device, ctx: dict) -> None:
+    from autoprec.task import move_to
+    from autoprec.timing import measure_layers
+
+    _section(f"2. Per-layer speed: HF GPT-2 {cfg.n_layer}x{cfg.n_embd}, batch "
+             f"{cfg.batch}x{cfg.seq} (measure_layers, "
+             f"{'CUDA events' if dev.type == 'cuda' else 'wall clock'})")
+    print("Each layer alone, forward + backward at the shapes it sees in the model, formats "
+          "interleaved; columns bf16/fp16/fp8 are speed-ups over fp32 (fp32 time / format time, "
+          ">1 is faster); 'fp8 vs bf16' is bf16 time / fp8 time. attn includes its c_attn and "
+          "c_proj; block includes everything in transformer.h.0.")
+    if dev.type == "cpu":
+        print("* emulated: on CPU fp8 is quantize -> dequantize -> fp32 matmul, slower than fp32 "
+              "by construction; these ratios are not a speed measurement.")
+    torch.manual_seed(0)
+    model = _model(cfg).to(dev)
+    batch = move_to(_batches(cfg, 1, seed=0)[0], dev)
+    h0 = "transformer.h.0"
+    fqns = [f"{h0}.attn.c_attn", f"{h0}.attn.c_proj", f"{h0}.attn", f"{h0}.mlp.c_fc",
+            f"{h0}.mlp.c_proj", h0, "lm_head"]
+    labels = {f: f.replace("transformer.", "") for f in fqns}
+    labels[f"{h0}.attn"] = "h.0.attn (whole)"
+    labels[h0] = "h.0 (whole block)"
+    shapes = _matmul_shapes(model, batch, fqns)
+    t0 = time.perf_counter()
+    times = measure_layers(model, batch, fqns, FORMATS, warmup=cfg.warmup, repeats=cfg.repeats,
+                           budget_s=cfg.layer_budget_s)
+    rows, gains = _speed_rows(times, shapes, labels)
+    _table(rows, _SPEED_HEADER)
+    print(f"({time.perf_counter() - t0:.1f} s)")
+    fp8_notes = sorted({per[k].note for per in times.values() for k in per
+                        if k.value == "fp8" and per[k].note})
+    for n in fp8_notes[:4]:
+        print(f"fp8 note: {n}")
+    del model, batch
+    ctx["gpt2_fp8_gains"] = gains
+
+    print("\nLone linear layers (x[M,K] @ W[N,K].T + b, input needs grad), same measurement:")
+    rows, sweep_gains = [], []
+    for m, k, n in cfg.linear_sweep:
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(k, n).to(dev)
+        x = torch.randn(m, k, device=dev, requires_grad=True)
+        tl = measure_layers(lin, x, [""], FORMATS, warmup=cfg.warmup, repeats=cfg.repeats,
+                            budget_s=cfg.layer_budget_s)
+        label = f"linear {m}x{k}x{n}"
+        r, g = _speed_rows({label: tl[""]}, {label: [(1, m, k, n)]}, {})
+        rows += r
+        sweep_gains += g
+        del lin, x, tl
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    _table(rows, _SPEED_HEADER)
+    ctx["sweep_fp8_gains"] = sweep_gains
+
+
+# ============================================================================ 3. whole step
+@dataclasses.dataclass
+class Variant:
+    name: str
+    autocast: bool = False
+    policy: object = None  # autoprec.Policy
+
+
+def _prepare(variant: Variant, base, dev: torch.device, cfg: Config):
+    """A fresh copy of the base model on the device, with the variant's precision, its
+    optimizer (AdamW, warmup + cosine) and GradScaler (only an fp16 policy has one)."""
+    import autoprec
+
+    model = copy.deepcopy(base).to(dev).train()
+    scaler = None
+    if variant.policy is not None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*can only emulate.*")
+            autoprec.apply(model, variant.policy, strict=False)
+        scaler = variant.policy.grad_scaler(dev)
+        if not scaler.is_enabled():
+            scaler = None
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.1,
+                            betas=(0.9, 0.95), fused=dev.type == "cuda")
+    return model, opt, scaler
+
+
+def _lr_factor(step: int, total: int) -> float:
+    warm = max(1, total // 10)
+    if step < warm:
+        return (step + 1) / warm
+    p = (step - warm) / max(1, total - warm)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p))
+
+
+def _step_fn(model, opt, scaler, variant: Variant, dev: torch.device):
+    ac = torch.autocast(dev.type, dtype=torch.bfloat16) if variant.autocast \
+        else contextlib.nullcontext()
+
+    def step(batch):
+        with ac:
+            loss = model(**batch).loss
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def _eval_loss(model, variant: Variant, batches, dev: torch.device) -> float:
+    ac = torch.autocast(dev.type, dtype=torch.bfloat16) if variant.autocast \
+        else contextlib.nullcontext()
+    model.eval()
+    with torch.no_grad(), ac:
+        losses = [float(model(**b).loss) for b in batches]
+    model.train()
+    return statistics.fmean(losses)
+
+
+def _tune(cfg: Config, dev: torch.device, outdir: str, stamp: str, clock: _Clock, ctx: dict):
+    import autoprec
+    from autoprec.task import Task
+
+    task = Task(model=lambda: _model(cfg), batches=_batches(cfg, 3, seed=1), device=dev,
+                name=f"gpt2-{cfg.n_layer}x{cfg.n_embd}-b{cfg.batch}x{cfg.seq}")
+    timeout = max(20.0, min(cfg.tune_timeout, clock.left() * 0.4))
+    policy_path = os.path.join(outdir, f"gpu_check-{stamp}-tuned.yaml")
+    log_path = os.path.join(outdir, f"gpu_check-{stamp}-tune.log")
+    print(f"tune: {cfg.trials} trials max, groups=True, formats {', '.join(FORMATS)}, trial "
+          f"phase capped at {timeout:.0f} s; log -> {log_path}", flush=True)
+    t0 = time.perf_counter()
+    real_err = sys.stderr
+    with tempfile.TemporaryDirectory() as tmp, open(log_path, "w", buffering=1) as log:
+        sys.stderr = log
+        try:
+            result = autoprec.tune(task, n_trials=cfg.trials, groups=True, timeout=timeout,
+                                   storage=f"sqlite:///{os.path.join(tmp, 'study.db')}",
+                                   output=policy_path, progress=True)
+        finally:
+            sys.stderr = real_err
+    written = result.save(policy_path)
+    print(f"tune took {time.perf_counter() - t0:.0f} s; {result.summary()}")
+    print("profile measured by tune on this device (per layer; err = relative loss change "
+          "with that layer alone in the format):")
+    print(result.profile.table())
+    print("tuned policy:")
+    print(result.policy.to_yaml().rstrip())
+    ctx["files"] += written + [log_path]
+    return result.policy
+
+
+def section_step(cfg: Config, dev: torch.device, ctx: dict, *, outdir: str, stamp: str,
+                 clock: _Clock, skip_tune: bool) -> None:
+    from autoprec import Policy
+    from autoprec.task import move_to
+
+    _section(f"3. Whole training step: HF GPT-2 {cfg.n_layer}x{cfg.n_embd}, batch "
+             f"{cfg.batch}x{cfg.seq}, AdamW + grad clip")
+    variants = [Variant("fp32"), Variant("autocast(bf16)", autocast=True),
+                Variant("fp8 uniform", policy=Policy(default="fp8"))]
+    if skip_tune:
+        print("tuned policy: skipped (--skip-tune)")
+    else:
+        try:
+            variants.append(Variant("tuned policy", policy=_tune(cfg, dev, outdir, stamp, clock,
+                                                                 ctx)))
+        except Exception:  # noqa: BLE001 - the other rows are still worth measuring
+            print("tune FAILED; the tuned row is missing:")
+            traceback.print_exc(file=sys.stdout)
+            ctx["failed"].append("tune")
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    if dev.type == "cpu":
+        print("CPU dry run: fp8 is emulated (quantize -> dequantize -> fp32 matmul), so its time "
+              "is not a speed; peak memory is a CUDA measurement (n/a here).")
+
+    torch.manual_seed(0)
+    base = _model(cfg)  # the same init as tune's task (Task seeds 0 before the factory)
+    batch = move_to(_batches(cfg, 1, seed=0)[0], dev)
+
+    # -- one step of each variant alone: does it run, how many real FP8 kernels (aten._scaled_mm,
+    # forward + backward), and (CUDA) its peak memory with only this variant resident
+    mem: dict[str, tuple[float, float]] = {}
+    calls: dict[str, int] = {}
+    for v in list(variants):
+        try:
+            gc.collect()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+            model, opt, scaler = _prepare(v, base, dev, cfg)
+            step = _step_fn(model, opt, scaler, v, dev)
+            counter = ScaledMMCounter()
+            with counter:
+                step(batch)  # also allocates the AdamW state
+            calls[v.name] = counter.calls
+            if dev.type == "cuda":
+                _sync(dev)
+                resident = torch.cuda.memory_allocated(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
+                step(batch)
+                _sync(dev)
+                peak = torch.cuda.max_memory_allocated(dev)
+                mem[v.name] = (peak - before, peak - resident)
+        except Exception:  # noqa: BLE001 - measure the variants that do run
+            print(f"variant {v.name} FAILED in its first training step; left out:")
+            traceback.print_exc(file=sys.stdout)
+            ctx["failed"].append(f"step:{v.name}")
+            variants.remove(v)
+        finally:
+            model = opt = scaler = step = None
+    if [v.name for v in variants[:2]] != ["fp32", "autocast(bf16)"]:
+        raise RuntimeError("fp32 or autocast(bf16) failed: no reference for the ratios")
+
+    # -- step time, all variants resident, interleaved round-robin
+    steps = {}
+    for v in variants:
+        model, opt, scaler = _prepare(v, base, dev, cfg)
+        steps[v.name] = _step_fn(model, opt, scaler, v, dev)
+    model = opt = scaler = None
+    times = interleaved({k: (lambda s=s: s(batch)) for k, s in steps.items()},
+                        warmup=cfg.warmup, rounds=cfg.step_rounds, sync=lambda: _sync(dev))
+    del steps
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    sec = {k: median(v) for k, v in times.items()}
+
+    # -- training runs: same init, same batches (order A); fp32 again with order B for noise
+    runs = [(v, 0) for v in variants] + [(variants[0], 1)]
+    per_step = sum(sec[v.name] for v, _ in runs) * 1.5
+    n_steps = cfg.steps
+    if clock.left() < n_steps * per_step + 10:
+        n_steps = max(5, int((clock.left() - 10) / per_step))
+        print(f"note: training shortened to {n_steps} steps (of {cfg.steps}) to fit the "
+              f"{cfg.budget_s:.0f} s budget ({clock.left():.0f} s left)")
+    data = [move_to(b, dev) for b in _batches(cfg, n_steps, seed=2)]
+    held_out = [move_to(b, dev) for b in _batches(cfg, cfg.eval_batches, seed=99,
+                                                  skip=3_000_000)]
+    order_b = torch.randperm(n_steps, generator=torch.Generator().manual_seed(7)).tolist()
+    losses: dict[str, tuple[float, float, str]] = {}
+    for v, order in runs:
+        key = v.name if order == 0 else "fp32 (order B)"
+        t0 = time.perf_counter()
+        curve, note, ev = [], "", math.nan
+        try:
+            model, opt, scaler = _prepare(v, base, dev, cfg)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: _lr_factor(i, n_steps))
+            step = _step_fn(model, opt, scaler, v, dev)
+            for i in range(n_steps):
+                torch.manual_seed(i)
+                loss = float(step(data[order_b[i] if order else i]))
+                sched.step()
+                curve.append(loss)
+                if not math.isfinite(loss):
+                    note = f"non-finite loss at step {i}"
+                    break
+            if not note:
+                ev = _eval_loss(model, v, held_out, dev)
+        except Exception as e:  # noqa: BLE001 - the other runs still count
+            note = f"failed at step {len(curve)}: {type(e).__name__}"
+            traceback.print_exc(file=sys.stdout)
+            ctx["failed"].append(f"train:{key}")
+        finally:
+            model = opt = scaler = step = sched = None
+        tail = curve[-max(1, len(curve) // 10):]
+        losses[key] = (statistics.fmean(tail) if tail else math.nan, ev, note)
+        print(f"  trained {key}: {len(curve)} steps in {time.perf_counter() - t0:.1f} s, "
+              f"held-out loss {_f(ev, '.4f')} {note}", flush=True)
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # -- the table
+    ref_t, bf_t = sec["fp32"], sec["autocast(bf16)"]
+    ref_l, bf_l = losses["fp32"][1], losses["autocast(bf16)"][1]
+    rows = []
+    for v in variants:
+        s = sec[v.name]
+        peak, act = mem.get(v.name, (math.nan, math.nan))
+        p32 = mem.get("fp32", (math.nan,))[0]
+        pbf = mem.get("autocast(bf16)", (math.nan,))[0]
+        train_l, ev, note = losses[v.name]
+        rows.append([v.name, f"{s * 1e3:.1f}", f"{spread(times[v.name]):.2f}", _x(ref_t / s),
+                     _x(bf_t / s), _f(peak / 2**30, ".2f"), _f(act / 2**30, ".2f"),
+                     _f(peak / p32, ".2f"), _f(peak / pbf, ".2f"), _f(train_l, ".4f"),
+                     _f(ev, ".4f"), _f((ev - ref_l) / ref_l, "+.2%"),
+                     _f((ev - bf_l) / bf_l, "+.2%"), calls[v.name], note])
+    train_b, ev_b, note_b = losses["fp32 (order B)"]
+    rows.append(["fp32 (order B)", "-", "-", "-", "-", "-", "-", "-", "-", _f(train_b, ".4f"),
+                 _f(ev_b, ".4f"), _f((ev_b - ref_l) / ref_l, "+.2%"),
+                 _f((ev_b - bf_l) / bf_l, "+.2%"), "-", note_b or "run-to-run noise"])
+    print(f"\nstep = forward + backward + clip + AdamW, median of {cfg.step_rounds} rounds "
+          f"(variants interleaved); speed-up = fp32 (or autocast) time / variant time.\n"
+          f"peak = torch.cuda.max_memory_allocated over one step (weights + grads + AdamW + "
+          f"activations); act = peak minus what was resident before the step; mem ratios are "
+          f"variant / fp32 and variant / autocast.\nloss after {n_steps} steps (lr {cfg.lr:g}, "
+          f"warmup + cosine, same init and batches): train = mean of the last tenth, held-out = "
+          f"{cfg.eval_batches} batches in the variant's precision; Δ = relative to fp32 / "
+          f"autocast(bf16).")
+    _table(rows, ["variant", "step ms", "IQR/med", "vs fp32", "vs bf16", "peak GiB", "act GiB",
+                  "mem/fp32", "mem/bf16", "train loss", "held-out", "Δ vs fp32", "Δ vs bf16",
+                  "_scaled_mm/step", "note"])
+    noise = abs(ev_b - ref_l) / ref_l if math.isfinite(ev_b) and ref_l else math.nan
+    print(f"fp32 run-to-run noise (batch order only): {_f(noise, '.2%')} of held-out loss")
+    ctx["step"] = {k: ref_t / s for k, s in sec.items()}
+    ctx["step_bf16"] = {k: bf_t / s for k, s in sec.items()}
+    ctx["loss"] = {k: v[1] for k, v in losses.items()}
+    ctx["scaled_mm"] = calls
+    ctx["noise"] = noise
+
+
+# ============================================================================ main
+def _check_deps(skip_tune: bool) -> None:
+    missing = []
+    for mod in ("yaml", "transformers") + (() if skip_tune else ("optuna", "scipy")):
+        try:
+            importlib.import_module(mod)
+        except ImportError:
+            missing.append({"yaml": "pyyaml"}.get(mod, mod))
+    if missing:
+        print(f"gpu_check: missing Python packages: {', '.join(missing)}.\n"
+              f"  Install them first (from the repository root):\n"
+              f"    pip install {' '.join(missing)}\n"
+              f"  No network on this machine? On one with network: "
+              f"pip download {' '.join(missing)} -d wheels/ ; carry wheels/ over, then:\n"
+              f"    pip install --no-index --find-links wheels/ {' '.join(missing)}\n"
+              + ("" if {"yaml", "pyyaml", "transformers"} & set(missing) else
+                 "  Or rerun with --skip-tune to measure everything except the tuned policy.\n"),
+              file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dry-run", action="store_true",
+                    help="the same code path on CPU at tiny sizes (tests the script)")
+    ap.add_argument("--skip-tune", action="store_true", help="no optuna: leave out the tuned row")
+    ap.add_argument("--sections", default="numerics,layers,step",
+                    help="comma-separated subset of numerics,layers,step")
+    ap.add_argument("--output-dir", default=None, help="default: $OUT, else benchmarks/results")
+    for name, typ in (("layers", int), ("width", int), ("heads", int), ("batch", int),
+                      ("seq", int), ("steps", int), ("trials", int), ("budget-s", float)):
+        ap.add_argument(f"--{name}", type=typ, default=None, help="override the config")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    _check_deps(args.skip_tune)
+    cfg = Config.dry() if args.dry_run else Config.full()
+    for arg, attr in (("layers", "n_layer"), ("width", "n_embd"), ("heads", "n_head"),
+                      ("batch", "batch"), ("seq", "seq"), ("steps", "steps"),
+                      ("trials", "trials"), ("budget_s", "budget_s")):
+        if getattr(args, arg) is not None:
+            setattr(cfg, attr, getattr(args, arg))
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here. Run it on the GPU machine, or use --dry-run to "
+              "test the script on CPU.", file=sys.stderr)
+        return 2
+    dev = torch.device(cfg.device)
+    clock = _Clock(cfg.budget_s)
+    outdir = _out_dir(args.output_dir)
+    stamp = time.strftime("%Y%m%d-%H%M%S") + ("-dryrun" if args.dry_run else "")
+    path = os.path.join(outdir, f"gpu_check-{stamp}.txt")
+    tee = _Tee(sys.stdout, path)
+    sys.stdout = tee
+    ctx: dict = {"files": [path], "failed": []}
+    try:
+        import transformers
+
+        from autoprec.formats import supported_formats
+
+        print(f"gpu_check {'DRY RUN (CPU, tiny sizes)' if args.dry_run else '(full)'} -- "
+              f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
+        print(device_line())
+        sup = {f.value: s.value for f, s in supported_formats(dev).items()}
+        cuda = ""
+        if dev.type == "cuda":
+            cap = torch.cuda.get_device_capability(dev)
+            cuda = (f"; CUDA {torch.version.cuda}, sm_{cap[0]}{cap[1]}, TF32 matmul "
+                    f"{'on' if torch.backends.cuda.matmul.allow_tf32 else 'off'}")
+        print(f"transformers {transformers.__version__}; formats on {dev}: "
+              f"{', '.join(f'{k} {v}' for k, v in sup.items())}{cuda}")
+        print(f"GPT-2 {cfg.n_layer} layers x {cfg.n_embd} wide, {cfg.n_head} heads, vocab 256 "
+              f"(bytes), eager attention (its matmuls visible to the FP8 router); batch "
+              f"{cfg.batch}x{cfg.seq}; budget {cfg.budget_s:.0f} s")
+        if dev.type == "cpu":
+            print("NOTE: CPU dry run. FP8 is EMULATED everywhere except the numerics section's "
+                  "'real' column (CPU torch._scaled_mm via native=True); no number here is a GPU "
+                  "measurement.")
+        sections = {s.strip() for s in args.sections.split(",") if s.strip()}
+        for name, fn in (("numerics", lambda: section_numerics(cfg, dev, ctx)),
+                         ("layers", lambda: section_layers(cfg, dev, ctx)),
+                         ("step", lambda: section_step(cfg, dev, ctx, outdir=outdir, stamp=stamp,
+                                                       clock=clock, skip_tune=args.skip_tune))):
+            if name not in sections:
+                continue
+            t0 = time.perf_counter()
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - the next section still runs
+                print(f"\nsection {name} FAILED:")
+                traceback.print_exc(file=sys.stdout)
+                ctx["failed"].append(name)
+            print(f"[{name}: {time.perf_counter() - t0:.0f} s; {clock.elapsed():.0f} s total]",
+                  flush=True)
+            if dev.type == "cuda":
+                gc.collect()
+                torch.cuda.empty_cache()
+
+        _section("Summary")
+        if "numerics_worst" in ctx:
+            print(f"numerics: worst real~emu {ctx['numerics_worst']:.2e}; "
+                  f"{'all ok' if ctx['numerics_ok'] else 'CHECK the table'}")
+        if "gpt2_fp8_gains" in ctx:
+            print(f"GPT-2 layers where fp8 beats bf16 by >=5%: "
+                  f"{', '.join(ctx['gpt2_fp8_gains']) or 'none'}; lone linears: "
+                  f"{', '.join(ctx['sweep_fp8_gains']) or 'none'}")
+        if "step" in ctx:
+            print("step speed-up vs fp32: " + ", ".join(f"{k} {_x(v)}" for k, v in
+                                                         ctx["step"].items()))
+            print("step speed-up vs autocast(bf16): " + ", ".join(
+                f"{k} {_x(v)}" for k, v in ctx["step_bf16"].items()))
+            print("held-out loss: " + ", ".join(f"{k} {_f(v, '.4f')}" for k, v in
+                                                ctx["loss"].items()))
+        print(f"failed sections: {', '.join(ctx['failed']) or 'none'}; "
+              f"total {clock.elapsed():.0f} s")
+        print("files: " + ", ".join(ctx["files"]))
+    finally:
+        sys.stdout = tee.stream
+        tee.close()
+    return 1 if ctx["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
