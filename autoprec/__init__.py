@@ -45,6 +45,12 @@ __all__ = [
     "apply",
     "remove",
     "applied_formats",
+    "Guard",
+    "GuardConfig",
+    "GuardEvent",
+    "get_guard",
+    "training_kit",
+    "PolicyCallback",
 ]
 
 _LAZY = {
@@ -53,6 +59,9 @@ _LAZY = {
     "profile": "autoprec.profile", "Profile": "autoprec.profile",
     "tune": "autoprec.search", "TuneResult": "autoprec.search",
     "validate": "autoprec.validate", "ValidationResult": "autoprec.validate",
+    "Guard": "autoprec.guard", "GuardConfig": "autoprec.guard", "GuardEvent": "autoprec.guard",
+    "get_guard": "autoprec.guard",
+    "training_kit": "autoprec.integrations", "PolicyCallback": "autoprec.integrations",
 }
 
 

@@ -22,37 +22,43 @@ What counts as a failure, per step and per watched layer:
   (fp16: 65504; bf16 and fp8: BF16's max, which fp8 layers output; their FP8 operands are
   rescaled per tensor into E4M3/E5M2 range, so a finite operand never overflows FP8 itself);
 - the gradient reaching its output (dL/d output, what its backward consumes) is non-finite or
-  above that limit. With an enabled ``GradScaler`` these are first the scaler's to handle (it
-  skips the step and halves the scale): they count only once its scale is at or below
-  ``GuardConfig.min_loss_scale`` (1.0: the gradient overflows unscaled).
+  above that limit, or (fp16 layers) the gradient of its own weights is non-finite (a tied
+  weight, such as GPT-2's ``lm_head``/``wte``, is not its own). With an enabled ``GradScaler`` these are
+  first the scaler's to handle (it skips the step and halves the scale): they count only once
+  its scale is at or below ``GuardConfig.min_loss_scale`` (1.0: the gradient overflows
+  unscaled).
 
 Attribution: a non-finite value propagates, so in one step many layers fail because of one.
-The guard blames the *first* failing layer in execution order (forward order for outputs,
-backward order for gradients; a step with a failing output is judged on its outputs only). A
-blamed layer becomes a suspect: from the next step on its inputs are checked as well, and a
-layer whose inputs were already non-finite is cleared (the fault lies upstream, perhaps in an
-unwatched layer) and the blame moves to the next failing layer. Suspects also get the fraction
-of failing values measured, for the log. A layer blamed ``patience`` steps in a row is demoted
-one step (``Format.demoted()``: fp8 -> bf16 -> fp32, fp16 -> fp32) for the rest of the run, by
+The guard blames the *first* failing layer in execution order: forward order for outputs (a
+step with a failing output is judged on its outputs only), then for gradients a layer whose
+own weight gradient fails while the gradient at its output is finite (its backward
+overflowed), else the first in backward order whose output gradient fails. A blamed layer
+becomes a suspect: from the next step on its inputs are checked as well, and a layer whose
+inputs were already non-finite is cleared (the fault lies upstream, perhaps in an unwatched
+layer) and the blame moves to the next failing layer. Suspects also get the share of failing
+values measured, for the log. A layer blamed ``patience`` steps in a row is demoted one step
+(``Format.demoted()``: fp8 -> bf16 -> fp32, fp16 -> fp32) for the rest of the run, by
 re-applying the policy amended with ``{fqn: new_format}`` (the module tree, parameters and
 ``state_dict`` are untouched; a parent's children that inherited its format are pinned to it,
 so only the parent's own computation changes).
 
-Cost: one fused reduction (``torch.aminmax``) per watched output and per watched gradient,
-kept on the device; ``step()`` reads them all with a single host sync. Nothing is watched
-while autograd is off (evaluation).
+Cost: one fused reduction per watched output, output gradient and own weight gradient, kept on
+the device: ``torch.aminmax`` for fp16 layers (a finite FP32 value can exceed 65504), a plain
+``sum`` elsewhere (non-finite exactly when a value is; about twice as fast). ``step()`` reads
+them all with one host sync per device. Nothing is watched while autograd is off (evaluation).
+Measured on GPT-2 4x256, batch 16x128, 20 layers watched: about 1-2% of a CPU training step
+(``benchmarks/bench_guard.py``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
 import re
 import warnings
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -69,13 +75,16 @@ logger = logging.getLogger(__name__)
 _GUARD_ATTR = "_autoprec_guard"
 _ATTENTION_CLASS_NAME = re.compile(r"atten|attn", re.IGNORECASE)
 _BF16_MAX = float(torch.finfo(torch.bfloat16).max)
+# What the hooks record per watched layer: outputs, inputs (suspects only), the gradient at the
+# output, the gradients of the layer's own parameters.
+_KINDS = ("out", "in", "grad", "wgrad")
 
 
 @dataclass(frozen=True)
 class GuardConfig:
     """How the runtime guard judges and demotes layers."""
 
-    # Consecutive steps a layer must be blamed before it is demoted.
+    # Consecutive steps a layer must be blamed before it is demoted (>= 2: see __post_init__).
     patience: int = 2
     # Watch dL/d(output) of each watched layer as well as its outputs.
     check_gradients: bool = True
@@ -88,9 +97,11 @@ class GuardConfig:
     save_to: str | None = None
 
     def __post_init__(self):
-        if int(self.patience) != self.patience or self.patience < 1:
-            raise ValueError(f"GuardConfig.patience must be a positive integer, got "
-                             f"{self.patience!r}.")
+        if int(self.patience) != self.patience or self.patience < 2:
+            raise ValueError(
+                f"GuardConfig.patience must be an integer >= 2, got {self.patience!r}: a "
+                "layer's first failing step makes it a suspect, and only the next one checks "
+                "whether its inputs were already non-finite (the fault upstream, not its own).")
         formats = tuple(Format.parse(f, where="in GuardConfig.formats") for f in self.formats)
         if Format.FP32 in formats:
             raise ValueError("GuardConfig.formats cannot include fp32: an fp32 layer has no "
@@ -113,9 +124,10 @@ class GuardEvent:
     fqn: str
     old: Format
     new: Format
-    # What was measured, e.g. "12% of outputs overflow fp16 max 65504 (2 steps in a row)".
+    # What was measured, e.g. "26% of outputs overflow fp16 max 65504 (amax inf); 2 steps in
+    # a row".
     reason: str
-    # "outputs" or "gradients".
+    # "outputs", "gradients" (at the layer's output) or "weight gradients".
     where: str
 
     def to_dict(self) -> dict[str, Any]:
@@ -161,11 +173,20 @@ def _first_tensor(obj: Any, depth: int = 0) -> torch.Tensor | None:
     return None
 
 
-def _record(store: dict, fqn: str, t: torch.Tensor) -> None:
-    """Fold ``t``'s (min, max) into ``store[fqn]`` on t's device; NaN propagates."""
+def _record(store: dict, fqn: str, t: torch.Tensor, exact: bool = False) -> None:
+    """Fold a check of ``t`` into ``store[fqn]``, on t's device; NaN and inf propagate.
+
+    ``exact``: the (min, max) of ``t`` (``torch.aminmax``), for layers whose limit is below
+    FP32's range (fp16: 65504). Otherwise ``t.sum()``, twice as fast, stands for both: it is
+    non-finite exactly when some value is (or when the values are so large that their sum
+    overflows FP32 - an overflow of BF16's range too).
+    """
     if t.numel() == 0:
         return
-    mn, mx = torch.aminmax(t)
+    if exact:
+        mn, mx = torch.aminmax(t)
+    else:
+        mn = mx = t.sum()
     prev = store.get(fqn)
     store[fqn] = (mn, mx) if prev is None else (torch.minimum(prev[0], mn),
                                                 torch.maximum(prev[1], mx))
@@ -175,20 +196,26 @@ def _record_fraction(store: dict, fqn: str, t: torch.Tensor, limit: float) -> No
     """Fraction of ``t``'s values that are NaN or above ``limit`` in magnitude (suspects only)."""
     if t.numel() == 0:
         return
-    frac = ((t.abs() > limit) | t.isnan()).float().mean()
+    bad = ~torch.isfinite(t) if math.isinf(limit) else (t.abs() > limit) | t.isnan()
+    frac = bad.float().mean()
     prev = store.get(fqn)
     store[fqn] = frac if prev is None else torch.maximum(prev, frac)
 
 
 def _read(tensors: list[torch.Tensor]) -> list[float]:
-    """Host values of many 0-d tensors: one transfer (one sync) per device."""
+    """Host values of many 0-d tensors: one stack per (device, dtype), one transfer (one sync)
+    per device."""
     out: list[float] = [0.0] * len(tensors)
-    by_device: dict[torch.device, list[int]] = {}
+    groups: dict[tuple, list[int]] = {}
     for i, t in enumerate(tensors):
-        by_device.setdefault(t.device, []).append(i)
-    for idx in by_device.values():
-        values = torch.stack([tensors[i].float() for i in idx]).tolist()
-        for i, v in zip(idx, values):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    by_device: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
+    for (device, _), idx in groups.items():
+        stacked = torch.stack([tensors[i] for i in idx]).float()
+        by_device.setdefault(device, []).append((idx, stacked))
+    for parts in by_device.values():
+        values = torch.cat([t for _, t in parts]).tolist()
+        for i, v in zip((i for idx, _ in parts for i in idx), values):
             out[i] = v
     return out
 
@@ -200,7 +227,7 @@ def _amax(mn: float, mx: float) -> float:
 
 
 def _bad(amax: float, limit: float) -> bool:
-    return not (amax <= limit)  # NaN compares False: bad
+    return not math.isfinite(amax) or amax > limit
 
 
 class _Watch:
@@ -211,6 +238,7 @@ class _Watch:
         self.guard = guard
         self.fqn = fqn
         self.limit = limit
+        self.exact = limit < _BF16_MAX  # fp16: a finite FP32 value can exceed the limit
 
     def forward_hook(self, module, args, kwargs, output):
         if not torch.is_grad_enabled():
@@ -220,30 +248,37 @@ class _Watch:
             return None
         g = self.guard
         d = out.detach()
-        _record(g._fwd, self.fqn, d)
+        _record(g._amax["out"], self.fqn, d, self.exact)
         if self.fqn in g._suspects:
             x = _first_tensor(args)
             if x is None:
                 x = _first_tensor(kwargs)
             if x is not None and x.is_floating_point():
-                _record(g._fwd_in, self.fqn, x.detach())
-            _record_fraction(g._fwd_frac, self.fqn, d, self.limit)
+                _record(g._amax["in"], self.fqn, x.detach())
+            _record_fraction(g._frac["out"], self.fqn, d, self.limit)
         if g.config.check_gradients and out.requires_grad:
             out.register_hook(self.grad_hook)
         return None
 
     def grad_hook(self, grad):
         g = self.guard
-        _record(g._bwd, self.fqn, grad)
+        _record(g._amax["grad"], self.fqn, grad, self.exact)
         if self.fqn in g._suspects:
-            _record_fraction(g._bwd_frac, self.fqn, grad, self.limit)
+            _record_fraction(g._frac["grad"], self.fqn, grad, self.limit)
+        return None
+
+    def weight_grad_hook(self, grad):
+        g = self.guard
+        _record(g._amax["wgrad"], self.fqn, grad)
+        if self.fqn in g._suspects:
+            _record_fraction(g._frac["wgrad"], self.fqn, grad, math.inf)
         return None
 
 
 @dataclass
 class _Failure:
     fqn: str
-    where: str  # "outputs" | "gradients"
+    where: str  # "outputs" | "gradients" | "weight gradients"
     amax: float
     fraction: float | None
     scale: float | None = None
@@ -266,7 +301,6 @@ class Guard:
         self.model: nn.Module | None = None
         # GradScaler consulted by step() when none is passed (set by autoprec.integrations).
         self.scaler: torch.amp.GradScaler | None = None
-        self._original: Policy | None = None
         self._watched: dict[str, Format] = {}
         self._handles: list = []
         self._step = 0
@@ -293,9 +327,11 @@ class Guard:
         self._remove_hooks()
         self.model = model
         self.policy = policy
-        if self._original is None:
-            self._original = policy
         self._watched = {}
+        owners: dict[int, int] = {}
+        for module in model.modules():
+            for p in module.parameters(recurse=False):
+                owners[id(p)] = owners.get(id(p), 0) + 1
         for fqn, module in model.named_modules():
             if not _computes(module):
                 continue
@@ -306,6 +342,15 @@ class Guard:
             watch = _Watch(self, fqn, _limit(fmt))
             self._handles.append(module.register_forward_hook(watch.forward_hook,
                                                               with_kwargs=True))
+            # Weight gradients of fp16 layers only: their FP16 products (a sum over every
+            # token) can overflow where the gradient at the output does not. A bf16 product
+            # has FP32's range, and fp8's gradients are rescaled into E5M2 and come back FP32.
+            if self.config.check_gradients and fmt is Format.FP16:
+                for p in module.parameters(recurse=False):
+                    # a tied weight (GPT-2's lm_head and wte) also gets gradients from its
+                    # other owners: its gradient says nothing about this module's backward
+                    if p.requires_grad and owners[id(p)] == 1:
+                        self._handles.append(p.register_hook(watch.weight_grad_hook))
         model.__dict__[_GUARD_ATTR] = self
         return self
 
@@ -323,11 +368,12 @@ class Guard:
         self._handles = []
 
     def _reset_records(self) -> None:
-        self._fwd: dict[str, tuple] = {}
-        self._bwd: dict[str, tuple] = {}
-        self._fwd_in: dict[str, tuple] = {}
-        self._fwd_frac: dict[str, torch.Tensor] = {}
-        self._bwd_frac: dict[str, torch.Tensor] = {}
+        # fqn -> (min, max), or (sum, sum), as 0-d tensors on the device (see _record), folded
+        # over the calls of one step, of: outputs, inputs (suspects only), gradients at the
+        # output, gradients of own parameters.
+        self._amax: dict[str, dict[str, tuple]] = {k: {} for k in _KINDS}
+        # fqn -> share of failing values (suspects only), for the log
+        self._frac: dict[str, dict[str, torch.Tensor]] = {k: {} for k in _KINDS}
 
     @property
     def watched(self) -> dict[str, Format]:
@@ -349,23 +395,18 @@ class Guard:
             # autoprec.remove(model) ran: nothing left to guard
             self.detach()
             return []
-        fwd, bwd, fwd_in = self._fwd, self._bwd, self._fwd_in
-        fwd_frac, bwd_frac = self._fwd_frac, self._bwd_frac
+        recorded, fractions = self._amax, self._frac
         self._reset_records()
-        if not fwd and not bwd:
-            return []  # no training forward since the last step
+        if not recorded["out"] and not recorded["grad"] and not recorded["wgrad"]:
+            return []  # no training step since the last call
 
         # one host sync for everything recorded in this step
-        tensors: list[torch.Tensor] = []
-        for store in (fwd, bwd, fwd_in):
-            for mn, mx in store.values():
-                tensors += [mn, mx]
-        fracs = list(fwd_frac.values()) + list(bwd_frac.values())
-        values = iter(_read(tensors + fracs))
-        amax = {key: {fqn: _amax(next(values), next(values)) for fqn in store}
-                for key, store in (("fwd", fwd), ("bwd", bwd), ("in", fwd_in))}
-        frac = {"fwd": {fqn: next(values) for fqn in fwd_frac},
-                "bwd": {fqn: next(values) for fqn in bwd_frac}}
+        tensors = [t for k in _KINDS for pair in recorded[k].values() for t in pair]
+        tensors += [t for k in _KINDS for t in fractions[k].values()]
+        values = iter(_read(tensors))
+        amax = {k: {fqn: _amax(next(values), next(values)) for fqn in recorded[k]}
+                for k in _KINDS}
+        frac = {k: {fqn: next(values) for fqn in fractions[k]} for k in _KINDS}
 
         failure, cleared = self._blame(amax, frac, scaler if scaler is not None else self.scaler)
         blamed = failure.fqn if failure is not None else None
@@ -385,47 +426,60 @@ class Guard:
         """The layer to blame for this step (or None) and the layers cleared of blame."""
         cleared: set[str] = set()
         limits = {fqn: _limit(fmt) for fqn, fmt in self._watched.items()}
+
+        def bad(kind: str, fqn: str) -> bool:
+            a = amax[kind].get(fqn)
+            limit = math.inf if kind == "wgrad" else limits.get(fqn)
+            return a is not None and limit is not None and _bad(a, limit)
+
+        # Outputs, in forward order: the first failing layer whose inputs were finite.
         fwd_failed = False
-        for fqn, a in amax["fwd"].items():
-            if fqn not in limits or not _bad(a, limits[fqn]):
+        for fqn, a in amax["out"].items():
+            if not bad("out", fqn):
                 continue
             fwd_failed = True
             a_in = amax["in"].get(fqn)
             if a_in is not None and not math.isfinite(a_in):
                 cleared.add(fqn)  # its input was already non-finite: the fault is upstream
                 continue
-            return _Failure(fqn, "outputs", a, frac["fwd"].get(fqn)), cleared
+            return _Failure(fqn, "outputs", a, frac["out"].get(fqn)), cleared
         if fwd_failed:
             return None, cleared  # only layers cleared of blame failed; nothing to demote
-        for fqn, a in amax["bwd"].items():
-            if fqn not in limits or not _bad(a, limits[fqn]):
-                continue
-            scale = None
-            if scaler is not None and scaler.is_enabled():
-                scale = float(scaler.get_scale())
-                if scale > self.config.min_loss_scale:
-                    logger.debug("autoprec guard: step %d: non-finite gradient at %s left to "
-                                 "the GradScaler (scale %g)", self._step, fqn, scale)
-                    return None, cleared
-            return _Failure(fqn, "gradients", a, frac["bwd"].get(fqn), scale), cleared
-        return None, cleared
+
+        # Gradients. A layer whose own weight gradient is non-finite while the gradient at its
+        # output is finite overflowed in its own backward: certain. Otherwise the first layer,
+        # in backward order, whose output gradient fails.
+        own = [f for f in amax["wgrad"] if bad("wgrad", f) and not bad("grad", f)]
+        first = next((f for f in amax["grad"] if bad("grad", f)), None)
+        if own:
+            failure = _Failure(own[0], "weight gradients", amax["wgrad"][own[0]],
+                               frac["wgrad"].get(own[0]))
+        elif first is not None:
+            failure = _Failure(first, "gradients", amax["grad"][first], frac["grad"].get(first))
+        else:
+            return None, cleared
+        if scaler is not None and scaler.is_enabled():
+            failure.scale = float(scaler.get_scale())
+            if failure.scale > self.config.min_loss_scale:
+                logger.debug("autoprec guard: step %d: non-finite %s at %s left to the "
+                             "GradScaler (scale %g)", self._step, failure.where, failure.fqn,
+                             failure.scale)
+                return None, cleared
+        return failure, cleared
 
     def _describe(self, f: _Failure) -> str:
+        """What was measured, e.g. "12% of outputs overflow fp16 max 65504 (amax inf)"."""
         fmt = self._watched.get(f.fqn, Format.FP32)
-        limit = _limit(fmt)
-        what = f.where
-        share = f"{f.fraction:.0%} of {what}" if f.fraction is not None else f"{what}"
-        limit_name = "fp16" if fmt is Format.FP16 else "bf16"
-        if math.isnan(f.amax):
-            text = f"non-finite {what} (NaN)" if f.fraction is None else \
-                f"non-finite {what} (NaN; {share} NaN or inf)"
-        elif math.isinf(f.amax) and fmt is not Format.FP16:
-            text = f"non-finite {what} (inf)" if f.fraction is None else \
-                f"non-finite {what} ({share} inf)"
+        share = None if f.fraction is None else f"{_pct(f.fraction)} of {f.where}"
+        exact = fmt is Format.FP16 and f.where != "weight gradients"  # checked by aminmax
+        if exact and math.isnan(f.amax):
+            text = f"non-finite {f.where} (NaN" + (f"; {share} NaN or inf)" if share else ")")
+        elif exact:
+            text = f"{share or f.where} overflow fp16 max {_limit(fmt):g} (amax {f.amax:g})"
+        elif fmt is Format.FP16:  # an fp16 layer's own weight gradient went non-finite
+            text = f"{share or f.where} overflow fp16 max {_limit(fmt):g} (non-finite)"
         else:
-            verb = "overflow" if f.fraction is not None else f"{what} overflow"
-            subject = share if f.fraction is not None else ""
-            text = f"{subject} {verb} {limit_name} max {limit:g} (amax {f.amax:g})".strip()
+            text = f"non-finite {f.where}" + (f" ({share} NaN or inf)" if share else "")
         if f.scale is not None:
             text += f", loss scale {f.scale:g}"
         return text
@@ -464,24 +518,23 @@ class Guard:
     def _reapply(self, policy: Policy) -> None:
         model = self.model
         names = {id(m): n for n, m in model.named_modules()}
-        before = _applied_formats_by_fqn(model)
-        # Wrappers installed around a region after apply (Accelerate's autocast around the
-        # root's forward when its mixed_precision is not "no") would be dropped by re-applying;
-        # put them back where the module's format does not change.
+        # Wrappers installed around a region after apply (Accelerate's autocast and FP32 output
+        # cast around the root's forward when its mixed_precision is not "no") would be dropped
+        # by re-applying; put them back where the module's format does not change (the root's
+        # never does: a demotion only adds entries for named layers).
         foreign = {}
-        for module, _, _ in model.__dict__.get("_autoprec_applied") or []:
+        for module, *_ in model.__dict__.get("_autoprec_applied") or []:
             fwd = module.__dict__.get("forward")
-            if fwd is not None and not isinstance(fwd, _Region):
+            fqn = names.get(id(module))
+            if fwd is not None and not isinstance(fwd, _Region) and fqn is not None \
+                    and policy.format_for(fqn) is self.policy.format_for(fqn):
                 foreign[module] = fwd
         with warnings.catch_warnings():
             # the policy was checked when first applied; its warnings need not repeat
             warnings.simplefilter("ignore")
             apply(model, policy, strict=False, guard=self)
-        after = _applied_formats_by_fqn(model)
         for module, fwd in foreign.items():
-            fqn = names.get(id(module))
-            if fqn is not None and before.get(fqn) is after.get(fqn):
-                module.forward = fwd
+            module.forward = fwd
 
     # ---------------------------------------------------------------- the amended policy
     def amended_policy(self) -> Policy:
@@ -514,14 +567,6 @@ class Guard:
                 f"{len(self.events)} demotion(s)>")
 
 
-def _applied_formats_by_fqn(model: nn.Module) -> dict[str, Format]:
-    from autoprec.rewrite import applied_formats
-
-    return applied_formats(model)
-
-
-def _names(modules: Iterable[tuple[str, nn.Module]]) -> dict[int, str]:  # pragma: no cover
-    return {id(m): n for n, m in modules}
-
-
-_ = dataclasses, field  # re-exported names used by type checkers only
+def _pct(x: float) -> str:
+    """12%, or 0.37% for shares under one percent (a rare overflow must not read as 0%)."""
+    return f"{x:.0%}" if x >= 0.01 or x == 0 else f"{x * 100:.2g}%"

@@ -31,6 +31,7 @@ whether the call it sees is in an fp8 region or in a region nested inside one.
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 import warnings
@@ -145,6 +146,12 @@ class _Region:
 
     def __init__(self, module: nn.Module, orig, fmt: Format, fqn: str, cast_out: bool = False):
         self.orig = orig
+        # Callers that read `inspect.signature(model.forward)` (HF Trainer drops batch keys the
+        # forward does not name) must see the original signature, not (*args, **kwargs).
+        try:
+            self.__signature__ = inspect.signature(orig)
+        except (TypeError, ValueError):
+            pass
         self.fmt = fmt
         self.fqn = fqn
         self.module = module
@@ -179,24 +186,37 @@ class _Region:
 def _install(module: nn.Module, fmt: Format, fqn: str, record: list, cast_out: bool) -> None:
     had_own = "forward" in module.__dict__
     orig = module.__dict__["forward"] if had_own else module.forward
-    record.append((module, had_own, orig))
-    module.forward = _Region(module, orig, fmt, fqn, cast_out)
+    region = _Region(module, orig, fmt, fqn, cast_out)
+    record.append((module, had_own, orig, region))
+    module.forward = region
 
 
-def apply(model: nn.Module, policy: Policy | str | os.PathLike, *, strict: bool = True) -> nn.Module:
+def apply(model: nn.Module, policy: Policy | str | os.PathLike, *, strict: bool = True,
+          guard: Any = None) -> nn.Module:
     """Make ``model`` compute as ``policy`` says; in place, returns ``model``.
 
     ``policy`` is a :class:`Policy` or a path to a policy YAML file. With ``strict`` (the
     default) a fingerprint of another model or a pattern that matches no module is a
     :class:`~autoprec.policy.PolicyError`; with ``strict=False`` they are warnings. Applying
     again replaces the previous policy.
+
+    ``guard``: ``True`` or a :class:`~autoprec.guard.GuardConfig` attaches a runtime guard
+    that watches the low-precision layers in training and demotes those that keep overflowing
+    (see :mod:`autoprec.guard`; ``autoprec.guard.get_guard(model)`` returns it); a
+    :class:`~autoprec.guard.Guard` re-attaches that guard, keeping its history. ``None`` (the
+    default) or ``False`` attaches none and detaches a guard a previous ``apply`` attached.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply(model, policy) needs an nn.Module, got {type(model).__name__}.")
+    new_guard = None
+    if guard is not None and guard is not False:
+        from autoprec.guard import Guard  # imported here: autoprec.guard imports this module
+
+        new_guard = Guard._coerce(guard)
     if not isinstance(policy, Policy):
         policy = load_policy(policy)
     assigned = policy.check_model(model, strict=strict)
-    remove(model)
+    _remove_regions(model)
 
     if policy.default is Format.FP8 or Format.FP8 in assigned.values():
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -221,20 +241,33 @@ def apply(model: nn.Module, policy: Policy | str | os.PathLike, *, strict: bool 
                  cast_out=inherited is Format.FP32 and own is not Format.FP32)
     setattr(model, _APPLIED_ATTR, record)
     model._autoprec_policy = policy
+    old_guard = model.__dict__.get("_autoprec_guard")
+    if old_guard is not None and old_guard is not new_guard:
+        old_guard.detach()
+    if new_guard is not None:
+        new_guard.attach(model, policy)
     return model
 
 
 def remove(model: nn.Module) -> nn.Module:
-    """Undo :func:`apply`: every module gets its original forward back. No-op if none."""
+    """Undo :func:`apply`: every module gets its original forward back and a runtime guard
+    stops watching. No-op if none."""
+    guard = model.__dict__.get("_autoprec_guard")
+    if guard is not None:
+        guard.detach()
+    return _remove_regions(model)
+
+
+def _remove_regions(model: nn.Module) -> nn.Module:
     record = model.__dict__.get(_APPLIED_ATTR)
     if not record:
         return model
-    for module, had_own, orig in reversed(record):
+    for module, had_own, orig, _ in reversed(record):
         if had_own:
             module.forward = orig
         else:
             module.__dict__.pop("forward", None)
-    del model.__dict__[_APPLIED_ATTR]
+    model.__dict__.pop(_APPLIED_ATTR, None)
     model.__dict__.pop("_autoprec_policy", None)
     return model
 
@@ -242,4 +275,4 @@ def remove(model: nn.Module) -> nn.Module:
 def applied_formats(model: nn.Module) -> dict[str, Format]:
     """fqn -> format of each region :func:`apply` installed on ``model`` ('' is the root)."""
     record = model.__dict__.get(_APPLIED_ATTR) or []
-    return {module.forward.fqn: module.forward.fmt for module, _, _ in record}
+    return {region.fqn: region.fmt for _, _, _, region in record}

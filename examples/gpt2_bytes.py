@@ -48,13 +48,15 @@ def task(n_layer: int = 4, n_embd: int = 256, batch_size: int = 16, seq_len: int
 def gpu_task(n_layer: int = 4, n_embd: int = 1024, batch_size: int = 8,
              seq_len: int = 1024) -> autoprec.Task:
     """For tuning on this CPU *for a GPU* (``--target h100``): numerics are measured on small
-    calibration batches (4x128), layers are priced at the production batch (8x1024 tokens)."""
-    calib_len = 128
+    calibration batches (2x64 tokens), layers are priced at the production batch (8x1024)."""
+    calib_len, calib_batch = 64, 2
     return autoprec.Task(
         model=lambda: make_model(n_layer, n_embd, max(1, n_embd // 64), seq_len),
-        batches=byte_batches(4, 4, calib_len, seed=1),
+        batches=byte_batches(4, calib_batch, calib_len, seed=1),
         shape_batch=byte_batches(1, batch_size, seq_len, seed=2)[0],
         name=f"gpt2-{n_layer}x{n_embd}-bytes-gpu",
-        extras={"train_batches": lambda n, seed: byte_batches(n, 4, calib_len, seed=seed),
-                "eval_batches": byte_batches(2, 4, calib_len, seed=10_000, skip=3_000_000)},
+        extras={"train_batches": lambda n, seed: byte_batches(n, calib_batch, calib_len,
+                                                              seed=seed),
+                "eval_batches": byte_batches(2, calib_batch, calib_len, seed=10_000,
+                                             skip=3_000_000)},
     )

@@ -1,0 +1,254 @@
+"""Training with a policy: a plain PyTorch loop, Accelerate, and the HF Trainer.
+
+The policy decides each layer's format through its regions; the training framework must not
+decide them a second time, and fp16 layers need the loss scaling the policy describes.
+
+Plain PyTorch::
+
+    model, scaler, guard = training_kit(model, policy, guard=True)
+    for batch in batches:
+        loss = model(**batch).loss
+        scaler.scale(loss).backward()      # a pass-through when no layer is fp16
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        if guard is not None:
+            guard.step()                   # one host sync; demotes layers that keep failing
+
+Accelerate: apply *before* ``accelerator.prepare`` and use ``mixed_precision="no"``::
+
+    accelerator = Accelerator(mixed_precision="no")
+    model, scaler, guard = training_kit(model, policy, accelerator=accelerator, guard=True)
+    model, opt = accelerator.prepare(model, opt)
+    ...
+    accelerator.backward(scaler.scale(loss))
+    scaler.step(opt)
+    scaler.update()
+
+``mixed_precision="bf16"`` adds nothing (the policy's root region sits inside Accelerate's
+autocast and wins; an fp32 region turns autocast off) but casts every output to FP32.
+``"fp16"`` on a GPU makes Accelerate scale the loss with its own GradScaler (its settings come
+from ``GradScalerKwargs``, not the policy); ``training_kit`` then hands back a disabled scaler
+so the loss is not scaled twice. On a CPU, Accelerate's ``"fp16"`` does nothing at all (no
+autocast, no scaler). ``"fp8"`` swaps modules and is refused.
+
+HF Trainer: pass ``PolicyCallback(policy)`` in ``Trainer(callbacks=[...])`` (it applies the
+policy in ``on_init_end``, before the Trainer's Accelerator prepares the model) and leave
+``bf16`` and ``fp16`` False; or call ``use_policy(trainer, policy)`` before ``trainer.train()``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import warnings
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from autoprec.formats import Format
+from autoprec.guard import Guard, GuardConfig, get_guard
+from autoprec.policy import Policy, PolicyError, load_policy
+from autoprec.rewrite import apply
+
+# PolicyCallback is built on first access (module __getattr__ below)
+__all__ = ["TrainingKit", "training_kit", "PolicyCallback", "use_policy"]  # noqa: F822
+
+logger = logging.getLogger(__name__)
+
+
+class TrainingKit(NamedTuple):
+    """What a training loop needs to train with a policy."""
+
+    # The model, with the policy applied (the same object that was passed in).
+    model: nn.Module
+    # The GradScaler to use: the policy's when any layer is fp16, else a disabled pass-through.
+    scaler: torch.amp.GradScaler
+    # The runtime guard, or None when none was asked for.
+    guard: Guard | None
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def _check_accelerator(accelerator: Any, model: nn.Module) -> None:
+    mp = str(getattr(accelerator, "mixed_precision", "no"))
+    if mp == "fp8":
+        raise PolicyError(
+            "Accelerator(mixed_precision='fp8') swaps every Linear for Transformer Engine or "
+            "torchao modules, overriding the policy's per-layer formats. Use "
+            "mixed_precision='no': the policy's fp8 layers already compute in FP8.")
+    if "_original_forward" in model.__dict__:
+        raise PolicyError(
+            "The model was already prepared by an Accelerator with mixed precision: its autocast "
+            "would sit inside the policy's root region and decide the formats of every layer the "
+            "policy does not name. Apply the policy before accelerator.prepare(model).")
+    if mp in ("bf16", "fp16"):
+        logger.info("Accelerator(mixed_precision=%r) with a policy: the policy's regions decide "
+                    "each layer's format; mixed_precision='no' keeps that explicit.", mp)
+
+
+def training_kit(model: nn.Module, policy: Policy | str | os.PathLike, *,
+                 device: torch.device | str | None = None, strict: bool = True,
+                 guard: bool | GuardConfig | Guard | None = None,
+                 accelerator: Any = None) -> TrainingKit:
+    """Apply ``policy`` to ``model`` and return it with the GradScaler its ``loss_scaling``
+    describes (enabled only when a layer is fp16) and the runtime guard (``guard=True`` or a
+    :class:`~autoprec.guard.GuardConfig`; see :mod:`autoprec.guard`).
+
+    ``device``: where training runs (default: the model's parameters' device).
+    ``accelerator``: an ``accelerate.Accelerator`` the model will be prepared with *after*
+    this call. Its ``mixed_precision`` is checked ("no" recommended, "fp8" refused), and when
+    it scales the loss itself (``"fp16"`` on a GPU) the returned scaler is a disabled
+    pass-through so the loss is not scaled twice; the guard then reads Accelerate's scale.
+    """
+    if not isinstance(policy, Policy):
+        policy = load_policy(policy)
+    if accelerator is not None:
+        _check_accelerator(accelerator, model)
+        device = accelerator.device
+    apply(model, policy, strict=strict, guard=guard)
+    _expose_signature(model)
+    device = torch.device(device) if device is not None else _device_of(model)
+    outer = getattr(accelerator, "scaler", None) if accelerator is not None else None
+    if outer is not None:
+        scaler = torch.amp.GradScaler(device.type, enabled=False)
+    else:
+        scaler = policy.grad_scaler(device)
+    g = get_guard(model)
+    if g is not None:
+        g.scaler = outer if outer is not None else scaler
+    return TrainingKit(model, scaler, g)
+
+
+def _expose_signature(model: nn.Module) -> None:
+    """Give the root's region the signature of the forward it wraps. The Trainer reads
+    ``inspect.signature(model.forward)`` to decide which batch keys to keep
+    (``remove_unused_columns``); a bare ``(*args, **kwargs)`` would make it drop them all."""
+    region = model.__dict__.get("forward")
+    orig = getattr(region, "orig", None)
+    if orig is None:
+        return
+    try:
+        region.__signature__ = inspect.signature(orig)
+    except (TypeError, ValueError):
+        pass  # a forward without a signature: nothing to expose
+
+
+def use_policy(trainer: Any, policy: Policy | str | os.PathLike, *, strict: bool = True,
+               guard: bool | GuardConfig | Guard | None = None) -> Any:
+    """One line for an existing ``transformers.Trainer``: applies ``policy`` to
+    ``trainer.model`` now (call it before ``trainer.train()``, which prepares the model) and
+    adds a :class:`PolicyCallback` that steps the guard with the Trainer's loss scale.
+    Returns the callback (``callback.guard`` is the guard)."""
+    callback = _policy_callback_class()(policy, strict=strict, guard=guard)
+    callback._trainer = trainer
+    callback._apply(trainer.model)
+    trainer.add_callback(callback)
+    return callback
+
+
+def _make_policy_callback():
+    from transformers import TrainerCallback
+
+    class PolicyCallback(TrainerCallback):
+        """A ``transformers.TrainerCallback`` that trains the Trainer's model under a policy.
+
+        ``Trainer(model, args, callbacks=[PolicyCallback(policy, guard=True)])`` applies the
+        policy in ``on_init_end``, before the Trainer's Accelerator prepares the model, and
+        steps the guard in ``on_step_end``. Leave ``TrainingArguments(bf16=False,
+        fp16=False)``: the policy decides the formats. ``bf16=True`` is harmless when the
+        policy was applied first (its regions win over Accelerate's autocast) but only adds
+        casts. For fp16 layers, loss scaling comes from ``fp16=True`` on a GPU (Accelerate's
+        GradScaler, torch's defaults: init_scale 65536, growth_interval 2000); on a CPU the
+        Trainer has none, and the callback warns.
+
+        Added later (``trainer.add_callback``) it applies the policy in ``on_train_begin``,
+        after the model was prepared; that is refused when the Trainer runs in bf16/fp16,
+        since Accelerate's autocast would then sit inside the policy's regions. Use
+        :func:`use_policy` for an existing Trainer instead.
+        """
+
+        def __init__(self, policy: Policy | str | os.PathLike, *, strict: bool = True,
+                     guard: bool | GuardConfig | Guard | None = None):
+            self.policy = policy if isinstance(policy, Policy) else load_policy(policy)
+            self.strict = strict
+            self.guard_arg = guard
+            self.guard: Guard | None = None
+            self._trainer = None
+            self._warned = False
+
+        def _apply(self, model: nn.Module) -> None:
+            if model is None or model.__dict__.get("_autoprec_policy") is not None:
+                return  # already applied (e.g. on_init_end, then on_train_begin)
+            if "_original_forward" in model.__dict__:
+                raise PolicyError(
+                    "PolicyCallback was added after the Trainer's Accelerator prepared the "
+                    "model with mixed precision (TrainingArguments bf16 or fp16): its autocast "
+                    "would sit inside the policy's regions and decide the format of every layer "
+                    "the policy does not name. Pass the callback in Trainer(callbacks=[...]), "
+                    "call autoprec.integrations.use_policy(trainer, policy) before train(), or "
+                    "set bf16=False and fp16=False.")
+            apply(model, self.policy, strict=self.strict, guard=self.guard_arg)
+            _expose_signature(model)
+            self.guard = get_guard(model)
+
+        def _scaler(self, args=None):
+            accelerator = getattr(self._trainer, "accelerator", None)
+            scaler = getattr(accelerator, "scaler", None)
+            if scaler is None and self._trainer is None and args is not None and args.fp16 \
+                    and torch.cuda.is_available():
+                # Accelerate scales the loss but this callback cannot see its scaler: the
+                # guard judges outputs only (use_policy(trainer, ...) lets it see the scale)
+                return _UnknownScale()
+            return scaler
+
+        def on_init_end(self, args, state, control, model=None, **kwargs):
+            self._apply(model)
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            self._apply(model)
+            if self.policy.uses(Format.FP16) and self._scaler(args) is None and not self._warned:
+                self._warned = True
+                warnings.warn(
+                    "The policy puts layers in fp16 but this Trainer scales no loss: fp16 "
+                    "gradients may underflow. On a GPU set TrainingArguments(fp16=True) "
+                    "(Accelerate's GradScaler); on a CPU Accelerate has no loss scaling, so "
+                    "prefer bf16 for those layers.", stacklevel=2)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.guard is not None:
+                self.guard.step(step=state.global_step, scaler=self._scaler(args))
+
+    return PolicyCallback
+
+
+class _UnknownScale:
+    """Stands for a GradScaler the callback cannot see (``fp16=True`` on a GPU, callback passed
+    to ``Trainer(callbacks=...)``): the guard leaves every gradient failure to it."""
+
+    def is_enabled(self) -> bool:
+        return True
+
+    def get_scale(self) -> float:
+        return float("inf")
+
+
+def _policy_callback_class():
+    cls = globals().get("PolicyCallback")
+    if cls is None:
+        cls = _make_policy_callback()
+        cls.__module__ = __name__
+        globals()["PolicyCallback"] = cls
+    return cls
+
+
+def __getattr__(name: str):
+    # PolicyCallback subclasses transformers.TrainerCallback; building it on first use keeps
+    # `import autoprec.integrations` free of the transformers import (about a second).
+    if name == "PolicyCallback":
+        return _policy_callback_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,215 @@
+"""Cost of the runtime guard when it has nothing to report, and of applying a policy under each
+training integration.
+
+HF GPT-2 (4 layers, 256 wide, batch 16x128), training steps (forward, backward, AdamW), all
+variants of one table timed round-robin in one run:
+
+    policy + guard            vs  the same policy, no guard            (target ratio <= 1.03)
+    all-fp32 policy           vs  no policy, in a plain loop           (the pass's own cost)
+    all-fp32 policy           vs  no policy, Accelerate-prepared (mixed_precision="no")
+    PolicyCallback(all-fp32)  vs  no callback, steps inside HF Trainer.train() (runs of a few)
+
+The guard's policy has bf16 and fp8 layers (fp8 is emulated on a CPU: slower than bf16, which
+only makes the guard's share smaller; the per-layer checks are the same). An all-fp32 policy
+asks for nothing but the regions themselves, so its ratio is the rewriting pass's overhead.
+
+    python benchmarks/bench_guard.py [--rounds 25] [--trainer-steps 4] [--trainer-rounds 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import tempfile
+import time
+import warnings
+
+import _common  # noqa: F401  (sets up sys.path)
+import torch
+from _common import device_line, interleaved, median, print_table, spread
+
+import autoprec
+from autoprec import Policy
+from examples.data import byte_batches
+from examples.gpt2_bytes import make_model
+
+GUARD_POLICY = Policy(default="bf16", layers={
+    "transformer.h.*.mlp.c_fc": "fp8",
+    "transformer.h.*.attn.c_attn": "fp8",
+    "lm_head": "fp32",
+})
+FP32 = Policy(default="fp32")
+
+
+def plain_step(model, batch, guard=None):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if guard is not None:
+            guard.step()
+
+    return step
+
+
+def accelerate_step(accelerator, model, batch):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, opt = accelerator.prepare(model, opt)
+
+    def step():
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def trainer_run(model, dataset, steps, out_dir, policy=None):
+    """A Trainer whose ``train()`` runs ``steps`` steps; returns (train, per-step times): the
+    steps are timed from on_step_begin to on_step_end, leaving out the per-run setup."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers.trainer_callback import PrinterCallback
+
+    from autoprec.integrations import PolicyCallback
+
+    step_times: list[float] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            step_times.append(time.perf_counter() - self.t0)
+
+    args = TrainingArguments(output_dir=out_dir, max_steps=steps, per_device_train_batch_size=16,
+                             learning_rate=1e-4, use_cpu=True, report_to=[], save_strategy="no",
+                             logging_strategy="no", disable_tqdm=True,
+                             dataloader_num_workers=0)
+    callbacks = [PolicyCallback(policy)] if policy is not None else []
+    trainer = Trainer(model=model, args=args, train_dataset=dataset,
+                      callbacks=[*callbacks, StepClock()])
+    trainer.remove_callback(PrinterCallback)  # its end-of-run line would clutter the table
+    return trainer.train, step_times
+
+
+class _HookClock:
+    """Wall time spent inside the guard's hooks and guard.step(): its own cost, measured
+    directly (on a CPU the checks run synchronously, so this includes their kernels), which
+    the noise of a shared machine does not blur the way it blurs a ratio of step times."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def __enter__(self):
+        from autoprec import guard as g
+
+        self._saved = {}
+        for cls, names in ((g._Watch, ("forward_hook", "grad_hook", "weight_grad_hook")),
+                           (g.Guard, ("step",))):
+            for name in names:
+                fn = getattr(cls, name)
+                self._saved[(cls, name)] = fn
+                setattr(cls, name, self._timed(fn))
+        return self
+
+    def _timed(self, fn):
+        clock = self
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                clock.seconds += time.perf_counter() - t0
+
+        return timed
+
+    def __exit__(self, *exc):
+        for (cls, name), fn in self._saved.items():
+            setattr(cls, name, fn)
+
+
+def row(table, name, anchor, times, limit=None):
+    ratio = median(times[name]) / median(times[anchor])
+    verdict = "" if limit is None else ("ok" if ratio <= limit else "OVER")
+    return [table, f"{name} / {anchor}", f"{ratio:.3f}", f"<= {limit}" if limit else "-",
+            verdict, f"{median(times[anchor]) * 1e3:.1f} ms",
+            f"{spread(times[name]):.2f} / {spread(times[anchor]):.2f}"]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=25)
+    ap.add_argument("--trainer-steps", type=int, default=4)
+    ap.add_argument("--trainer-rounds", type=int, default=8)
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore", message=".*can only emulate.*")
+    print(device_line())
+    batch = byte_batches(1, 16, 128, seed=0)[0]
+    torch.manual_seed(0)
+    base = make_model(n_layer=4, n_embd=256, n_head=4, seq_len=128).train()
+    rows = []
+
+    # 1. the guard, with nothing to report
+    unguarded = autoprec.apply(copy.deepcopy(base), GUARD_POLICY)
+    guarded = autoprec.apply(copy.deepcopy(base), GUARD_POLICY, guard=True)
+    guard = autoprec.guard.get_guard(guarded)
+    times = interleaved({"policy + guard": plain_step(guarded, batch, guard),
+                         "policy": plain_step(unguarded, batch)},
+                        warmup=3, rounds=args.rounds)
+    assert guard.events == [], guard.events
+    rows.append(row(f"guard ({len(guard.watched)} layers)", "policy + guard", "policy", times,
+                    1.03))
+    # the same, measured from inside: time in the guard's hooks and step() per training step
+    clocked = autoprec.apply(copy.deepcopy(base), GUARD_POLICY)
+    with _HookClock() as clock:
+        autoprec.apply(clocked, GUARD_POLICY, guard=True)  # hooks bound to the timed methods
+        step = plain_step(clocked, batch, autoprec.guard.get_guard(clocked))
+        n = 5
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        total = time.perf_counter() - t0
+    share = clock.seconds / total
+    rows.append([f"guard ({len(guard.watched)} layers)", "time in guard hooks / step time",
+                 f"{1 + share:.3f}", "<= 1.03", "ok" if share <= 0.03 else "OVER",
+                 f"{total / n * 1e3:.1f} ms", f"{clock.seconds / n * 1e3:.2f} ms in guard"])
+
+    # 2. apply under each integration: an all-fp32 policy against none
+    times = interleaved({"all-fp32 policy": plain_step(autoprec.apply(copy.deepcopy(base), FP32),
+                                                       batch),
+                         "no policy": plain_step(copy.deepcopy(base), batch)},
+                        warmup=3, rounds=args.rounds)
+    rows.append(row("plain loop", "all-fp32 policy", "no policy", times, 1.03))
+
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True, mixed_precision="no")
+    times = interleaved({
+        "all-fp32 policy": accelerate_step(accelerator,
+                                           autoprec.apply(copy.deepcopy(base), FP32), batch),
+        "no policy": accelerate_step(accelerator, copy.deepcopy(base), batch)},
+        warmup=3, rounds=args.rounds)
+    rows.append(row("Accelerate", "all-fp32 policy", "no policy", times, 1.03))
+
+    dataset = [{k: v[i] for k, v in b.items()} for b in [batch] for i in range(16)]
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = {"PolicyCallback(all-fp32)": trainer_run(copy.deepcopy(base), dataset,
+                                                        args.trainer_steps, tmp, FP32),
+                "no callback": trainer_run(copy.deepcopy(base), dataset, args.trainer_steps, tmp)}
+        interleaved({name: train for name, (train, _) in runs.items()},
+                    warmup=1, rounds=args.trainer_rounds)
+    # per-step times inside train() (the warm-up run's steps dropped)
+    times = {name: steps[args.trainer_steps:] for name, (_, steps) in runs.items()}
+    rows.append(row("Trainer (per step)", "PolicyCallback(all-fp32)", "no callback", times, 1.03))
+
+    print_table(rows, ["setting", "ratio", "value", "target", "", "anchor time",
+                       "IQR/median"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""The runtime guard on a real HF GPT-2: planted FP16 overflows (outputs, gradients, attention
+scores) are found, blamed on the right layer, demoted, and training goes on; what only looks
+like a failure (a GradScaler backing off, NaN from an unwatched layer) is not demoted."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+from conftest import ComputeProbe, tiny_gpt2
+
+import autoprec
+from autoprec import Format, Policy
+from autoprec.guard import Guard, GuardConfig, get_guard
+from examples.data import byte_batches
+from examples.train_plain import PLANT_LAYER, train
+
+PLANT_STEP = 3
+
+
+@pytest.fixture(autouse=True)
+def _quiet_fp8_warning():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*can only emulate.*")
+        yield
+
+
+def overflow_policy():
+    return Policy(default="bf16", layers={PLANT_LAYER: "fp16", "lm_head": "fp32"},
+                  loss_scaling={"init_scale": 1024.0, "growth_interval": 1000})
+
+
+def test_guard_demotes_an_overflowing_fp16_layer_and_training_goes_on(tmp_path):
+    batches = byte_batches(4, 4, 32, seed=1)
+    steps = 8
+    # Without the guard: from the planted step on, every loss is NaN (the GradScaler skips the
+    # updates, so the weights survive, but the layer overflows again at every forward).
+    plain = train(tiny_gpt2(n_layer=3), overflow_policy(), batches, steps=steps,
+                  plant_at=PLANT_STEP)
+    assert all(math.isfinite(x) for x in plain["losses"][:PLANT_STEP])
+    assert not any(math.isfinite(x) for x in plain["losses"][PLANT_STEP:]), plain["losses"]
+
+    path = tmp_path / "amended.yaml"
+    out = train(tiny_gpt2(n_layer=3), overflow_policy(), batches, steps=steps,
+                plant_at=PLANT_STEP, guard=GuardConfig(patience=2, save_to=str(path)))
+    guard, losses = out["guard"], out["losses"]
+    # two failing steps (patience), then the layer is fp32 and every later loss is finite
+    assert [e.fqn for e in guard.events] == [PLANT_LAYER], guard.events
+    event = guard.events[0]
+    assert (event.old, event.new, event.where) == (Format.FP16, Format.FP32, "outputs")
+    assert event.step == PLANT_STEP + 2  # guard.step() counts from 1
+    assert "overflow fp16 max 65504" in event.reason and "% of outputs" in event.reason
+    assert not any(math.isfinite(x) for x in losses[PLANT_STEP:PLANT_STEP + 2])
+    assert all(math.isfinite(x) for x in losses[PLANT_STEP + 2:]), losses
+    assert autoprec.applied_formats(guard.model)[PLANT_LAYER] is Format.FP32
+    # the layers downstream of the overflow saw NaN too, but only the culprit was demoted
+    assert "transformer.h.2.mlp.c_fc" in guard.watched
+    assert PLANT_LAYER not in guard.watched  # fp32 now: nothing to watch
+    # the amended policy file names the layer and loads back as the policy in force
+    amended = autoprec.load_policy(path)
+    assert amended.layers[PLANT_LAYER] is Format.FP32
+    assert amended.format_for("transformer.h.2.mlp.c_fc") is Format.BF16
+    assert amended.tuned["guard"][0]["layer"] == PLANT_LAYER
+    assert PLANT_LAYER in path.read_text().splitlines()[0]  # the comment line says why
+    assert amended.layers == guard.amended_policy().layers
+
+
+def test_gradient_overflow_is_blamed_on_the_layer_whose_backward_overflows():
+    """No GradScaler, loss x 1e7: c_fc's forward and the gradient reaching it are fine, its
+    FP16 weight gradient (a sum over all tokens) overflows. Only c_fc is demoted."""
+    batch = byte_batches(1, 4, 32, seed=1)[0]
+
+    def run(guard):
+        model = tiny_gpt2().train()
+        autoprec.apply(model, Policy(default="bf16", layers={"transformer.h.0.mlp.c_fc": "fp16"}),
+                       guard=guard)
+        finite = []
+        for _ in range(4):
+            (model(**batch).loss * 1e7).backward()
+            finite.append(all(torch.isfinite(p.grad).all().item() for p in model.parameters()))
+            model.zero_grad(set_to_none=True)
+            if get_guard(model) is not None:
+                get_guard(model).step()
+        return finite, get_guard(model)
+
+    finite, _ = run(None)
+    assert finite == [False] * 4
+    finite, guard = run(True)
+    assert finite == [False, False, True, True]
+    assert [(e.fqn, e.where, e.step) for e in guard.events] == [
+        ("transformer.h.0.mlp.c_fc", "weight gradients", 2)]
+    assert "weight gradients overflow fp16 max 65504" in guard.events[0].reason
+
+
+def _fp16_run(min_loss_scale):
+    """fp16 MLPs with a GradScaler starting far too high (2**40): its scaled gradients overflow
+    until it has backed the scale off, a dozen steps or so."""
+    model = tiny_gpt2().train()
+    policy = Policy(default="bf16", layers={"transformer.h.0.mlp.c_fc": "fp16"},
+                    loss_scaling={"init_scale": 2.0 ** 40, "growth_interval": 1000})
+    autoprec.apply(model, policy, guard=GuardConfig(min_loss_scale=min_loss_scale))
+    guard = get_guard(model)
+    scaler = policy.grad_scaler("cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = byte_batches(1, 4, 32, seed=2)[0]
+    for _ in range(6):
+        scaler.scale(model(**batch).loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        guard.step(scaler=scaler)
+    return guard, scaler
+
+
+def test_a_grad_scaler_backing_off_is_not_a_demotion():
+    guard, scaler = _fp16_run(min_loss_scale=1.0)
+    assert scaler.get_scale() < 2.0 ** 40  # the scaled gradients did overflow ...
+    assert guard.events == []              # ... and that was the scaler's to handle
+    # the same run, judging gradients at any scale, demotes c_fc: the test can fail
+    guard, _ = _fp16_run(min_loss_scale=math.inf)
+    assert [e.fqn for e in guard.events] == ["transformer.h.0.mlp.c_fc"]
+    assert "loss scale" in guard.events[0].reason
+
+
+def test_nan_from_an_unwatched_layer_is_not_blamed_on_the_next_watched_one():
+    """An fp32 (unwatched) c_fc emits NaN; the bf16 c_proj after it fails too. Its inputs were
+    already NaN, so after a first suspicion it is cleared and never demoted."""
+    model = tiny_gpt2().train()
+    autoprec.apply(model, Policy(default="fp32", layers={"transformer.h.0.mlp.c_proj": "bf16"}),
+                   guard=GuardConfig(patience=2))
+    guard = get_guard(model)
+    assert guard.watched == {"transformer.h.0.mlp.c_proj": Format.BF16}
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.bias[0] = float("nan")
+    batch = byte_batches(1, 4, 32, seed=1)[0]
+    for _ in range(4):
+        loss = model(**batch).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        assert guard.step() == []
+    assert math.isnan(loss.item())
+    assert guard.events == []
+    assert guard._suspects == {"transformer.h.0.mlp.c_proj"}  # watched closely, not demoted
+
+
+def test_overflowing_attention_scores_demote_the_attention_module_not_its_children():
+    """q @ k.T overflows FP16 inside GPT-2's attention (its own matmuls); its child c_proj is
+    the first to show NaN, is cleared (its input was NaN), and the blame moves to the
+    attention module. Demoting it pins its children to fp16: only the attention's own matmuls
+    go to fp32."""
+    model = tiny_gpt2().train()
+    attn = "transformer.h.0.attn"
+    autoprec.apply(model, Policy(default="fp32", layers={attn: "fp16"}), guard=True)
+    guard = get_guard(model)
+    with torch.no_grad():
+        model.transformer.h[0].attn.c_attn.weight.mul_(1000.0)  # q, k ~ 1e2: q.k ~ 1e5
+    batch = byte_batches(1, 4, 32, seed=1)[0]
+    losses = []
+    for _ in range(5):
+        loss = model(**batch).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        guard.step()
+    assert [(e.fqn, e.old, e.new) for e in guard.events] == [(attn, Format.FP16, Format.FP32)]
+    assert guard.events[0].step == 3  # c_proj suspected (1), cleared (2); attn blamed (2, 3)
+    assert not any(math.isfinite(x) for x in losses[:3]) and all(map(math.isfinite, losses[3:]))
+    assert guard.policy.format_for(attn) is Format.FP32
+    # attn now inherits fp32 from the root (no region of its own); its children keep fp16
+    assert autoprec.applied_formats(model) == {
+        "": Format.FP32, f"{attn}.c_attn": Format.FP16, f"{attn}.c_proj": Format.FP16}
+    with ComputeProbe(model) as probe:
+        model(**batch)
+    assert probe.matmul_dtypes(attn) == {torch.float32}         # q @ k.T, attn @ v
+    assert probe.matmul_dtypes(f"{attn}.c_attn") == {torch.float16}
+
+
+def test_guard_records_nothing_in_evaluation_and_steps_without_training_are_no_ops(gpt2_batch):
+    model = tiny_gpt2()
+    autoprec.apply(model, Policy(default="bf16", layers={"transformer.h.0.mlp": "fp16",
+                                                         "lm_head": "fp16"}), guard=True)
+    guard = get_guard(model)
+    # the layers that run matmuls; norms and embeddings compute in FP32 in every format
+    assert set(guard.watched) == {"lm_head"} | {
+        f"transformer.h.{i}.{m}" for i in range(2)
+        for m in ("attn", "attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+    with torch.no_grad():
+        model(**gpt2_batch)
+    assert all(not v for v in guard._amax.values())
+    assert guard.step() == []
+    model(**gpt2_batch).loss.backward()
+    assert set(guard._amax["out"]) == set(guard.watched)
+    assert set(guard._amax["grad"]) == set(guard.watched)
+    # weight gradients: fp16 layers' own only (lm_head's weight is tied to the embedding)
+    assert set(guard._amax["wgrad"]) == {"transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj"}
+    assert guard.step() == [] and guard.events == []
+
+
+def test_apply_without_guard_or_remove_detaches_it(gpt2_batch):
+    model = tiny_gpt2()
+    policy = Policy(default="bf16")
+    autoprec.apply(model, policy, guard=True)
+    guard = get_guard(model)
+    hooked = model.transformer.h[0].mlp.c_fc
+    assert len(hooked._forward_hooks) == 1
+    autoprec.apply(model, policy, guard=guard)  # re-attaching keeps the same guard
+    assert get_guard(model) is guard and len(hooked._forward_hooks) == 1
+    autoprec.apply(model, policy)
+    assert get_guard(model) is None and len(hooked._forward_hooks) == 0
+    assert guard.model is None
+
+    autoprec.apply(model, policy, guard=True)
+    guard = get_guard(model)
+    autoprec.remove(model)
+    model(**gpt2_batch).loss.backward()
+    assert guard.step() == [] and get_guard(model) is None and len(hooked._forward_hooks) == 0
+
+
+def test_deepcopy_of_a_guarded_model_gets_its_own_guard(gpt2_batch):
+    model = tiny_gpt2()
+    autoprec.apply(model, Policy(default="bf16"), guard=True)
+    twin = copy.deepcopy(model)
+    assert get_guard(twin) is not get_guard(model) and get_guard(twin).model is twin
+    twin(**gpt2_batch).loss.backward()
+    assert get_guard(twin)._amax["out"] and not get_guard(model)._amax["out"]
+
+
+def test_bad_guard_arguments_are_clear_errors():
+    model = tiny_gpt2()
+    with pytest.raises(TypeError, match="expected True, a GuardConfig, a Guard"):
+        autoprec.apply(model, Policy(), guard="yes")
+    with pytest.raises(ValueError, match="patience must be an integer >= 2"):
+        GuardConfig(patience=1)
+    with pytest.raises(ValueError, match="cannot include fp32"):
+        GuardConfig(formats=("fp32",))
+    with pytest.raises(ValueError, match="Unknown format 'fp9'"):
+        GuardConfig(formats=("fp9",))
+    assert GuardConfig(formats=("fp16",)).formats == (Format.FP16,)
+    assert get_guard(model) is None
+    with pytest.raises(RuntimeError, match="never attached"):
+        Guard().amended_policy()
+
+
+def test_demotion_walks_fp8_to_bf16_to_fp32_and_then_stops(gpt2_batch):
+    """A layer that fails in every format (an inf weight) is demoted one step per failing
+    stretch and stops at fp32, which is not watched. The NaN it still emits is then not pinned
+    on the watched layers after it: their inputs were already NaN."""
+    layer = "transformer.h.1.mlp.c_fc"
+    model = tiny_gpt2().train()
+    autoprec.apply(model, Policy(default="bf16", layers={layer: "fp8"}), guard=True)
+    guard = get_guard(model)
+    with torch.no_grad():
+        model.get_submodule(layer).weight[0, 0] = float("inf")
+    for _ in range(9):
+        model(**gpt2_batch).loss.backward()
+        model.zero_grad(set_to_none=True)
+        guard.step()
+    assert [(e.step, e.fqn, e.old, e.new) for e in guard.events] == [
+        (2, layer, Format.FP8, Format.BF16), (4, layer, Format.BF16, Format.FP32)]
+    assert all(e.reason.startswith("non-finite outputs") for e in guard.events)
+    assert layer not in guard.watched and guard.policy.format_for(layer) is Format.FP32
+    assert not math.isfinite(model(**gpt2_batch).loss.item())  # still failing, upstream of all

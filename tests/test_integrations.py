@@ -1,0 +1,307 @@
+"""Training a real HF model with a policy in a plain loop, under Accelerate and under the HF
+Trainer (through the examples/ scripts), state dicts that move between policy-applied and
+plain models, and the torchao-style module filter on MiniLM's module tree."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from conftest import ComputeProbe, tiny_gpt2
+from torch import nn
+
+import autoprec
+from autoprec import Format, Policy, PolicyError
+from autoprec.guard import get_guard
+from autoprec.integrations import training_kit
+from examples import train_accelerate, train_hf_trainer, train_plain
+from examples.data import byte_batches
+
+POLICY = Policy(default="bf16", layers={
+    "lm_head": "fp32",
+    "transformer.h.0.mlp.c_fc": "fp16",   # tiny: FP16 matmuls are slow on this CPU
+    "transformer.h.1.attn": "fp8",
+}, loss_scaling={"init_scale": 512.0, "growth_interval": 1000})
+
+
+@pytest.fixture(autouse=True)
+def _quiet_fp8_warning():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*can only emulate.*")
+        yield
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """Accelerate keeps one process-wide state; each Accelerator (or Trainer) here sets its own
+    mixed precision, so start and end each test from a clean one."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def check_formats(model, batch, policy, fqns):
+    """The matmuls of each of ``fqns`` ran in the policy's format (FP8 as FP8 casts)."""
+    with ComputeProbe(model) as probe:
+        model(**batch).loss.backward()
+    model.zero_grad(set_to_none=True)
+    dtype = {Format.FP32: torch.float32, Format.BF16: torch.bfloat16, Format.FP16: torch.float16}
+    for fqn in fqns:
+        fmt = policy.format_for(fqn)
+        if fmt is Format.FP8:
+            assert probe.fp8_casts.get(fqn, 0) >= 2, f"{fqn} is fp8 but cast nothing to FP8"
+        else:
+            assert probe.matmul_dtypes(fqn) == {dtype[fmt]}, (fqn, probe.matmul_dtypes(fqn))
+
+
+FQNS = ["lm_head", "transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj",
+        "transformer.h.1.attn", "transformer.h.1.attn.c_attn"]
+
+
+# ----------------------------------------------------------------------------- plain loop
+def test_plain_loop_trains_with_the_policy_and_its_grad_scaler(gpt2_batch):
+    batches = byte_batches(3, 4, 32, seed=5)
+    model = tiny_gpt2()
+    out = train_plain.train(model, POLICY, batches, steps=6)
+    scaler, losses = out["scaler"], out["losses"]
+    assert all(map(math.isfinite, losses)) and losses[-1] < losses[0], losses
+    # the policy's loss scaling, used at every step without an overflow
+    assert scaler.is_enabled() and scaler.get_scale() == 512.0
+    assert scaler.state_dict()["_growth_tracker"] == 6
+    check_formats(model, gpt2_batch, POLICY, FQNS)
+    # no fp16 layer: the kit's scaler is a pass-through
+    _, scaler, guard = training_kit(tiny_gpt2(), Policy(default="bf16"))
+    assert not scaler.is_enabled() and guard is None
+
+
+# ----------------------------------------------------------------------------- Accelerate
+def test_accelerate_prepare_after_apply_trains_in_the_policys_formats(fresh_accelerate_state,
+                                                                      gpt2_batch):
+    batches = byte_batches(3, 4, 32, seed=5)
+    out = train_accelerate.train(tiny_gpt2(), POLICY, batches, steps=6, cpu=True, guard=True)
+    model, scaler, losses = out["model"], out["scaler"], out["losses"]
+    assert all(map(math.isfinite, losses)) and losses[-1] < losses[0], losses
+    assert out["accelerator"].scaler is None  # mixed_precision="no": the policy scales
+    assert scaler.is_enabled() and scaler.state_dict()["_growth_tracker"] == 6
+    assert get_guard(model) is out["guard"] and out["guard"].events == []
+    assert out["guard"].scaler is scaler
+    check_formats(model, gpt2_batch, POLICY, FQNS)
+
+
+def test_accelerate_bf16_autocast_does_not_override_the_policy(fresh_accelerate_state):
+    """With the policy applied before prepare, Accelerate's bf16 autocast wraps the policy's
+    regions and changes nothing: the losses are bit-identical to mixed_precision="no", and
+    the policy's fp32 layers stay FP32. Only the outputs are cast to FP32."""
+    policy = Policy(default="fp32", layers={"transformer.h.*.mlp.c_fc": "bf16"})
+    batches = byte_batches(2, 4, 32, seed=6)
+    runs = {}
+    for mp in ("no", "bf16"):
+        from accelerate.state import AcceleratorState
+        AcceleratorState._reset_state(True)
+        runs[mp] = train_accelerate.train(tiny_gpt2(), policy, batches, steps=3, cpu=True,
+                                          mixed_precision=mp)
+    assert runs["no"]["losses"] == runs["bf16"]["losses"]
+    model = runs["bf16"]["model"]
+    assert "_original_forward" in model.__dict__  # Accelerate did wrap the forward
+    check_formats(model, batches[0], policy, ["transformer.h.0.attn.c_attn", "lm_head",
+                                              "transformer.h.0.mlp.c_fc"])
+    # and the control: plain bf16 autocast on the same model does change the losses
+    plain = tiny_gpt2().train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        first = plain(**batches[0]).loss.item()
+    assert first != runs["no"]["losses"][0]
+
+
+def test_guard_demotion_keeps_accelerates_autocast_wrapper(fresh_accelerate_state):
+    """A demotion re-applies the policy; Accelerate's wrapper around the root region (here its
+    FP32 output cast) must survive it."""
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True, mixed_precision="bf16")
+    model = tiny_gpt2(n_layer=3).train()
+    policy = Policy(default="bf16", layers={train_plain.PLANT_LAYER: "fp16"})
+    model, scaler, guard = training_kit(model, policy, accelerator=acc, guard=True)
+    model = acc.prepare(model)
+    wrapper = model.__dict__["forward"]
+    batch = byte_batches(1, 4, 32, seed=1)[0]
+    train_plain.plant_overflow(model)
+    for _ in range(3):
+        out = model(**batch)
+        scaler.scale(out.loss).backward()
+        model.zero_grad(set_to_none=True)
+        guard.step()
+    assert [e.fqn for e in guard.events] == [train_plain.PLANT_LAYER]
+    assert model.__dict__["forward"] is wrapper
+    assert out.logits.dtype == torch.float32 and math.isfinite(out.loss.item())
+
+
+def test_accelerate_settings_that_would_fight_the_policy_are_refused(fresh_accelerate_state):
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True, mixed_precision="bf16")
+    model = acc.prepare(tiny_gpt2())
+    with pytest.raises(PolicyError, match="before accelerator.prepare"):
+        training_kit(model, POLICY, accelerator=acc)
+
+    class FakeFP8:  # Accelerate's fp8 needs Transformer Engine or torchao: just the setting
+        mixed_precision = "fp8"
+        device = torch.device("cpu")
+        scaler = None
+
+    with pytest.raises(PolicyError, match="mixed_precision='no'"):
+        training_kit(tiny_gpt2(), POLICY, accelerator=FakeFP8())
+
+
+def test_accelerate_fp16_on_cpu_has_no_scaler_so_the_policys_is_used(fresh_accelerate_state):
+    """Accelerate's own fp16 mode does nothing on a CPU: no autocast, no GradScaler. The kit
+    then hands back the policy's scaler (on a GPU it would defer to Accelerate's)."""
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True, mixed_precision="fp16")
+    assert acc.scaler is None and not acc.native_amp
+    _, scaler, _ = training_kit(tiny_gpt2(), POLICY, accelerator=acc)
+    assert scaler.is_enabled() and scaler.get_scale() == 512.0
+
+    class FakeGPUFP16:  # what training_kit sees on a GPU with mixed_precision="fp16"
+        mixed_precision = "fp16"
+        device = torch.device("cpu")
+        scaler = torch.amp.GradScaler("cpu")
+
+    fake = FakeGPUFP16()
+    _, scaler, guard = training_kit(tiny_gpt2(), POLICY, accelerator=fake, guard=True)
+    assert not scaler.is_enabled()  # no second scaling of the loss
+    assert guard.scaler is fake.scaler
+
+
+# ----------------------------------------------------------------------------- HF Trainer
+def test_trainer_with_policy_callback_trains_and_saves_a_plain_checkpoint(
+        fresh_accelerate_state, tmp_path, gpt2_batch):
+    from transformers import GPT2LMHeadModel
+
+    dataset = train_hf_trainer.as_dataset(byte_batches(3, 4, 32, seed=7))
+    model = tiny_gpt2()
+    with pytest.warns(UserWarning, match="fp16 but this Trainer scales no loss"):
+        trainer, callback = train_hf_trainer.train(model, POLICY, dataset, steps=3,
+                                                   output_dir=str(tmp_path / "run"),
+                                                   guard=True, use_cpu=True)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 3 and all(map(math.isfinite, losses)) and losses[-1] < losses[0]
+    assert autoprec.applied_formats(model)["transformer.h.1.attn"] is Format.FP8
+    assert callback.guard is get_guard(model) and callback.guard._step == 3
+    check_formats(model, gpt2_batch, POLICY, FQNS)
+    # a checkpoint of the policy-applied model is a plain HF checkpoint
+    trainer.save_model(str(tmp_path / "ckpt"))
+    plain = GPT2LMHeadModel.from_pretrained(str(tmp_path / "ckpt"))
+    assert autoprec.applied_formats(plain) == {}
+    for (n, a), (_, b) in zip(model.state_dict().items(), plain.state_dict().items()):
+        assert torch.equal(a, b), n
+
+
+def test_trainer_bf16_flag_does_not_override_a_policy_applied_at_init(fresh_accelerate_state,
+                                                                      tmp_path):
+    from accelerate.state import AcceleratorState
+
+    policy = Policy(default="fp32", layers={"transformer.h.*.mlp.c_fc": "bf16"})
+    dataset = train_hf_trainer.as_dataset(byte_batches(2, 4, 32, seed=8))
+    losses = {}
+    for bf16 in (False, True):
+        AcceleratorState._reset_state(True)
+        trainer, _ = train_hf_trainer.train(tiny_gpt2(), policy, dataset, steps=2,
+                                            output_dir=str(tmp_path), bf16=bf16, use_cpu=True)
+        losses[bf16] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        if bf16:
+            assert "_original_forward" in trainer.model.__dict__  # Accelerate wrapped it
+    assert losses[True] == losses[False]
+
+
+def test_policy_callback_added_after_prepare_under_bf16_is_refused(fresh_accelerate_state,
+                                                                  tmp_path):
+    from accelerate.state import AcceleratorState
+    from transformers import Trainer, TrainingArguments
+
+    from autoprec.integrations import PolicyCallback, use_policy
+
+    dataset = train_hf_trainer.as_dataset(byte_batches(1, 4, 32, seed=8))
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, use_cpu=True, bf16=True,
+                             report_to=[], save_strategy="no", per_device_train_batch_size=4,
+                             disable_tqdm=True)
+    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset)
+    trainer.add_callback(PolicyCallback(POLICY))
+    with pytest.raises(PolicyError, match="after the Trainer's Accelerator prepared"):
+        trainer.train()
+    # use_policy applies right away, before train() prepares the model: accepted
+    AcceleratorState._reset_state(True)
+    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset)
+    callback = use_policy(trainer, Policy(default="bf16"), guard=True)
+    assert autoprec.applied_formats(trainer.model) == {"": Format.BF16}
+    trainer.train()
+    assert callback.guard._step == 1 and callback.guard.events == []
+
+
+# ----------------------------------------------------------------------------- state dicts
+def test_state_dict_moves_between_policy_applied_and_plain_models(tmp_path, gpt2_batch):
+    batches = byte_batches(2, 4, 32, seed=9)
+    model = tiny_gpt2()
+    train_plain.train(model, POLICY, batches, steps=2, guard=True)
+    assert get_guard(model) is not None
+    path = tmp_path / "sd.pt"
+    torch.save(model.state_dict(), path)
+    saved = torch.load(path)
+
+    plain = tiny_gpt2(n_layer=2)
+    assert list(plain.state_dict()) == list(saved)  # same names, nothing added by the policy
+    plain.load_state_dict(saved)
+    for k, v in plain.state_dict().items():
+        assert v.dtype == saved[k].dtype and torch.equal(v, saved[k]), k
+    with torch.no_grad():  # the plain model computes what the trained weights say
+        assert torch.isfinite(plain(**gpt2_batch).loss)
+
+    # and back: a plain model's weights into a policy-applied model, policy and guard intact
+    other = tiny_gpt2()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.01)
+    model.load_state_dict(other.state_dict())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, other.state_dict()[k]), k
+    assert autoprec.applied_formats(model)["transformer.h.0.mlp.c_fc"] is Format.FP16
+    assert get_guard(model) is not None
+    check_formats(model, gpt2_batch, POLICY, FQNS)
+
+
+# ----------------------------------------------------------------------------- interop
+def test_module_filter_fn_selects_exactly_the_policys_fp8_linears(minilm_model, minilm_batch):
+    policy = Policy(default="bf16", layers={
+        "bert.encoder.layer.*.intermediate.dense": "fp8",
+        "bert.encoder.layer.1": "fp8",                        # every Linear inside it ...
+        "bert.encoder.layer.1.attention.self.key": "bf16",    # ... but this one
+        "bert.encoder.layer.2.attention.output": "fp32",
+        "classifier": "fp8",
+    })
+    keep = policy.module_filter_fn()
+    # torchao's convert_to_float8_training walks named_modules() calling filter(module, fqn)
+    selected = {fqn for fqn, m in minilm_model.named_modules() if keep(m, fqn)}
+    expected = ({f"bert.encoder.layer.{i}.intermediate.dense" for i in range(6)}
+                | {f"bert.encoder.layer.1.{n}" for n in (
+                    "attention.self.query", "attention.self.value", "attention.output.dense",
+                    "output.dense")}
+                | {"classifier"})
+    assert selected == expected
+    # and these are the Linears the policy resolves to fp8, by the policy's own rules
+    linears = {fqn for fqn, m in minilm_model.named_modules() if isinstance(m, nn.Linear)}
+    assert selected == {f for f in linears if policy.format_for(f) is Format.FP8}
+    assert not any(keep(m, f) for f, m in minilm_model.named_modules()
+                   if not isinstance(m, nn.Linear))  # fp8 parents are not Linears
+    # applied, exactly the selected layers cast to FP8 (the classifier's N=4 output is a shape
+    # the FP8 kernel cannot take: it runs bf16, and torchao would skip it on the same rule)
+    model = autoprec.apply(minilm_model, policy)
+    with ComputeProbe(model) as probe:
+        model(**minilm_batch)
+    cast = {f for f in probe.fp8_casts if f in linears}
+    assert cast == selected - {"classifier"}
