@@ -402,8 +402,12 @@ def open_storage(storage: str | None, default_path: str) -> tuple[Any, str]:
                 return optuna.storages.RDBStorage(storage, **kwargs), storage
         except Exception as e:  # noqa: BLE001
             # Workers starting together on a fresh database race to create Optuna's schema;
-            # the loser sees a unique-constraint error and succeeds once the tables exist.
-            if attempt == 5 or "IntegrityError" not in type(e).__name__ + str(e):
+            # the loser sees a unique-constraint or "already exists" error (PostgreSQL, SQLite)
+            # and succeeds once the tables exist.
+            text = f"{type(e).__name__} {e}"
+            racing = any(m in text for m in ("IntegrityError", "already exists",
+                                             "UniqueViolation", "database is locked"))
+            if attempt == 5 or not racing:
                 raise
             time.sleep(0.5 * (attempt + 1))
     raise AssertionError("unreachable")

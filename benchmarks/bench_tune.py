@@ -78,17 +78,24 @@ def main():
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--fp16-steps", type=int, default=3)
     ap.add_argument("--policy", default=None, help="use this policy instead of tuning")
+    ap.add_argument("--output", default=None,
+                    help="where the tuned policy goes (default: a temporary folder)")
     args = ap.parse_args()
     print(device_line(), flush=True)
 
     policy_path = args.policy
     if policy_path is None:
-        out_dir = tempfile.mkdtemp(prefix="bench-tune-")
-        policy_path = os.path.join(out_dir, "gpt2_bytes.yaml")
+        policy_path = args.output or os.path.join(tempfile.mkdtemp(prefix="bench-tune-"),
+                                                  "gpt2_bytes.yaml")
+        study = os.path.splitext(policy_path)[0] + ".study.db"
+        if os.path.exists(study):
+            os.remove(study)  # a full tune, not a resumed one
         t0 = time.perf_counter()
         res = tune(task(), output=policy_path)
         tune_s = time.perf_counter() - t0
         res.save(policy_path)
+        if res.profile is not None:
+            res.profile.save(os.path.splitext(policy_path)[0] + ".profile.json")
         print(f"\ntune: {tune_s:.0f} s with default settings (target <= 300 s); "
               f"{len(res.trials)} trials; winner {res.best.speedup:.2f}x in the search; "
               f"improvement over the best warm start {res.improvement_over_warm_start:.3f}x")

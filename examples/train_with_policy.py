@@ -26,7 +26,8 @@ from examples.gpt2_bytes import make_model  # noqa: E402
 def train(policy: str | None, *, steps: int = 100, n_layer: int = 4, n_embd: int = 256,
           batch_size: int = 16, seq_len: int = 128, lr: float = 1e-3, autocast: str | None = None,
           seed: int = 0, log_every: int = 10, eval_batches: int = 4, quiet: bool = False):
-    """Train and return ``{"losses", "step_times", "eval_loss"}``; same seed = same init and data."""
+    """Train and return ``{"losses", "step_times", "eval_loss", "model"}``; same seed = same
+    init and data."""
     torch.manual_seed(seed)
     model = make_model(n_layer=n_layer, n_embd=n_embd, n_head=max(1, n_embd // 64),
                        seq_len=seq_len).train()
@@ -64,7 +65,7 @@ def train(policy: str | None, *, steps: int = 100, n_layer: int = 4, n_embd: int
     model.eval()
     with torch.no_grad(), torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
         eval_loss = statistics.fmean(model(**b).loss.item() for b in held_out)
-    return {"losses": losses, "step_times": times, "eval_loss": eval_loss}
+    return {"losses": losses, "step_times": times, "eval_loss": eval_loss, "model": model}
 
 
 def main(argv=None):
