@@ -165,7 +165,7 @@ def _plot_front(result: TuneResult, path: str) -> str | None:
     ax.plot([t.speedup for t in front], [t.loss_increase for t in front], "o-", c="tab:red",
             label="Pareto front")
     ax.scatter([result.best.speedup], [result.best.loss_increase], marker="*", s=160,
-               c="gold", edgecolors="k", zorder=5, label="winner")
+               c="gold", edgecolors="k", zorder=5, label="winner (re-timed with fp32)")
     ax.set_xlabel("speed-up vs FP32 (step time)")
     ax.set_ylabel("relative loss change vs FP32")
     ax.set_title(f"autoprec tune: {result.study_name}", fontsize=9)

@@ -32,6 +32,7 @@ def make_model(num_labels: int = len(_SOURCES)):
 
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()  # the new head's "newly initialized" notice is expected
+    logging.disable_progress_bar()  # a 103-item weight-loading bar per model copy is noise
     try:
         model = BertForSequenceClassification.from_pretrained(model_path(), num_labels=num_labels)
     finally:
