@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Task", "load_task", "default_loss", "move_to"]
+__all__ = ["Task", "load_task", "default_loss", "move_to", "optimizer_step"]
 
 
 def move_to(batch: Any, device: torch.device | str) -> Any:
@@ -39,6 +39,19 @@ def move_to(batch: Any, device: torch.device | str) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(move_to(v, device) for v in batch)
     return batch
+
+
+def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer,
+                   scaler: torch.amp.GradScaler | None = None) -> None:
+    """Backward, step and zero the gradients, through ``scaler`` when one is given (fp16)."""
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        loss.backward()
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _call(model: nn.Module, batch: Any) -> Any:

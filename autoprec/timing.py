@@ -45,7 +45,7 @@ from autoprec.formats import FORMAT_ORDER, Format, Support, supported_formats
 from autoprec.fp8 import fp8_shape_supported
 from autoprec.policy import Policy
 from autoprec.rewrite import applied_formats, apply, remove
-from autoprec.task import default_loss
+from autoprec.task import default_loss, optimizer_step
 
 __all__ = [
     "LayerTime",
@@ -581,14 +581,7 @@ def measure_step(model: nn.Module, batches: Sequence[Any] | Any,
                 batch = batches[i % len(batches)]
                 started = timer.start()
                 loss = loss_fn(model, batch)
-                if scaler is not None:
-                    scaler.scale(loss).backward()
-                    scaler.step(opt)
-                    scaler.update()
-                else:
-                    loss.backward()
-                    opt.step()
-                opt.zero_grad(set_to_none=True)
+                optimizer_step(loss, opt, scaler)
                 elapsed = timer.stop(started)
                 if i >= warmup:
                     times.append(elapsed)

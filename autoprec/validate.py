@@ -27,7 +27,7 @@ import torch
 
 from autoprec.policy import Policy
 from autoprec.rewrite import apply
-from autoprec.task import Task
+from autoprec.task import Task, optimizer_step
 
 __all__ = ["validate", "ValidationResult", "train_run"]
 
@@ -112,14 +112,7 @@ def train_run(task: Task, policy: Policy | None, batches: Sequence[Any], *,
         torch.manual_seed(task.seed + i)  # dropout masks identical across runs
         t0 = time.perf_counter()
         loss = task.loss(model, batch)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            opt.step()
-        opt.zero_grad(set_to_none=True)
+        optimizer_step(loss, opt, scaler)
         if sched is not None:
             sched.step()
         times.append(time.perf_counter() - t0)

@@ -29,6 +29,7 @@ from _common import device_line, interleaved, median, print_table
 
 import autoprec
 from autoprec.search import tune
+from autoprec.task import optimizer_step
 from examples.data import byte_batches
 from examples.gpt2_bytes import make_model, task
 from examples.train_with_policy import train
@@ -54,14 +55,7 @@ def timed_steps(policy_path: str | None):
             with torch.autocast("cpu", dtype=autocast or torch.float32,
                                 enabled=autocast is not None):
                 loss = model(**batch).loss
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-            else:
-                loss.backward()
-                opt.step()
-            opt.zero_grad(set_to_none=True)
+            optimizer_step(loss, opt, scaler)
         return step
 
     fns = {"fp32": make(), "autocast(bf16)": make(autocast=torch.bfloat16),

@@ -1,0 +1,66 @@
+"""Tuning on this CPU *for a GPU*: `tune(target="h100")` on GPT-2 4x1024, numerics measured
+here on small calibration batches, layers priced by the H100 cost model at 8x1024 tokens.
+
+Prints the share of matmul FLOPs the tuned policy puts in fp8, the cost-model speed-up over
+fp32 and over uniform bf16, the reason each layer kept out of fp8 has, and a short validation
+(FP32 vs policy from one initialization, judged against FP32's own run-to-run noise).
+
+    python benchmarks/bench_target.py [--target h100] [--trials 40] [--validate-steps 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import _common  # noqa: F401
+from _common import device_line
+
+from autoprec import Format, Policy
+from autoprec.search import tune, validate_front
+from examples.gpt2_bytes import gpu_task
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default="h100")
+    ap.add_argument("--trials", type=int, default=40)
+    ap.add_argument("--validate-steps", type=int, default=40)
+    args = ap.parse_args()
+    print(device_line(), flush=True)
+    task = gpu_task()
+    t0 = time.perf_counter()
+    out = tempfile.mkdtemp(prefix="bench-target-") + "/policy.yaml"
+    res = tune(task, target=args.target, formats=("fp32", "bf16", "fp8"),
+               n_trials=args.trials, output=out)
+    tune_s = time.perf_counter() - t0
+    prof = res.profile
+    res = validate_front(res, task, steps=args.validate_steps)
+    pol = res.policy
+    layers = {lp.fqn: lp.layer for lp in prof.layers}
+    total = sum(L.flops for L in layers.values())
+    fp8 = sum(L.flops for f, L in layers.items() if pol.format_for(f) is Format.FP8)
+    step = prof.estimate_step({f: pol.format_for(f) for f in layers}, args.target)
+    bf16 = prof.estimate_step({f: Format.BF16 for f in layers}, args.target)
+    fp32 = prof.estimate_step({f: Format.FP32 for f in layers}, args.target)
+    print(f"\ntune for {args.target}: {tune_s:.0f} s, {len(res.trials)} trials")
+    print(pol.to_yaml())
+    print(f"matmul FLOPs in fp8: {fp8 / total:.1%}")
+    print(f"cost-model time of the searched layers: policy / fp32 = {step / fp32:.3f} "
+          f"({fp32 / step:.2f}x), policy / uniform bf16 = {step / bf16:.3f}")
+    if res.validation is not None:
+        print(res.validation.report())
+    else:
+        print("validation: no Pareto policy passed; fell back to fp32")
+    print("\nlayers kept out of fp8 and why (measured):")
+    for f in layers:
+        if pol.format_for(f) is not Format.FP8:
+            print(f"  {f:<30} {pol.format_for(f).value:<5} {prof.reason(f, Format.FP8)}")
+    uniform = prof.estimate_step({f: Policy(default="fp8").format_for(f) for f in layers},
+                                 args.target)
+    print(f"(uniform fp8 would cost {uniform / bf16:.3f}x uniform bf16)")
+
+
+if __name__ == "__main__":
+    main()
