@@ -29,7 +29,11 @@ def make_model(n_layer: int = 4, n_embd: int = 256, n_head: int = 4, seq_len: in
 
     cfg = gpt2_config(n_layer, n_embd, n_head, seq_len)
     cfg._attn_implementation = attn_implementation
-    return GPT2LMHeadModel(cfg)
+    model = GPT2LMHeadModel(cfg)
+    # transformers 5 reads the loss from the model attribute, not the config; set it so it
+    # does not warn that it falls back to the same causal-LM loss
+    model.loss_type = "ForCausalLM"
+    return model
 
 
 def task(n_layer: int = 4, n_embd: int = 256, batch_size: int = 16, seq_len: int = 128,
