@@ -15,6 +15,7 @@ FP32 master weights. The four formats and what they mean:
 from __future__ import annotations
 
 import enum
+import platform
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ __all__ = [
     "FORMAT_ORDER",
     "supported_formats",
     "fp8_is_native",
+    "device_name",
 ]
 
 # torch's names for the two FP8 encodings of "FP8 Formats for Deep Learning"
@@ -167,3 +169,16 @@ def supported_formats(device: torch.device | str = "cpu") -> dict[Format, Suppor
         caps = _DeviceCaps(bf16=Support.NATIVE, fp16=Support.NATIVE, fp8=Support.EMULATED)
     return {Format.FP32: Support.NATIVE, Format.BF16: caps.bf16,
             Format.FP16: caps.fp16, Format.FP8: caps.fp8}
+
+
+def device_name(device: torch.device | str = "cpu") -> str:
+    """A readable name of the device: the GPU's name, or the CPU's model from /proc/cpuinfo."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import sys
 import time
 from collections.abc import Sequence
@@ -23,7 +22,7 @@ from typing import Any
 
 import torch
 
-from autoprec.formats import FORMAT_ORDER, Format
+from autoprec.formats import FORMAT_ORDER, Format, device_name
 from autoprec.fp8 import fp8_shape_supported
 from autoprec.graph import Layer, LayerGraph, capture
 from autoprec.sensitivity import LayerError, measure_sensitivity
@@ -290,15 +289,7 @@ class Profile:
 
 
 def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"cuda ({torch.cuda.get_device_name(device)})"
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"cpu ({cpu})"
+    return f"{device.type} ({device_name(device)})"
 
 
 def _fp8_blocker(layer: Layer) -> str:

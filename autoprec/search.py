@@ -42,7 +42,8 @@ from autoprec.policy import Policy, model_fingerprint
 from autoprec.profile import Profile
 from autoprec.profile import profile as run_profile
 from autoprec.rewrite import apply, remove
-from autoprec.task import Task
+from autoprec.sensitivity import prepare_for_measurement
+from autoprec.task import Task, optimizer_step
 
 __all__ = ["tune", "TuneResult", "TrialResult", "evaluate_policy", "group_layers",
            "milp_assignments", "open_storage"]
@@ -273,16 +274,6 @@ def milp_assignments(prof: Profile, units: dict[str, list[str]], formats: Sequen
 
 
 # ------------------------------------------------------------------------- evaluation
-def _no_dropout(model: torch.nn.Module) -> None:
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-    cfg = getattr(model, "config", None)
-    for attr in ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob"):
-        if cfg is not None and hasattr(cfg, attr):
-            setattr(cfg, attr, 0.0)
-
-
 class _Evaluator:
     """Holds the live model, the FP32 reference and a timing copy; evaluates policies."""
 
@@ -293,9 +284,9 @@ class _Evaluator:
         self.target = target
         self.prof = prof
         self.timing_repeats = timing_repeats
-        self.model = task.build_model()
-        _no_dropout(self.model)
-        self.model.train()
+        # train mode, dropout off, BatchNorm statistics frozen: the same state the profile's
+        # sensitivity runs use, so trials are deterministic and comparable
+        self.model = prepare_for_measurement(task.build_model())
         self.fingerprint = model_fingerprint(self.model)
         self.model_name = type(self.model).__name__
         self.ref_losses, self.ref_grads = self._losses_and_grads()
@@ -306,8 +297,8 @@ class _Evaluator:
                 g["lr"] = 0.0  # the step's full cost, without drifting the timing copy's weights
         fp32 = Policy(default="fp32")
         if target is None:
-            self.step_seconds(fp32, {})  # one-time costs (thread pools, allocator) first
-        self.fp32_seconds = self.step_seconds(fp32, {})
+            self.step_seconds(fp32)  # one-time costs (thread pools, allocator) first
+        self.fp32_seconds = self.step_seconds(fp32)
 
     def _losses_and_grads(self):
         losses, grads = [], None
@@ -336,24 +327,20 @@ class _Evaluator:
         grad_error = float((grads - self.ref_grads).norm() / self.ref_grads.norm().clamp(min=1e-30))
         return loss_increase, grad_error
 
-    def step_seconds(self, policy: Policy, assignment: dict[str, str]) -> float:
+    def step_seconds(self, policy: Policy) -> float:
         if self.target is not None:
             return self.prof.estimate_step(_expand(policy, self.prof), self.target)
         model, opt = self.timing_model, self.optimizer
         apply(model, policy)
         batch = self.task.example_batch()
+        sync = torch.cuda.synchronize if self.task.device.type == "cuda" else (lambda: None)
         try:
             times = []
             for i in range(1 + self.timing_repeats):
-                if model.parameters().__next__().device.type == "cuda":
-                    torch.cuda.synchronize()
+                sync()
                 t0 = time.perf_counter()
-                loss = self.task.loss(model, batch)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                if model.parameters().__next__().device.type == "cuda":
-                    torch.cuda.synchronize()
+                optimizer_step(self.task.loss(model, batch), opt)
+                sync()
                 if i:  # the first call warms up caches and autocast's weight-cast cache
                     times.append(time.perf_counter() - t0)
         finally:
@@ -372,7 +359,7 @@ def evaluate_policy(task: Task, policy: Policy, *, prof: Profile | None = None,
     prof = prof if prof is not None else run_profile(task, progress=False)
     ev = _Evaluator(task, holdout if holdout is not None else task.batches[-2:], target=target,
                     prof=prof)
-    sec = ev.step_seconds(policy, {})
+    sec = ev.step_seconds(policy)
     li, ge = ev.numerics(policy)
     finite = math.isfinite(li) and math.isfinite(ge)
     return TrialResult(-1, {}, sec, ev.fp32_seconds / sec, li, ge, finite, finite, "evaluate")
@@ -534,7 +521,7 @@ def tune(task: Task, *, formats: Sequence[Format | str] = ("fp32", "bf16", "fp16
                                     fingerprint=ev.fingerprint)
         li, ge = ev.numerics(policy)
         finite = math.isfinite(li) and math.isfinite(ge)
-        sec = ev.step_seconds(policy, choice) if finite else fp32_seconds * 10
+        sec = ev.step_seconds(policy) if finite else fp32_seconds * 10
         if not finite:
             li, ge = _PENALTY, _PENALTY
         cons = (li - max_loss_increase,
@@ -613,7 +600,7 @@ def _final_retime(result: TuneResult, ev: _Evaluator, *, candidates: int = 4, ro
     samples: dict[int, list[float]] = {k: [] for k in policies}
     for _ in range(rounds):
         for k, pol in policies.items():
-            samples[k].append(ev.step_seconds(pol, {}))
+            samples[k].append(ev.step_seconds(pol))
     med = {k: float(np.median(v)) for k, v in samples.items()}
     fp32 = med.pop(-1)
     best_number = min(med, key=med.get)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import platform
 import statistics
 import sys
 import time
@@ -17,15 +16,11 @@ if ROOT not in sys.path:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+from autoprec.formats import device_name  # noqa: E402  (after the path set-up above)
+
 
 def device_line() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu
+    dev = device_name("cuda" if torch.cuda.is_available() else "cpu")
     return (f"device: {dev}; torch {torch.__version__}; threads {torch.get_num_threads()}; "
             f"{time.strftime('%Y-%m-%d %H:%M')}")
 

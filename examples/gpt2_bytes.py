@@ -6,10 +6,12 @@ example task, and the README's main job.
 
 from __future__ import annotations
 
+import argparse
+
 import autoprec
 from examples.data import byte_batches
 
-__all__ = ["gpt2_config", "make_model", "task"]
+__all__ = ["gpt2_config", "make_model", "task", "gpu_task", "training_arg_parser"]
 
 
 def gpt2_config(n_layer: int = 4, n_embd: int = 256, n_head: int = 4, seq_len: int = 128,
@@ -64,3 +66,19 @@ def gpu_task(n_layer: int = 4, n_embd: int = 1024, batch_size: int = 8,
                 "eval_batches": byte_batches(2, calib_batch, calib_len, seed=10_000,
                                              skip=3_000_000)},
     )
+
+
+def training_arg_parser(description: str | None, *, policy: str, steps: int,
+                        policy_help: str = "policy YAML") -> argparse.ArgumentParser:
+    """The command-line options every GPT-2 training example shares (model size, data, lr);
+    each example adds its own."""
+    ap = argparse.ArgumentParser(description=description,
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--policy", default=policy, help=policy_help)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    return ap

@@ -12,7 +12,6 @@ scaler do it).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -26,7 +25,7 @@ import autoprec  # noqa: E402
 from autoprec.guard import GuardConfig  # noqa: E402
 from autoprec.integrations import training_kit  # noqa: E402
 from examples.data import byte_batches  # noqa: E402
-from examples.gpt2_bytes import make_model  # noqa: E402
+from examples.gpt2_bytes import make_model, training_arg_parser  # noqa: E402
 
 
 def train(model, policy, batches, *, steps: int, lr: float = 1e-3, guard=None,
@@ -70,15 +69,8 @@ def train(model, policy, batches, *, steps: int, lr: float = 1e-3, guard=None,
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--policy",
-                    default=os.path.join(ROOT, "policies", "gpt2_bytes.bf16_fp32_head.yaml"))
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap = training_arg_parser(__doc__, steps=30, policy=os.path.join(
+        ROOT, "policies", "gpt2_bytes.bf16_fp32_head.yaml"))
     ap.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
     ap.add_argument("--cpu", action="store_true", help="train on the CPU even if a GPU exists")
     ap.add_argument("--guard", action="store_true", help="attach the runtime guard")

@@ -10,7 +10,6 @@ formats (see ``autoprec.integrations`` for fp16 layers on a GPU).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -22,7 +21,7 @@ sys.path.insert(0, ROOT)
 import autoprec  # noqa: E402
 from autoprec.guard import GuardConfig  # noqa: E402
 from examples.data import byte_batches  # noqa: E402
-from examples.gpt2_bytes import make_model  # noqa: E402
+from examples.gpt2_bytes import make_model, training_arg_parser  # noqa: E402
 
 
 def as_dataset(batches: list[dict]) -> list[dict]:
@@ -49,15 +48,8 @@ def train(model, policy, dataset, *, steps: int, output_dir: str, batch_size: in
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--policy",
-                    default=os.path.join(ROOT, "policies", "gpt2_bytes.bf16_fp32_head.yaml"))
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap = training_arg_parser(__doc__, steps=30, policy=os.path.join(
+        ROOT, "policies", "gpt2_bytes.bf16_fp32_head.yaml"))
     ap.add_argument("--output-dir", default="runs/trainer")
     ap.add_argument("--cpu", action="store_true", help="train on the CPU even if a GPU exists")
     ap.add_argument("--guard", action="store_true", help="attach the runtime guard")

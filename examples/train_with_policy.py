@@ -8,7 +8,6 @@ outer torch.autocast (the anchor the benchmarks compare against).
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -21,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import autoprec  # noqa: E402
 from autoprec.task import optimizer_step  # noqa: E402
 from examples.data import byte_batches  # noqa: E402
-from examples.gpt2_bytes import make_model  # noqa: E402
+from examples.gpt2_bytes import make_model, training_arg_parser  # noqa: E402
 
 
 def train(policy: str | None, *, steps: int = 100, n_layer: int = 4, n_embd: int = 256,
@@ -63,15 +62,8 @@ def train(policy: str | None, *, steps: int = 100, n_layer: int = 4, n_embd: int
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--policy", default="policies/gpt2_bytes.yaml",
-                    help="policy YAML, or `none` for plain FP32")
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap = training_arg_parser(__doc__, policy="policies/gpt2_bytes.yaml", steps=100,
+                             policy_help="policy YAML, or `none` for plain FP32")
     ap.add_argument("--autocast", choices=["bf16", "fp16"], default=None)
     args = ap.parse_args(argv)
     policy = None if args.policy.lower() == "none" else args.policy

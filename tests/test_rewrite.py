@@ -15,6 +15,7 @@ from torch import nn
 import autoprec
 from autoprec import Format, Policy
 from autoprec.fp8 import fp8_shape_supported
+from autoprec.task import optimizer_step
 
 DTYPE = {Format.FP32: torch.float32, Format.BF16: torch.bfloat16, Format.FP16: torch.float16}
 
@@ -239,14 +240,7 @@ def _train(model, batches, steps, *, autocast=False, scaler=None):
         batch = batches[i % len(batches)]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = model(**batch).loss
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            opt.step()
-        opt.zero_grad(set_to_none=True)
+        optimizer_step(loss, opt, scaler)
         losses.append(loss.item())
     return losses
 
