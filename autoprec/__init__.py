@@ -1,15 +1,25 @@
 """autoprec: measure each layer's numerics and speed in fp32/bf16/fp16/fp8, tune a per-layer
 precision policy, and apply it in training.
 
-The production path (``load_policy`` + ``apply``) imports neither Optuna nor SciPy: the
-search (``tune``) and validation load on first use.
+The production path (``load_policy`` + ``apply``, the guard, the integrations) imports torch
+and yaml only: capture, profiling, tuning (Optuna, SciPy, matplotlib) and validation load on
+first use of their names.
 """
 
 from __future__ import annotations
 
 from autoprec.formats import Format, Support, supported_formats
-from autoprec.policy import LossScaling, Policy, PolicyError, load_policy, model_fingerprint
-from autoprec.rewrite import applied_formats, apply, remove
+from autoprec.policy import (
+    Budget,
+    LossScaling,
+    Policy,
+    PolicyError,
+    Provenance,
+    load_policy,
+    model_fingerprint,
+)
+from autoprec.runtime import applied_formats, apply, remove
+from autoprec.runtime.guard import Guard, GuardConfig, GuardEvent, get_guard
 from autoprec.task import Task, load_task
 
 __version__ = "0.1.0"
@@ -32,11 +42,15 @@ __all__ = [
     "Profile",
     # tune
     "tune",
+    "TuneConfig",
     "TuneResult",
+    "Grouping",
     "validate",
     "ValidationResult",
     # policy
     "Policy",
+    "Budget",
+    "Provenance",
     "LossScaling",
     "PolicyError",
     "load_policy",
@@ -54,20 +68,20 @@ __all__ = [
 ]
 
 _LAZY = {
-    "capture": "autoprec.graph", "Layer": "autoprec.graph", "LayerGraph": "autoprec.graph",
-    "CaptureError": "autoprec.graph",
+    "capture": "autoprec.measure.capture", "Layer": "autoprec.measure.capture",
+    "LayerGraph": "autoprec.measure.capture", "CaptureError": "autoprec.measure.capture",
     "profile": "autoprec.profile", "Profile": "autoprec.profile",
-    "tune": "autoprec.search", "TuneResult": "autoprec.search",
+    "tune": "autoprec.tuning", "TuneConfig": "autoprec.tuning",
+    "TuneResult": "autoprec.tuning", "Grouping": "autoprec.tuning",
     "validate": "autoprec.validate", "ValidationResult": "autoprec.validate",
-    "Guard": "autoprec.guard", "GuardConfig": "autoprec.guard", "GuardEvent": "autoprec.guard",
-    "get_guard": "autoprec.guard",
-    "training_kit": "autoprec.integrations", "PolicyCallback": "autoprec.integrations",
+    "training_kit": "autoprec.runtime.integrations",
+    "PolicyCallback": "autoprec.runtime.integrations",
 }
 
 
 def __getattr__(name: str):
     # Stages beyond apply load on first use, so a training job that only applies a policy
-    # never imports Optuna or SciPy.
+    # never imports Optuna, SciPy or matplotlib.
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'autoprec' has no attribute {name!r}")

@@ -13,8 +13,6 @@ import argparse
 import os
 import sys
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from configs or shipped packages
-
 __all__ = ["main"]
 
 
@@ -25,6 +23,8 @@ def _profile_path(policy_path: str) -> str:
 def _load_task(spec: str):
     from autoprec.task import load_task
 
+    # models come from configs or shipped packages: never wait on a hub download
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # task files in the working directory (examples/...) import their siblings as a package
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
@@ -46,14 +46,16 @@ def _cmd_profile(args) -> int:
 
 
 def _cmd_tune(args) -> int:
-    from autoprec.search import tune, validate_front
+    from autoprec.policy import Budget
+    from autoprec.tuning import TuneConfig, tune, validate_front
 
+    config = TuneConfig(formats=tuple(args.formats),
+                        budget=Budget(args.max_loss_increase, args.max_grad_error),
+                        n_trials=args.n_trials, timeout=args.timeout, storage=args.storage,
+                        study_name=args.study, target=args.target, seed=args.seed,
+                        grouping=args.groups, output=args.output)
     task = _load_task(args.task)
-    groups = {"auto": "auto", "layer": False, "role": True}[args.groups]
-    result = tune(task, formats=args.formats, max_loss_increase=args.max_loss_increase,
-                  max_grad_error=args.max_grad_error, n_trials=args.n_trials,
-                  timeout=args.timeout, storage=args.storage, study_name=args.study,
-                  target=args.target, seed=args.seed, groups=groups, output=args.output)
+    result = tune(task, config)
     print(result.summary())
     if args.validate_steps:
         result = validate_front(result, task, steps=args.validate_steps)
@@ -75,13 +77,13 @@ def _cmd_validate(args) -> int:
 
     policy = load_policy(args.policy)
     task = _load_task(args.task)
-    res = validate(task, policy, steps=args.steps, tolerance=args.tolerance)
+    res = validate(task, policy, steps=args.steps, tolerance=args.tolerance,
+                   strict=not args.no_strict)
     print(res.report())
     return 0 if res.passed else 1
 
 
 def _cmd_show(args) -> int:
-    from autoprec.formats import Format
     from autoprec.policy import load_policy
 
     policy = load_policy(args.policy)
@@ -93,36 +95,61 @@ def _cmd_show(args) -> int:
         print(f"  {pattern}: {fmt}")
     if policy.tuned:
         print("provenance:")
-        for k, v in policy.tuned.items():
-            print(f"  {k}: {v}")
+        print(_provenance_text(policy.provenance))
     prof_path = args.profile or _profile_path(args.policy)
     if os.path.exists(prof_path):
-        from autoprec.profile import Profile
-
-        prof = Profile.load(prof_path)
-        budget = float(((policy.tuned or {}).get("objective") or {}).get("max_loss_increase", 0.01))
-        print(f"\nper layer (profile {prof_path}, "
-              f"{'cost model ' + prof.target if prof.target else 'measured on ' + prof.device}):")
-        rows = []
-        for lp in prof.layers:
-            fmt = policy.format_for(lp.fqn)
-            why = "" if fmt is Format.FP8 else prof.reason(lp.fqn, Format.FP8,
-                                                           max_loss_change=budget)
-            if Format.FP8 not in prof.formats:
-                why = "fp8 not profiled"
-            rows.append((lp.fqn, lp.layer.kind, fmt.value, f"{lp.layer.flops / 1e9:.3f}", why))
-        widths = [max(len(r[i]) for r in rows + [("layer", "kind", "format", "GFLOP", "")])
-                  for i in range(4)]
-        print("  " + "  ".join(h.ljust(w) for h, w in zip(("layer", "kind", "format", "GFLOP"),
-                                                           widths)) + "  why not fp8")
-        for r in rows:
-            print("  " + "  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
-        total = sum(lp.layer.flops for lp in prof.layers)
-        fp8 = sum(lp.layer.flops for lp in prof.layers if policy.format_for(lp.fqn) is Format.FP8)
-        print(f"\nmatmul FLOPs in fp8: {fp8 / max(total, 1):.1%}")
+        print(_layer_reasons(policy, prof_path))
     else:
         print(f"\n(no profile at {prof_path}: per-layer reasons need the profile `tune` writes)")
     return 0
+
+
+def _provenance_text(prov) -> str:
+    lines = []
+    for key in ("device", "torch", "task"):
+        if getattr(prov, key):
+            lines.append(f"  {key}: {getattr(prov, key)}")
+    if prov.budget is not None:
+        grad = prov.budget.max_grad_error
+        lines.append(f"  budget: loss change <= {prov.budget.max_loss_increase:.2%}, gradient "
+                     f"error <= {'-' if grad is None else f'{grad:g}'}")
+    if prov.speedup is not None:
+        rounds = f" ({prov.speedup.rounds} timing rounds)" if prov.speedup.rounds else ""
+        lines.append(f"  speed-up vs fp32: {prov.speedup}{rounds}")
+    if prov.loss_increase is not None:
+        lines.append(f"  loss change vs fp32: {prov.loss_increase:+.3%}; gradient error "
+                     f"{prov.grad_error if prov.grad_error is not None else float('nan'):.3g}")
+    for note in prov.verdict:
+        lines.append(f"  verdict: {note}")
+    for key, value in prov.extra.items():
+        lines.append(f"  {key}: {value}")
+    return "\n".join(lines)
+
+
+def _layer_reasons(policy, prof_path: str) -> str:
+    from autoprec._util import text_table
+    from autoprec.formats import Format
+    from autoprec.profile import Profile
+
+    prof = Profile.load(prof_path)
+    budget = policy.provenance.budget
+    limit = budget.max_loss_increase if budget is not None else 0.01
+    rows = []
+    for lp in prof.layers:
+        fmt = policy.format_for(lp.fqn)
+        if Format.FP8 not in prof.formats:
+            why = "fp8 not profiled"
+        else:
+            why = "" if fmt is Format.FP8 else prof.reason(lp.fqn, Format.FP8,
+                                                           max_loss_change=limit)
+        rows.append((lp.fqn, lp.layer.kind, fmt.value, f"{lp.layer.flops / 1e9:.3f}", why))
+    total = sum(lp.layer.flops for lp in prof.layers)
+    fp8 = sum(lp.layer.flops for lp in prof.layers if policy.format_for(lp.fqn) is Format.FP8)
+    where = f"cost model {prof.target}" if prof.target else f"measured on {prof.device}"
+    return (f"\nper layer (profile {prof_path}, {where}):\n"
+            + text_table(("layer", "kind", "format", "GFLOP", "why not fp8"), rows, indent="  ",
+                         rule=False)
+            + f"\n\nmatmul FLOPs in fp8: {fp8 / max(total, 1):.1%}")
 
 
 def _cmd_diff(args) -> int:
@@ -206,6 +233,8 @@ def main(argv=None) -> int:
     p.add_argument("--tolerance", type=float, default=None,
                    help="allowed loss gap beyond FP32's run-to-run noise (default: the "
                         "policy's max_loss_increase, else 0.01)")
+    p.add_argument("--no-strict", action="store_true",
+                   help="apply a policy made for another model anyway (warn, do not refuse)")
     p.set_defaults(fn=_cmd_validate)
 
     p = sub.add_parser("show", help="a policy's layers, formats, provenance and reasons")

@@ -8,7 +8,7 @@ FP32 master weights. The four formats and what they mean:
   accumulation, autocast's per-op rules for everything else (norms, softmax in FP32).
 - ``fp16``: the same with ``torch.float16``; training needs loss scaling (GradScaler).
 - ``fp8``: matmul-like calls get E4M3 forward operands and E5M2 gradients with dynamic
-  per-tensor scales and a BF16 output (see :mod:`autoprec.fp8`); the rest of the layer runs
+  per-tensor scales and a BF16 output (see :mod:`autoprec.runtime.fp8`); the rest of the layer runs
   as ``bf16``. Real on CUDA devices of compute capability 8.9 or newer, emulated elsewhere.
 """
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
 import re
 import warnings
@@ -35,10 +36,14 @@ import torch
 import yaml
 from torch import nn
 
+from autoprec._util import atomic_write
 from autoprec.formats import Format
 
 __all__ = [
     "Policy",
+    "Budget",
+    "Interval",
+    "Provenance",
     "LossScaling",
     "PolicyError",
     "SCHEMA_VERSION",
@@ -75,6 +80,133 @@ class LossScaling:
         if int(self.growth_interval) != self.growth_interval or self.growth_interval < 1:
             raise PolicyError(f"loss_scaling.growth_interval must be a positive integer, "
                               f"got {self.growth_interval!r}.")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How far a policy may move training from FP32: the constraints a tune searches under
+    and the tolerance validation judges with."""
+
+    # Relative loss change vs FP32 allowed on held-out batches (0.01 = 1%).
+    max_loss_increase: float = 0.01
+    # Relative L2 error of all parameter gradients vs FP32 allowed; None: no limit.
+    max_grad_error: float | None = 0.25
+
+    def __post_init__(self):
+        for name in ("max_loss_increase", "max_grad_error"):
+            value = getattr(self, name)
+            if value is None and name == "max_grad_error":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not (0 <= value < math.inf):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}.")
+            object.__setattr__(self, name, float(value))
+
+    def allows(self, loss_increase: float, grad_error: float) -> bool:
+        """Whether a policy with these measured numbers is within the budget."""
+        return (math.isfinite(loss_increase) and math.isfinite(grad_error)
+                and loss_increase <= self.max_loss_increase
+                and (self.max_grad_error is None or grad_error <= self.max_grad_error))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"max_loss_increase": self.max_loss_increase,
+                "max_grad_error": self.max_grad_error}
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A measured ratio with its confidence interval, e.g. a speed-up over FP32."""
+
+    value: float
+    low: float
+    high: float
+    # Timing rounds behind it (0: not measured, e.g. priced by a cost model).
+    rounds: int = 0
+
+    def __str__(self) -> str:
+        if self.rounds == 0 or self.low == self.high:
+            return f"{self.value:.2f}x"
+        return f"{self.value:.2f}x [{self.low:.2f}-{self.high:.2f}]"
+
+    @property
+    def excludes_one(self) -> bool:
+        """The interval lies wholly above or below 1: a difference, not a tie."""
+        return self.low > 1.0 or self.high < 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"value": round(self.value, 4), "low": round(self.low, 4),
+                "high": round(self.high, 4), "rounds": int(self.rounds)}
+
+    @classmethod
+    def from_value(cls, value: Any) -> Interval | None:
+        """From a file: a mapping as to_dict writes it, or a bare number (older files)."""
+        if value is None:
+            return None
+        if isinstance(value, Mapping):
+            v = float(value["value"])
+            return cls(v, float(value.get("low", v)), float(value.get("high", v)),
+                       int(value.get("rounds", 0)))
+        v = float(value)
+        return cls(v, v, v, 0)
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where a tuned policy came from (the policy file's ``tuned:``), as typed data. Every
+    field is optional: a hand-written or older policy has fewer."""
+
+    device: str | None = None
+    torch: str | None = None
+    task: str | None = None
+    # The budget the policy was tuned (and validated) under.
+    budget: Budget | None = None
+    # Speed-up over FP32 as re-timed at the end of the tune (or priced, with a target).
+    speedup: Interval | None = None
+    loss_increase: float | None = None
+    grad_error: float | None = None
+    # How the winner was decided: ties, re-measurements, noise; one sentence each.
+    verdict: tuple[str, ...] = ()
+    # Everything else (study, fp8_runs_bf16, validation, guard, ...) as written.
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Provenance:
+        data = dict(data)
+        budget = data.pop("budget", None) or data.pop("objective", None)
+        metrics = dict(data.pop("metrics", None) or {})
+        speedup = data.pop("speedup_vs_fp32", None)
+        if speedup is None:
+            speedup = metrics.pop("speedup_vs_fp32", None)
+        loss = data.pop("loss_increase", metrics.pop("loss_increase", None))
+        grad = data.pop("grad_error", metrics.pop("grad_error", None))
+        if metrics:
+            data["metrics"] = metrics
+        verdict = data.pop("verdict", None) or ()
+        return cls(device=data.pop("device", None), torch=data.pop("torch", None),
+                   task=data.pop("task", None),
+                   budget=Budget(**budget) if isinstance(budget, Mapping) else None,
+                   speedup=Interval.from_value(speedup),
+                   loss_increase=None if loss is None else float(loss),
+                   grad_error=None if grad is None else float(grad),
+                   verdict=tuple(verdict if isinstance(verdict, (list, tuple)) else [verdict]),
+                   extra=data)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: v for k, v in (("device", self.device),
+                                                  ("torch", self.torch), ("task", self.task))
+                               if v is not None}
+        if self.budget is not None:
+            out["budget"] = self.budget.to_dict()
+        if self.speedup is not None:
+            out["speedup_vs_fp32"] = self.speedup.to_dict()
+        if self.loss_increase is not None:
+            out["loss_increase"] = round(self.loss_increase, 6)
+        if self.grad_error is not None:
+            out["grad_error"] = round(self.grad_error, 6)
+        if self.verdict:
+            out["verdict"] = list(self.verdict)
+        out.update(self.extra)
+        return out
 
 
 def _glob_regex(pattern: str) -> re.Pattern:
@@ -271,14 +403,12 @@ class Policy:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the policy as YAML; ``load_policy(path)`` gives back an equal Policy."""
-        path = os.fspath(path)
-        parent = os.path.dirname(path)
-        if parent:
-            os.makedirs(parent, exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(self.to_yaml())
-        os.replace(tmp, path)  # never leave a half-written policy behind
+        atomic_write(path, self.to_yaml())  # never leave a half-written policy behind
+
+    @property
+    def provenance(self) -> Provenance:
+        """``tuned`` as typed data (empty for a hand-written policy)."""
+        return Provenance.from_dict(self.tuned or {})
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str | None = None,

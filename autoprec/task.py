@@ -8,8 +8,10 @@ task = autoprec.Task(model=lambda: GPT2LMHeadModel(cfg), batches=[...],
 ``model`` is a module or a zero-argument factory; autoprec works on fresh copies
 (:meth:`Task.build_model`) so the user's module is never modified. ``loss_fn`` defaults to the
 output's ``.loss`` (HF models called with labels) or the output itself when it is a scalar.
-The CLI loads a task from ``path/to/file.py:function`` or ``package.module:function``; the
-function takes no arguments and returns a Task.
+``train_batches`` (a stream for training runs) and ``eval_batches`` (held-out batches) are what
+validation trains and judges on; without them it reuses the calibration batches. The CLI loads
+a task from ``path/to/file.py:function`` or ``package.module:function``; the function takes no
+arguments and returns a Task.
 """
 
 from __future__ import annotations
@@ -26,19 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoprec._util import call_model, move_to
+
 __all__ = ["Task", "load_task", "default_loss", "move_to", "optimizer_step"]
-
-
-def move_to(batch: Any, device: torch.device | str) -> Any:
-    """``batch`` with every tensor in it moved to ``device`` (dicts, lists, tuples)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, Mapping):
-        return type(batch)({k: move_to(v, device) for k, v in batch.items()}) \
-            if isinstance(batch, dict) else {k: move_to(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(move_to(v, device) for v in batch)
-    return batch
 
 
 def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer,
@@ -54,18 +46,10 @@ def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer,
     optimizer.zero_grad(set_to_none=True)
 
 
-def _call(model: nn.Module, batch: Any) -> Any:
-    if isinstance(batch, Mapping):
-        return model(**batch)
-    if isinstance(batch, (list, tuple)):
-        return model(*batch)
-    return model(batch)
-
-
 def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     """Call the model on the batch (``**dict``, ``*tuple`` or the tensor) and return the
     output's ``.loss``, ``["loss"]``, or the output itself when it is a scalar tensor."""
-    out = _call(model, batch)
+    out = call_model(model, batch)
     loss = getattr(out, "loss", None)
     if loss is None and isinstance(out, Mapping):
         loss = out.get("loss")
@@ -96,7 +80,13 @@ class Task:
     optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
     # Seed for model construction and anything random in measurements.
     seed: int = 0
-    # Free-form extras a task file wants to carry (e.g. a longer training stream).
+    # A stream of training batches for training runs (validation): train_batches(n, seed)
+    # returns n batches, a different order for each seed. None: the calibration batches in a
+    # seeded order.
+    train_batches: Callable[[int, int], Sequence[Any]] | None = None
+    # Held-out batches the trained models are judged on. None: the last two calibration batches.
+    eval_batches: Sequence[Any] | None = None
+    # Free-form extras a task file wants to carry; autoprec does not read them.
     extras: dict = field(default_factory=dict)
     # A batch at production size, for tuning with a cost model (`target=`): its shapes price
     # the layers, while numerics are measured on the (smaller) calibration batches. Only its

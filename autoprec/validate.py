@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from autoprec._util import log
+from autoprec.measure.timer import Clock
 from autoprec.policy import Policy
-from autoprec.rewrite import apply
+from autoprec.runtime.rewrite import apply
 from autoprec.task import Task, optimizer_step
 
 __all__ = ["validate", "ValidationResult", "train_run"]
@@ -79,11 +79,10 @@ def _tail_gap(a: Sequence[float], b: Sequence[float]) -> float:
 
 
 def _stream(task: Task, steps: int, order_seed: int) -> list[Any]:
-    """Training batches: the task's own stream if it provides one (``extras["train_batches"]``,
-    a callable ``(n, seed) -> list``), else its calibration batches in a seeded order."""
-    make = task.extras.get("train_batches")
-    if make is not None:
-        return list(make(steps, order_seed))
+    """Training batches: the task's own stream if it has one (``Task.train_batches``), else
+    its calibration batches in a seeded order."""
+    if task.train_batches is not None:
+        return list(task.train_batches(steps, order_seed))
     gen = torch.Generator().manual_seed(order_seed)
     n = len(task.batches)
     out = []
@@ -93,14 +92,16 @@ def _stream(task: Task, steps: int, order_seed: int) -> list[Any]:
 
 
 def train_run(task: Task, policy: Policy | None, batches: Sequence[Any], *,
-              eval_batches: Sequence[Any], lr_schedule: bool = True,
+              eval_batches: Sequence[Any], lr_schedule: bool = True, strict: bool = True,
               on_step: Callable[[int, float], None] | None = None) -> tuple[list, float, float]:
     """Train a fresh model from the task's initialization; returns (losses, eval loss, median
-    step seconds). Non-finite losses are kept (the run goes on; the verdict will fail)."""
+    step seconds, timed by the one step clock). Non-finite losses are kept (the run goes on;
+    the verdict will fail). ``strict``: a policy made for another model is an error."""
     model = task.build_model().train()
+    clock = Clock(task.device)
     scaler = None
     if policy is not None:
-        apply(model, policy, strict=False)
+        apply(model, policy, strict=strict)
         scaler = policy.grad_scaler(task.device)
         if not scaler.is_enabled():
             scaler = None
@@ -108,15 +109,17 @@ def train_run(task: Task, policy: Policy | None, batches: Sequence[Any], *,
     sched = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=len(batches))
              if lr_schedule else None)
     losses, times = [], []
-    for i, batch in enumerate(batches):
-        torch.manual_seed(task.seed + i)  # dropout masks identical across runs
-        t0 = time.perf_counter()
+
+    def step(batch: Any) -> None:
         loss = task.loss(model, batch)
         optimizer_step(loss, opt, scaler)
+        losses.append(float(loss.detach()))
+
+    for i, batch in enumerate(batches):
+        torch.manual_seed(task.seed + i)  # dropout masks identical across runs
+        times.append(clock.time(lambda b=batch: step(b)))
         if sched is not None:
             sched.step()
-        times.append(time.perf_counter() - t0)
-        losses.append(float(loss.detach()))
         if on_step is not None:
             on_step(i, losses[-1])
     model.eval()
@@ -128,31 +131,31 @@ def train_run(task: Task, policy: Policy | None, batches: Sequence[Any], *,
 
 def validate(task: Task, policy: Policy, *, steps: int = 100, tolerance: float | None = None,
              eval_batches: Sequence[Any] | None = None, progress: bool = True,
-             noise_run: bool = True) -> ValidationResult:
+             noise_run: bool = True, strict: bool = True) -> ValidationResult:
     """Train ``steps`` steps in FP32 and with ``policy`` from the same initialization and
     judge the held-out loss gap against FP32's own run-to-run noise (see module docstring).
 
-    ``tolerance`` defaults to the policy's tuned ``max_loss_increase``, else 1%.
+    ``tolerance`` defaults to the budget the policy was tuned under, else 1%. ``strict``: a
+    policy made for another model (fingerprint, patterns) is an error, as in ``apply``.
     """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"validate needs steps >= 1, got {steps!r}.")
     if tolerance is None:
-        tolerance = float(((policy.tuned or {}).get("objective") or {})
-                          .get("max_loss_increase", 0.01))
-    eval_batches = list(eval_batches if eval_batches is not None
-                        else task.extras.get("eval_batches") or task.batches[-2:])
+        budget = policy.provenance.budget
+        tolerance = budget.max_loss_increase if budget is not None else 0.01
+    if eval_batches is None:
+        eval_batches = task.eval_batches if task.eval_batches is not None else task.batches[-2:]
+    eval_batches = list(eval_batches)
     runs = {"fp32": (None, 0), "policy": (policy, 0)}
     if noise_run:
         runs["fp32-b"] = (None, 1)
     curves, evals, secs = {}, {}, {}
     for name, (pol, order) in runs.items():
-        t0 = time.perf_counter()
-        if progress:
-            print(f"validate: training {name} for {steps} steps", file=sys.stderr, flush=True)
+        log(f"validate: training {name} for {steps} steps", progress)
         losses, ev, sec = train_run(task, pol, _stream(task, steps, task.seed + 1000 * order),
-                                    eval_batches=eval_batches)
+                                    eval_batches=eval_batches, strict=strict)
         curves[name], evals[name], secs[name] = losses, ev, sec
-        if progress:
-            print(f"validate: {name}: held-out loss {ev:.4f} "
-                  f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+        log(f"validate: {name}: held-out loss {ev:.4f} ({sec * 1e3:.0f} ms/step)", progress)
     ref = evals["fp32"]
     gap = (evals["policy"] - ref) / abs(ref) if math.isfinite(evals["policy"]) else float("inf")
     noise = abs(evals["fp32-b"] - ref) / abs(ref) if noise_run else 0.0

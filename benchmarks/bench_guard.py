@@ -74,7 +74,7 @@ def trainer_run(model, dataset, steps, out_dir, policy=None):
     from transformers import Trainer, TrainerCallback, TrainingArguments
     from transformers.trainer_callback import PrinterCallback
 
-    from autoprec.integrations import PolicyCallback
+    from autoprec.runtime.integrations import PolicyCallback
 
     step_times: list[float] = []
 
@@ -105,7 +105,7 @@ class _HookClock:
         self.seconds = 0.0
 
     def __enter__(self):
-        from autoprec import guard as g
+        from autoprec.runtime import guard as g
 
         self._saved = {}
         for cls, names in ((g._Watch, ("forward_hook", "grad_hook", "weight_grad_hook")),
@@ -157,7 +157,7 @@ def main():
     # 1. the guard, with nothing to report
     unguarded = autoprec.apply(copy.deepcopy(base), GUARD_POLICY)
     guarded = autoprec.apply(copy.deepcopy(base), GUARD_POLICY, guard=True)
-    guard = autoprec.guard.get_guard(guarded)
+    guard = autoprec.get_guard(guarded)
     times = interleaved({"policy + guard": plain_step(guarded, batch, guard),
                          "policy": plain_step(unguarded, batch)},
                         warmup=3, rounds=args.rounds)
@@ -168,7 +168,7 @@ def main():
     clocked = autoprec.apply(copy.deepcopy(base), GUARD_POLICY)
     with _HookClock() as clock:
         autoprec.apply(clocked, GUARD_POLICY, guard=True)  # hooks bound to the timed methods
-        step = plain_step(clocked, batch, autoprec.guard.get_guard(clocked))
+        step = plain_step(clocked, batch, autoprec.get_guard(clocked))
         n = 5
         t0 = time.perf_counter()
         for _ in range(n):

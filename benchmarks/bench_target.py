@@ -18,7 +18,7 @@ import _common  # noqa: F401
 from _common import device_line
 
 from autoprec import Format, Policy
-from autoprec.search import tune, validate_front
+from autoprec.tuning import tune, validate_front
 from examples.gpt2_bytes import gpu_task
 
 

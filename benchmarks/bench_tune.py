@@ -28,8 +28,8 @@ import torch
 from _common import device_line, interleaved, median, print_table
 
 import autoprec
-from autoprec.search import tune
 from autoprec.task import optimizer_step
+from autoprec.tuning import tune
 from examples.data import byte_batches
 from examples.gpt2_bytes import make_model, task
 from examples.train_with_policy import train

@@ -33,7 +33,7 @@ the exit status 1):
 1. FP8 numerics: relative difference of ``_scaled_mm`` (native=True) and the emulation
    (native=False) on the same random operands, forward, dgrad and wgrad, next to the FP8
    error itself (emulation vs the exact FP64 product of the unrounded operands).
-2. Per-layer speed (``autoprec.timing.measure_layers``, CUDA events on a GPU) of GPT-2's block 0
+2. Per-layer speed (``autoprec.measure.timing.measure_layers``, CUDA events on a GPU) of GPT-2's block 0
    layers and lm_head in fp32/bf16/fp16/fp8, as speed-ups over fp32, and fp8 over bf16: which
    layers are too small to gain from FP8; plus lone linear layers of growing size.
 3. Whole training step (forward, backward, grad clip, AdamW): median time (variants
@@ -218,7 +218,7 @@ class _Clock:
 # ============================================================================ 1. numerics
 def _numerics_row(shape: tuple, dev: torch.device) -> tuple[list, list[float]]:
     """One row of section 1: real vs emulated vs exact, forward, dgrad and wgrad."""
-    from autoprec.fp8 import fp8_linear, fp8_matmul
+    from autoprec.runtime.fp8 import fp8_linear, fp8_matmul
 
     gen = torch.Generator(device=dev).manual_seed(1234)
     if len(shape) == 3:
@@ -311,33 +311,19 @@ class _ShapeProbe(TorchFunctionMode):
         self.stack, self.shapes = stack, shapes
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self.stack:
-            try:
-                self._record(func, args, kwargs)
-            except Exception:  # noqa: BLE001 - a probe must not break the forward
-                pass
-        return func(*args, **kwargs)
+        from autoprec.runtime import calls
 
-    def _record(self, func, args, kwargs):
-        F = torch.nn.functional
-        shape = None
-        if func is F.linear:
-            x, w = args[0], args[1] if len(args) > 1 else kwargs["weight"]
-            shape = (1, math.prod(x.shape[:-1]), x.shape[-1], w.shape[0])
-        elif func in (torch.addmm, torch.Tensor.addmm):
-            a, b = args[1], args[2]
-            shape = (1, a.shape[0], a.shape[1], b.shape[1])
-        elif func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm,
-                      torch.Tensor.mm, torch.bmm, torch.Tensor.bmm):
-            a, b = args[0], args[1]
-            if b.dim() == 2:
-                shape = (1, math.prod(a.shape[:-1]), a.shape[-1], b.shape[-1])
-            else:
-                shape = (math.prod(a.shape[:-2]), a.shape[-2], a.shape[-1], b.shape[-1])
-        if shape is not None:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        call = calls.lookup(func)
+        if self.stack and call is not None:
+            try:
+                products = call.products(args, kwargs, out)  # the registry's M/K/N
+            except Exception:  # noqa: BLE001 - a probe must not break the forward
+                products = []
             for fqn in dict.fromkeys(self.stack):  # an enclosing module computes it too
-                self.shapes[fqn].append(shape)
+                self.shapes[fqn].extend(tuple(p) for p in products)
+        return out
 
 
 def _matmul_shapes(model, batch, fqns) -> dict[str, list[tuple]]:
@@ -392,7 +378,7 @@ def _speed_rows(times: dict, shapes: dict, labels: dict) -> tuple[list[list], li
             verdict = "fp8 emulated here (not a speed)"
         elif not t["fp8"].ok:
             verdict = f"fp8 failed: {t['fp8'].error[:40]}"
-        elif "cannot take the fp8 kernel" in (t["fp8"].note or ""):
+        elif "do not run in fp8" in (t["fp8"].note or ""):
             verdict = "fp8 falls back to bf16 (shape)"
         elif fp8_vs_bf16 >= 1.05:
             verdict = "fp8 gains over bf16"
@@ -417,8 +403,8 @@ _SPEED_HEADER = ["layer", "matmuls (MxKxN)", "GFLOP f+b", "fp32 ms", "bf16", "fp
 
 
 def section_layers(cfg: Config, dev: torch.device, ctx: dict) -> None:
+    from autoprec.measure.timing import measure_layers
     from autoprec.task import move_to
-    from autoprec.timing import measure_layers
 
     _section(f"2. Per-layer speed: HF GPT-2 {cfg.n_layer}x{cfg.n_embd}, batch "
              f"{cfg.batch}x{cfg.seq} (measure_layers, "
@@ -549,14 +535,14 @@ def _tune(cfg: Config, dev: torch.device, outdir: str, stamp: str, clock: _Clock
     timeout = max(20.0, min(cfg.tune_timeout, clock.left() * 0.4))
     policy_path = os.path.join(outdir, f"gpu_check-{stamp}-tuned.yaml")
     log_path = os.path.join(outdir, f"gpu_check-{stamp}-tune.log")
-    print(f"tune: {cfg.trials} trials max, groups=True, formats {', '.join(FORMATS)}, trial "
+    print(f"tune: {cfg.trials} trials max, grouped by role, formats {', '.join(FORMATS)}, trial "
           f"phase capped at {timeout:.0f} s; log -> {log_path}", flush=True)
     t0 = time.perf_counter()
     real_err = sys.stderr
     with tempfile.TemporaryDirectory() as tmp, open(log_path, "w", buffering=1) as log:
         sys.stderr = log
         try:
-            result = autoprec.tune(task, n_trials=cfg.trials, groups=True, timeout=timeout,
+            result = autoprec.tune(task, n_trials=cfg.trials, grouping="role", timeout=timeout,
                                    storage=f"sqlite:///{os.path.join(tmp, 'study.db')}",
                                    output=policy_path, progress=True)
         finally:

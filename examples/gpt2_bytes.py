@@ -45,9 +45,8 @@ def task(n_layer: int = 4, n_embd: int = 256, batch_size: int = 16, seq_len: int
         model=lambda: make_model(n_layer, n_embd, max(1, n_embd // 64), seq_len),
         batches=byte_batches(n_batches, batch_size, seq_len, seed=1),
         name=f"gpt2-{n_layer}x{n_embd}-bytes",
-        extras={"train_batches": lambda n, seed: byte_batches(n, batch_size, seq_len, seed=seed),
-                "eval_batches": byte_batches(4, batch_size, seq_len, seed=10_000,
-                                             skip=3_000_000)},
+        train_batches=lambda n, seed: byte_batches(n, batch_size, seq_len, seed=seed),
+        eval_batches=byte_batches(4, batch_size, seq_len, seed=10_000, skip=3_000_000),
     )
 
 
@@ -61,10 +60,8 @@ def gpu_task(n_layer: int = 4, n_embd: int = 1024, batch_size: int = 8,
         batches=byte_batches(4, calib_batch, calib_len, seed=1),
         shape_batch=byte_batches(1, batch_size, seq_len, seed=2)[0],
         name=f"gpt2-{n_layer}x{n_embd}-bytes-gpu",
-        extras={"train_batches": lambda n, seed: byte_batches(n, calib_batch, calib_len,
-                                                              seed=seed),
-                "eval_batches": byte_batches(2, calib_batch, calib_len, seed=10_000,
-                                             skip=3_000_000)},
+        train_batches=lambda n, seed: byte_batches(n, calib_batch, calib_len, seed=seed),
+        eval_batches=byte_batches(2, calib_batch, calib_len, seed=10_000, skip=3_000_000),
     )
 
 

@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import autoprec  # noqa: E402
-from autoprec.guard import GuardConfig  # noqa: E402
+from autoprec.runtime.guard import GuardConfig  # noqa: E402
 from examples.data import byte_batches  # noqa: E402
 from examples.gpt2_bytes import make_model, training_arg_parser  # noqa: E402
 
@@ -35,7 +35,7 @@ def train(model, policy, dataset, *, steps: int, output_dir: str, batch_size: in
     steps. Returns ``(trainer, callback)``; ``callback.guard`` is the guard (or None)."""
     from transformers import Trainer, TrainingArguments
 
-    from autoprec.integrations import PolicyCallback
+    from autoprec.runtime.integrations import PolicyCallback
 
     args = TrainingArguments(output_dir=output_dir, max_steps=steps,
                              per_device_train_batch_size=batch_size, learning_rate=lr,

@@ -22,8 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import autoprec  # noqa: E402
-from autoprec.guard import GuardConfig  # noqa: E402
-from autoprec.integrations import training_kit  # noqa: E402
+from autoprec.runtime.guard import GuardConfig  # noqa: E402
+from autoprec.runtime.integrations import training_kit  # noqa: E402
 from examples.data import byte_batches  # noqa: E402
 from examples.gpt2_bytes import make_model, training_arg_parser  # noqa: E402
 

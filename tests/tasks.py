@@ -19,8 +19,8 @@ def tiny_gpt2_task() -> autoprec.Task:
     return autoprec.Task(model=lambda: make_model(n_layer=2, n_embd=64, n_head=2, seq_len=32),
                          batches=byte_batches(4, 4, 32, seed=5), name="tiny-gpt2",
                          device="cpu",
-                         extras={"train_batches": lambda n, seed: byte_batches(n, 4, 32, seed=seed),
-                                 "eval_batches": byte_batches(2, 4, 32, seed=99, skip=3_000_000)})
+                         train_batches=lambda n, seed: byte_batches(n, 4, 32, seed=seed),
+                         eval_batches=byte_batches(2, 4, 32, seed=99, skip=3_000_000))
 
 
 def overflow_gpt2_task() -> autoprec.Task:
@@ -45,5 +45,5 @@ def small_gpt2_task() -> autoprec.Task:
     return autoprec.Task(model=lambda: make_model(n_layer=2, n_embd=256, n_head=4, seq_len=64),
                          batches=byte_batches(4, 4, 64, seed=6), name="small-gpt2",
                          device="cpu",
-                         extras={"train_batches": lambda n, seed: byte_batches(n, 4, 64, seed=seed),
-                                 "eval_batches": byte_batches(2, 4, 64, seed=98, skip=3_000_000)})
+                         train_batches=lambda n, seed: byte_batches(n, 4, 64, seed=seed),
+                         eval_batches=byte_batches(2, 4, 64, seed=98, skip=3_000_000))

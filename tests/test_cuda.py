@@ -23,9 +23,10 @@ from conftest import tiny_gpt2
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autoprec
-import autoprec.fp8 as fp8_module
+import autoprec.runtime.fp8 as fp8_module
 from autoprec import Format, Policy, Support, supported_formats
-from autoprec.fp8 import _bf16_matmul, fp8_linear, fp8_matmul, fp8_shape_supported
+from autoprec.runtime.calls import fp8_shape_supported
+from autoprec.runtime.fp8 import _bf16_matmul, fp8_linear, fp8_matmul
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -396,8 +397,8 @@ def test_cuda_odd_shapes_fall_back_to_bf16(m, k, n):
 @needs_cuda
 @pytest.mark.gpu
 def test_cuda_measure_layers_times_fp8_as_native():
+    from autoprec.measure.timing import measure_layers
     from autoprec.task import move_to
-    from autoprec.timing import measure_layers
     from examples.data import byte_batches
 
     batch = move_to(byte_batches(1, 2, 32, seed=0)[0], "cuda")

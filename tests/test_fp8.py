@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from autoprec.formats import FP8_E4M3, FP8_E5M2
-from autoprec.fp8 import (
+from autoprec.runtime.calls import fp8_shape_supported
+from autoprec.runtime.fp8 import (
     dequantize,
     fp8_linear,
     fp8_matmul,
-    fp8_shape_supported,
     quantize,
     tensorwise_scale,
 )

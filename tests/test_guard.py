@@ -14,7 +14,7 @@ from conftest import ComputeProbe, tiny_gpt2
 
 import autoprec
 from autoprec import Format, Policy
-from autoprec.guard import Guard, GuardConfig, get_guard
+from autoprec.runtime.guard import Guard, GuardConfig, get_guard
 from examples.data import byte_batches
 from examples.train_plain import PLANT_LAYER, train
 
@@ -183,15 +183,19 @@ def test_guard_records_nothing_in_evaluation_and_steps_without_training_are_no_o
     autoprec.apply(model, Policy(default="bf16", layers={"transformer.h.0.mlp": "fp16",
                                                          "lm_head": "fp16"}), guard=True)
     guard = get_guard(model)
-    # the layers that run matmuls; norms and embeddings compute in FP32 in every format
-    assert set(guard.watched) == {"lm_head"} | {
-        f"transformer.h.{i}.{m}" for i in range(2)
-        for m in ("attn", "attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+    # the layers that run matmuls; norms and embeddings compute in FP32 in every format.
+    # Layers by class are known at once; the attention cores (no layer class: they compute by
+    # running q @ k.T) are found on the first training forward.
+    projections = {"lm_head"} | {f"transformer.h.{i}.{m}" for i in range(2)
+                                 for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+    assert set(guard.watched) == projections
     with torch.no_grad():
         model(**gpt2_batch)
     assert all(not v for v in guard._amax.values())
     assert guard.step() == []
+    assert set(guard.watched) == projections, "an evaluation forward must not count"
     model(**gpt2_batch).loss.backward()
+    assert set(guard.watched) == projections | {"transformer.h.0.attn", "transformer.h.1.attn"}
     assert set(guard._amax["out"]) == set(guard.watched)
     assert set(guard._amax["grad"]) == set(guard.watched)
     # weight gradients: fp16 layers' own only (lm_head's weight is tied to the embedding)
@@ -202,21 +206,28 @@ def test_guard_records_nothing_in_evaluation_and_steps_without_training_are_no_o
 def test_apply_without_guard_or_remove_detaches_it(gpt2_batch):
     model = tiny_gpt2()
     policy = Policy(default="bf16")
-    autoprec.apply(model, policy, guard=True)
-    guard = get_guard(model)
-    hooked = model.transformer.h[0].mlp.c_fc
-    assert len(hooked._forward_hooks) == 1
-    autoprec.apply(model, policy, guard=guard)  # re-attaching keeps the same guard
-    assert get_guard(model) is guard and len(hooked._forward_hooks) == 1
-    autoprec.apply(model, policy)
-    assert get_guard(model) is None and len(hooked._forward_hooks) == 0
-    assert guard.model is None
+    def hooks() -> int:
+        return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
     autoprec.apply(model, policy, guard=True)
     guard = get_guard(model)
+    hooked = model.transformer.h[0].mlp.c_fc
+    model(**gpt2_batch).loss.backward()  # the first training forward settles what is watched
+    guard.step()
+    assert len(hooked._forward_hooks) == 1 and hooks() == len(guard.watched)
+    autoprec.apply(model, policy, guard=guard)  # re-attaching keeps the same guard
+    assert get_guard(model) is guard and len(hooked._forward_hooks) == 1
+    autoprec.apply(model, policy)
+    assert get_guard(model) is None and hooks() == 0
+    assert guard.model is None
+
+    # detached before its first training forward, a guard leaves none of its hooks either
+    autoprec.apply(model, policy, guard=True)
+    guard = get_guard(model)
     autoprec.remove(model)
+    assert hooks() == 0
     model(**gpt2_batch).loss.backward()
-    assert guard.step() == [] and get_guard(model) is None and len(hooked._forward_hooks) == 0
+    assert guard.step() == [] and get_guard(model) is None and hooks() == 0
 
 
 def test_deepcopy_of_a_guarded_model_gets_its_own_guard(gpt2_batch):
@@ -263,3 +274,28 @@ def test_demotion_walks_fp8_to_bf16_to_fp32_and_then_stops(gpt2_batch):
     assert all(e.reason.startswith("non-finite outputs") for e in guard.events)
     assert layer not in guard.watched and guard.policy.format_for(layer) is Format.FP32
     assert not math.isfinite(model(**gpt2_batch).loss.item())  # still failing, upstream of all
+
+
+def test_a_module_that_computes_by_what_it_runs_is_watched_and_demoted():
+    # No layer class and no attention-like name: it computes by running x @ x.T itself, as
+    # capture sees it (the same rule, runtime.calls.layer_kind). Its FP16 products overflow.
+    class Mixer(torch.nn.Module):
+        def forward(self, x):
+            return x @ x.transpose(-1, -2)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), Mixer(), torch.nn.Linear(4, 4))
+    with torch.no_grad():
+        model[0].weight.mul_(400.0)
+    autoprec.apply(model, Policy(default="fp32", layers={"1": "fp16"}), guard=True)
+    guard = get_guard(model)
+    assert "1" not in guard.watched  # not known before it ran
+    x = torch.randn(2, 4, 16)
+    events = []
+    for _ in range(3):
+        model(x).float().sum().backward()
+        events += guard.step()
+        model.zero_grad()
+    assert "1" not in guard.watched  # fp32 now: nothing left to watch
+    assert [(e.fqn, e.old, e.new) for e in events] == [("1", Format.FP16, Format.FP32)], events
+    assert torch.isfinite(model(x)).all()

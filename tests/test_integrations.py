@@ -14,8 +14,8 @@ from torch import nn
 
 import autoprec
 from autoprec import Format, Policy, PolicyError
-from autoprec.guard import get_guard
-from autoprec.integrations import training_kit
+from autoprec.runtime.guard import get_guard
+from autoprec.runtime.integrations import training_kit
 from examples import train_accelerate, train_hf_trainer, train_plain
 from examples.data import byte_batches
 
@@ -225,7 +225,7 @@ def test_policy_callback_added_after_prepare_under_bf16_is_refused(fresh_acceler
     from accelerate.state import AcceleratorState
     from transformers import Trainer, TrainingArguments
 
-    from autoprec.integrations import PolicyCallback, use_policy
+    from autoprec.runtime.integrations import PolicyCallback, use_policy
 
     dataset = train_hf_trainer.as_dataset(byte_batches(1, 4, 32, seed=8))
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, use_cpu=True, bf16=True,

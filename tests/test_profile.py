@@ -27,7 +27,7 @@ def test_profile_covers_every_matmul_layer(tiny_prof):
     assert tiny_prof.fixed["transformer.ln_f"] == "norm"
     for lp in tiny_prof.layers:
         assert set(lp.times) == {Format.FP32, Format.BF16, Format.FP16, Format.FP8}
-        assert set(lp.errors) == {Format.BF16, Format.FP16, Format.FP8}
+        assert set(lp.sensitivity) == {Format.BF16, Format.FP16, Format.FP8}
         assert all(t.seconds > 0 for t in lp.times.values())
         assert lp.times[Format.FP8].emulated  # never reported as fast on this CPU
         assert lp.times[Format.FP8].seconds >= lp.times[Format.FP32].seconds
@@ -47,18 +47,18 @@ def test_profile_round_trips_and_prints(tmp_path, tiny_prof):
 def test_two_profiles_give_identical_errors(tiny_prof):
     other = profile(tiny_gpt2_task(), progress=False, repeats=1, target="h100")
     for a, b in zip(tiny_prof.layers, other.layers):
-        assert {f: e.to_dict() for f, e in a.errors.items()} == \
-               {f: e.to_dict() for f, e in b.errors.items()}, a.fqn
+        assert {f: e.to_dict() for f, e in a.sensitivity.items()} == \
+               {f: e.to_dict() for f, e in b.sensitivity.items()}, a.fqn
 
 
 def test_planted_fp16_overflow_is_flagged_on_that_layer_only():
     prof = profile(overflow_gpt2_task(), formats=("fp32", "bf16", "fp16"), progress=False,
                    target="h100")
-    flagged = [(lp.fqn, f) for lp in prof.layers for f, e in lp.errors.items() if not e.finite]
+    flagged = [(lp.fqn, f) for lp in prof.layers for f, e in lp.sensitivity.items() if not e.finite]
     assert flagged == [("transformer.h.1.mlp.c_proj", Format.FP16)]
     lp = prof.layer("transformer.h.1.mlp.c_proj")
-    assert lp.errors[Format.BF16].finite
-    assert lp.errors[Format.FP16].act_overflow > 0
+    assert lp.sensitivity[Format.BF16].finite
+    assert lp.sensitivity[Format.FP16].act_overflow > 0
     assert not prof.allows("transformer.h.1.mlp.c_proj", Format.FP16)
     assert "non-finite" in prof.reason("transformer.h.1.mlp.c_proj", Format.FP16)
     assert math.isinf(prof.loss_change("transformer.h.1.mlp.c_proj", Format.FP16))

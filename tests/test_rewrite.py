@@ -14,7 +14,7 @@ from torch import nn
 
 import autoprec
 from autoprec import Format, Policy
-from autoprec.fp8 import fp8_shape_supported
+from autoprec.runtime.calls import fp8_shape_supported
 from autoprec.task import optimizer_step
 
 DTYPE = {Format.FP32: torch.float32, Format.BF16: torch.bfloat16, Format.FP16: torch.float16}

@@ -13,7 +13,7 @@ from conftest import tiny_gpt2
 from torch import nn
 
 from autoprec.formats import FP8_E5M2, Format
-from autoprec.sensitivity import LayerError, measure_sensitivity
+from autoprec.measure.sensitivity import LayerSensitivity, measure_sensitivity
 
 F32, BF16, F16, F8 = Format.FP32, Format.BF16, Format.FP16, Format.FP8
 
@@ -80,7 +80,7 @@ def test_planted_fp16_overflow_is_flagged_in_that_layer_only(gpt2, gpt2_batch):
 
     # Non-finite numbers survive JSON (which has no inf/NaN literal) and come back.
     text = json.dumps(bad.to_dict(), allow_nan=False)
-    back = LayerError.from_dict(json.loads(text))
+    back = LayerSensitivity.from_dict(json.loads(text))
     assert back.to_dict() == bad.to_dict() and back.format is F16 and not back.finite
 
 
@@ -169,7 +169,7 @@ def test_minilm_errors_are_ordered_fp32_bf16_fp8(minilm_model, minilm_batch):
 
 
 def test_cnn_batchnorm_stays_put_and_convs_are_measured(cnn_model, cnn_batch):
-    from autoprec.sensitivity import prepare_for_measurement
+    from autoprec.measure.numerics import prepare_for_measurement
 
     # Train-mode BatchNorm normalises with batch statistics, as in training, but must not
     # drift its running statistics between runs: momentum 0 keeps them where they were.
@@ -262,17 +262,17 @@ def test_unknown_layer_names_similar_ones(gpt2, gpt2_batch):
 
 
 def test_layer_error_json_and_validation():
-    e = LayerError(layer="lm_head", format="fp8", loss_rel_change=1e-3, grad_rel_error=0.02,
+    e = LayerSensitivity(layer="lm_head", format="fp8", loss_rel_change=1e-3, grad_rel_error=0.02,
                    layer_grad_rel_error=None, output_sqnr_db=math.inf, act_overflow=0.0,
                    act_underflow=0.25, grad_overflow=0.0, grad_underflow=0.0, finite=True,
                    n_batches=2)
     data = json.loads(json.dumps(e.to_dict(), allow_nan=False))
     assert data["output_sqnr_db"] == "inf" and data["format"] == "fp8"
-    assert LayerError.from_dict(data) == e
+    assert LayerSensitivity.from_dict(data) == e
     with pytest.raises(ValueError, match="'speed'"):
-        LayerError.from_dict({**data, "speed": 1.0})
+        LayerSensitivity.from_dict({**data, "speed": 1.0})
     with pytest.raises(ValueError, match="act_underflow"):
-        LayerError(**{**LayerError.from_dict(data).__dict__, "act_underflow": 1.5})
+        LayerSensitivity(**{**LayerSensitivity.from_dict(data).__dict__, "act_underflow": 1.5})
     assert e.verdict == "ok" and e.judge(max_loss_change=1e-4) == "lossy"
 
 

@@ -1,5 +1,5 @@
-"""Tests of autoprec.timing: measured layer speed on this device, and the roofline cost model
-for devices that are not here.
+"""Tests of autoprec.measure.timing (measured layer speed on this device) and of the step
+timer.
 
 Measured tests assert orderings with margins, never tight ratios, and print the measured
 ratio on failure: the CPU is shared with other test runs. They pin torch to one thread: on a
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,16 +19,8 @@ from torch import nn
 
 import autoprec
 from autoprec.formats import Format, Support, supported_formats
-from autoprec.timing import (
-    DEVICES,
-    DeviceSpec,
-    LayerTime,
-    estimate_layer,
-    estimate_layers,
-    estimate_step,
-    measure_layers,
-    measure_step,
-)
+from autoprec.measure.timer import Comparison, StepTimer
+from autoprec.measure.timing import LayerTime, measure_layers
 
 ALL = ("fp32", "bf16", "fp16", "fp8")
 
@@ -97,13 +88,10 @@ def test_fp8_on_cpu_is_emulated_and_never_faster_than_fp32(one_thread):
 def test_emulated_floor_applies_when_emulation_times_faster(monkeypatch):
     # Emulated fp8 on a real CPU is slower than fp32 anyway, so the floor is checked with
     # fake timings: an emulated format that *measures* faster must still report fp32's time.
-    import autoprec.timing as timing
+    import autoprec.measure.timing as timing
 
-    def fake(fqn, module, inputs, formats, timer, **kw):
-        times = {Format.FP32: [2.0, 2.0, 2.0], Format.BF16: [1.5] * 3, Format.FP8: [1.0] * 3}
-        return {f: (times[f], None, "") for f in formats}
-
-    monkeypatch.setattr(timing, "_time_module", fake)
+    times = {Format.FP32: 2.0, Format.BF16: 1.5, Format.FP8: 1.0}
+    monkeypatch.setattr(timing._FormatRun, "__call__", lambda self: times[self.fmt])
     t = measure_layers(_linear(16, 16), torch.randn(4, 16), ["0"], ("bf16", "fp8"))["0"]
     assert t[Format.FP8].raw_seconds == 1.0 and t[Format.FP8].seconds == 2.0
     assert t[Format.BF16].seconds == t[Format.BF16].raw_seconds == 1.5
@@ -113,7 +101,7 @@ def test_fp8_note_names_shapes_the_kernel_cannot_take(one_thread):
     model = _linear(100, 64)  # K = 100 is not a multiple of 16
     t = measure_layers(model, (torch.randn(32, 100),), ["0"], ("fp8",), warmup=0, repeats=1)
     note = t["0"][Format.FP8].note
-    assert "1 of 1 matmuls cannot take the fp8 kernel" in note and "K=100" in note, note
+    assert "1 of 1 matmuls do not run in fp8" in note and "K=100" in note, note
 
 
 def _hooks(model: nn.Module) -> int:
@@ -136,7 +124,7 @@ def test_measure_layers_on_gpt2_leaves_the_model_unchanged(gpt2, gpt2_batch, one
         assert set(prof[fqn]) == {Format(f) for f in ALL}
         for fmt, lt in prof[fqn].items():
             assert lt.ok, f"{fqn} in {fmt}: {lt.error}"
-            assert lt.fqn == fqn and lt.fmt is fmt
+            assert lt.fqn == fqn and lt.format is fmt
             assert math.isfinite(lt.seconds) and lt.seconds > 0, (fqn, fmt, lt)
             assert lt.emulated == (fmt is Format.FP8)
     # Unchanged: same weights and buffers, no regions, no hooks, no grads, same flags and RNG.
@@ -217,7 +205,7 @@ def test_layer_time_json_round_trip():
     for lt in (good, bad):
         text = json.dumps(lt.to_dict(), allow_nan=False)  # strict JSON: no inf / nan
         back = LayerTime.from_dict(json.loads(text))
-        assert back.fqn == lt.fqn and back.fmt is lt.fmt and back.error == lt.error
+        assert back.fqn == lt.fqn and back.format is lt.format and back.error == lt.error
         assert back.seconds == lt.seconds and back.note == lt.note
     assert LayerTime.from_dict(good.to_dict()) == good
     with pytest.raises(ValueError, match="source"):
@@ -228,26 +216,24 @@ def test_layer_time_json_round_trip():
         LayerTime("a", "fp9", 1.0, 1.0)
 
 
-def test_measure_step_times_a_step_and_restores_the_model(gpt2, gpt2_batch):
-    opt = torch.optim.AdamW(gpt2.parameters(), lr=1e-2)
+def test_step_timer_times_policies_without_moving_the_weights(gpt2, gpt2_batch):
     state = {k: v.clone() for k, v in gpt2.state_dict().items()}
-    opt_state = opt.state_dict()
-    secs = measure_step(gpt2, [gpt2_batch], lambda m, b: m(**b).loss, optimizer=opt,
-                        warmup=1, repeats=2)
-    assert math.isfinite(secs) and secs > 0
+    timer = StepTimer(gpt2, gpt2_batch, lambda m, b: m(**b).loss,
+                      lambda p: torch.optim.AdamW(p, lr=1e-2), device="cpu")
+    fp16 = autoprec.Policy(default="bf16", layers={"lm_head": "fp16"},
+                           loss_scaling={"init_scale": 1024.0})
+    cmp = Comparison({"fp32": timer.runner(autoprec.Policy(default="fp32")),
+                      "bf16": timer.runner(autoprec.Policy(default="bf16")),
+                      "fp16 head": timer.runner(fp16)}, "fp32", repeats=1)
+    cmp.run(3)
+    for key in ("fp32", "bf16", "fp16 head"):
+        assert math.isfinite(cmp.seconds(key)) and cmp.seconds(key) > 0, key
+        assert cmp.rounds_of(key) == 3
+    assert cmp.ratio("fp32").value == 1.0
     after = gpt2.state_dict()
+    # learning rate 0: a step costs what a real one does, and the weights stay put
     assert all(torch.equal(state[k], after[k]) for k in state), "weights changed"
-    assert opt.state_dict()["state"] == opt_state["state"] == {}
-    assert all(p.grad is None for p in gpt2.parameters())
-    assert not gpt2.training
-
-
-def test_measure_step_times_a_policy(gpt2, gpt2_batch):
-    autoprec.apply(gpt2, autoprec.Policy(default="bf16"))
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    secs = measure_step(gpt2, gpt2_batch, None, grad_scaler=scaler, warmup=1, repeats=1)
-    assert secs > 0 and autoprec.applied_formats(gpt2) == {"": Format.BF16}
-    assert scaler.get_scale() == 1024.0  # the caller's scaler is not stepped
+    assert autoprec.applied_formats(gpt2) == {}, "the timer left a policy applied"
 
 
 def test_measure_layers_refuses_a_model_with_a_policy_applied(gpt2, gpt2_batch):
@@ -266,141 +252,4 @@ def test_measure_layers_on_cuda():
     assert t[Format.FP8].emulated is not native_fp8
     assert t[Format.BF16].seconds < 0.7 * t[Format.FP32].seconds, t
 
-
-# ============================================================================ cost model
-def _lin(m: int, k: int, n: int, fqn: str = "lin") -> SimpleNamespace:
-    return SimpleNamespace(fqn=fqn, kind="linear", matmuls=((1, m, k, n),),
-                           flops=2 * m * k * n, bytes=4 * (m * k + k * n + m * n), params=k * n)
-
-
-def _t(layer, fmt, target) -> float:
-    return estimate_layer(layer, fmt, target).seconds
-
-
-def test_model_large_linear_on_h100_orders_fp8_bf16_fp32():
-    big = _lin(4096, 8192, 16384)  # torchao's 1.39x case
-    fp32, bf16, fp8 = (_t(big, f, "h100") for f in ("fp32", "bf16", "fp8"))
-    assert fp8 < bf16 < fp32
-    assert 1.2 < bf16 / fp8 < 2.0, f"fp8 speedup over bf16 {bf16 / fp8:.2f}x (torchao: 1.39x)"
-
-
-def test_model_small_linear_gains_nothing_from_fp8():
-    small = _lin(1024, 2048, 1024)  # torchao measured fp8 at 0.80x of bf16 on H100
-    for target in ("h100", "h200"):
-        bf16, fp8 = _t(small, "bf16", target), _t(small, "fp8", target)
-        assert fp8 >= bf16, f"{target}: fp8 {fp8 * 1e6:.1f} us < bf16 {bf16 * 1e6:.1f} us"
-
-
-def test_model_crossover_is_monotone_in_size():
-    sizes = [256, 512, 1024, 2048, 4096, 8192]
-    speedups = [_t(_lin(s, s, s), "bf16", "h100") / _t(_lin(s, s, s), "fp8", "h100")
-                for s in sizes]
-    assert speedups == sorted(speedups), speedups
-    assert speedups[0] < 1 < speedups[-1], speedups
-
-
-def test_model_fp8_shape_the_kernel_cannot_take_is_priced_as_bf16():
-    odd = _lin(1000, 1024, 1024)  # M = 1000 tokens is not a multiple of 16
-    fp8 = estimate_layer(odd, "fp8", "h100")
-    assert fp8.seconds == _t(odd, "bf16", "h100")
-    assert "priced as bf16" in fp8.note and "M=1000" in fp8.note, fp8.note
-    assert not fp8.emulated and fp8.source == "model:h100"
-
-
-def test_model_a100_never_gives_fp8_faster_than_bf16():
-    for s in (16, 128, 1024, 4096, 16384):
-        layer = _lin(s, s, s)
-        fp8 = estimate_layer(layer, "fp8", "a100")
-        assert fp8.emulated and "emulated" in fp8.note
-        assert fp8.seconds >= _t(layer, "bf16", "a100")
-        assert fp8.seconds >= _t(layer, "fp32", "a100")
-
-
-def test_model_h200_never_slower_than_h100():
-    layers = [_lin(s, 2 * s, s) for s in (16, 256, 1000, 4096)]
-    layers.append(SimpleNamespace(fqn="ln", kind="norm", matmuls=(), flops=0,
-                                  bytes=8 * 2048 * 1024, params=2048))
-    for layer in layers:
-        for fmt in ALL:
-            assert _t(layer, fmt, "h200") <= _t(layer, fmt, "h100"), (layer.matmuls, fmt)
-
-
-def test_model_norm_and_embedding_are_memory_bound():
-    norm = SimpleNamespace(fqn="ln", kind="norm", matmuls=(), flops=5 * 4096 * 1024,
-                           bytes=8 * 4096 * 1024, params=2048)
-    emb = SimpleNamespace(fqn="wte", kind="embedding", matmuls=(), flops=0,
-                          bytes=4 * 4096 * 1024, params=50257 * 1024)
-    for layer in (norm, emb):
-        times = [_t(layer, f, "h100") for f in ("fp32", "bf16", "fp16")]
-        assert max(times) <= 1.05 * min(times), times
-        assert "memory-bound" in estimate_layer(layer, "bf16", "h100").note
-
-
-def test_model_cpu_amx_matches_the_measured_design_numbers():
-    big = _lin(2048, 2048, 2048)
-    fp32, bf16, fp16 = (_t(big, f, "cpu-amx") for f in ("fp32", "bf16", "fp16"))
-    assert bf16 < fp32 < fp16  # AMX BF16 ~6x FP32; FP16 slower than FP32 on that CPU
-    assert estimate_layer(big, "fp8", "cpu-amx").emulated
-
-
-def test_model_unknown_target_lists_the_valid_ones():
-    with pytest.raises(ValueError, match="Unknown cost-model target 'h800'.*h100, h200, a100, cpu-amx"):
-        estimate_layer(_lin(16, 16, 16), "bf16", "h800")
-
-
-def test_device_spec_validates():
-    with pytest.raises(ValueError, match="natively but gives no"):
-        DeviceSpec(name="x", matmul_flops={"fp32": 1e12}, bandwidth=1e12,
-                   support={f: Support.NATIVE for f in Format})
-    with pytest.raises(ValueError, match="efficiency"):
-        DeviceSpec(name="x", matmul_flops={f: 1e12 for f in Format}, bandwidth=1e12,
-                   support={f: Support.NATIVE for f in Format}, efficiency=1.5)
-    spec = DeviceSpec(name="mine", matmul_flops={f: 1e12 for f in Format}, bandwidth=1e12,
-                      support={f: Support.NATIVE for f in Format})
-    assert estimate_layer(_lin(64, 64, 64), "bf16", spec).source == "model:mine"
-
-
-def test_estimate_step_sums_layers_and_prices_casts_on_edges():
-    layers = [_lin(4096, 4096, 4096, "a"), _lin(4096, 4096, 4096, "b")]
-    uniform = {"a": "bf16", "b": "bf16"}
-    assert estimate_step(layers, uniform, "h100") == pytest.approx(
-        sum(_t(x, "bf16", "h100") for x in layers))
-    edges = [("a", "b")]
-    same = estimate_step(layers, uniform, "h100", edges=edges)
-    mixed = estimate_step(layers, {"a": "bf16", "b": "fp32"}, "h100", edges=edges)
-    no_cast = estimate_step(layers, {"a": "fp8", "b": "bf16"}, "h100", edges=edges)
-    # Dropping the per-layer boundary casts makes the edge-aware sum cheaper than the
-    # conservative one; a bf16 -> fp32 edge adds one cast; fp8 -> bf16 needs none.
-    assert same < estimate_step(layers, uniform, "h100")
-    b_fp32 = estimate_step(layers[1:], {"b": "fp32"}, "h100", edges=[])
-    a_bf16 = estimate_step(layers[:1], {"a": "bf16"}, "h100", edges=[])
-    assert mixed > a_bf16 + b_fp32
-    a_fp8 = estimate_step(layers[:1], {"a": "fp8"}, "h100", edges=[])
-    b_bf16 = estimate_step(layers[1:], {"b": "bf16"}, "h100", edges=[])
-    assert no_cast == pytest.approx(a_fp8 + b_bf16)
-    with pytest.raises(ValueError, match="no format for 1 layer"):
-        estimate_step(layers, {"a": "bf16"}, "h100")
-    assert estimate_step(layers, {"a": "bf16"}, "h100", default="bf16") == pytest.approx(
-        estimate_step(layers, uniform, "h100"))
-    with pytest.raises(ValueError, match="names 'c'"):
-        estimate_step(layers, {"a": "bf16", "b": "bf16", "c": "fp8"}, "h100")
-
-
-def test_estimate_layers_is_shaped_like_measure_layers():
-    layers = [_lin(64, 64, 64, "a"), _lin(128, 64, 64, "b")]
-    prof = estimate_layers(layers, ALL, "h200")
-    assert list(prof) == ["a", "b"] and list(prof["a"]) == [Format(f) for f in ALL]
-    assert all(lt.source == "model:h200" for d in prof.values() for lt in d.values())
-
-
-def test_model_prices_a_captured_gpt2_attention(gpt2, gpt2_batch):
-    """The cost model takes the real autoprec.graph.Layer of a real model."""
-    graph = pytest.importorskip("autoprec.graph")
-    g = graph.capture(gpt2, gpt2_batch)
-    attn = g.layer("transformer.h.0.attn")
-    for target in DEVICES:
-        for fmt in ALL:
-            lt = estimate_layer(attn, fmt, target)
-            assert lt.ok and lt.seconds > 0, (target, fmt, lt)
-    assert estimate_step(g.layers, {}, "h100", edges=g.edges, default="bf16") > 0
 

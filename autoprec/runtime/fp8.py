@@ -18,23 +18,22 @@ The emulation rounds exactly as the kernel does (quantize -> dequantize in FP32 
 matmul); it agrees with ``_scaled_mm`` up to accumulation order. It is for numerics only:
 it is slower than FP32, never faster.
 
-Shapes the kernel cannot take (any of M, K, N not a multiple of 16, where M is the product of
-the leading dimensions) run as a BF16 matmul instead, on every device, so that CPU emulation
-and GPU show the same numerics. :func:`fp8_shape_supported` gives the reason.
+Shapes the kernel cannot take (any of M, K, N not a multiple of 16; M, K and N as
+:func:`autoprec.runtime.calls.product_of` reads them) run as a BF16 matmul instead, on every
+device, so that CPU emulation and GPU show the same numerics.
+:func:`~autoprec.runtime.calls.fp8_shape_supported` gives the reason.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from autoprec.formats import FP8_E4M3, FP8_E5M2, fp8_is_native
+from autoprec.runtime.calls import fp8_shape_supported, product_of
 
 __all__ = [
     "fp8_matmul",
     "fp8_linear",
-    "fp8_shape_supported",
     "tensorwise_scale",
     "quantize",
     "dequantize",
@@ -43,7 +42,6 @@ __all__ = [
 # Lower bound on amax: an all-zero tensor would otherwise give an infinite scale
 # (the failure fixed in pytorch/ao#3356 by the same kind of bound).
 _AMAX_EPS = 1e-12
-_KERNEL_MULTIPLE = 16
 
 
 def tensorwise_scale(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
@@ -63,16 +61,6 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> to
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """FP32 values an FP8 tensor stands for."""
     return q.to(torch.float32) / scale
-
-
-def fp8_shape_supported(m: int, k: int, n: int) -> tuple[bool, str]:
-    """Whether ``torch._scaled_mm`` can take an (M, K) x (K, N) product and its two backward
-    products; if not, the reason, for the profile and the policy."""
-    bad = [f"{name}={v}" for name, v in (("M", m), ("K", k), ("N", n)) if v % _KERNEL_MULTIPLE]
-    if bad:
-        return False, (f"torch._scaled_mm needs M, K and N to be multiples of {_KERNEL_MULTIPLE} "
-                       f"(forward, dgrad and wgrad); here {', '.join(bad)}: runs in bf16")
-    return True, ""
 
 
 def _col_major(x: torch.Tensor) -> torch.Tensor:
@@ -183,9 +171,8 @@ def fp8_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = Non
     if a.dim() < 2 or b.dim() < 2:
         raise ValueError(f"fp8_matmul needs operands of at least 2 dimensions, got "
                          f"{tuple(a.shape)} and {tuple(b.shape)}; 1-D products stay in bf16.")
-    m = math.prod(a.shape[:-1]) if b.dim() == 2 else a.shape[-2]
-    ok, _ = fp8_shape_supported(m, a.shape[-1], b.shape[-1])
-    if not ok:
+    p = product_of(a.shape, b.shape)
+    if not fp8_shape_supported(p.m, p.k, p.n)[0]:
         return _bf16_matmul(a, b, bias)
     if native is None:
         native = fp8_is_native(a.device)

@@ -37,7 +37,6 @@ import contextlib
 import dataclasses
 import difflib
 import inspect
-import json
 import logging
 import math
 import operator
@@ -52,17 +51,29 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
+
+from autoprec._util import (
+    check_keys,
+    check_schema,
+    read_json,
+    split_batch,
+    tensors,
+    text_table,
+    write_json,
+)
+from autoprec.runtime import calls
+from autoprec.runtime.calls import KINDS, Product, class_kind, layer_kind
 
 __all__ = ["Layer", "LayerGraph", "CaptureError", "capture", "KINDS", "METHODS"]
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("linear", "conv", "matmul", "embedding", "norm", "attention")
 METHODS = ("export", "symbolic_trace", "hooks")
-GRAPH_SCHEMA = 1
+GRAPH_SCHEMA = 2
 
 # Norms cost a few elementwise ops per element (mean, variance, normalise, scale, shift); the
 # exact count does not matter next to the matmuls, only that it is small and nonzero.
@@ -97,6 +108,9 @@ class Layer:
     # in execution order (ops of child layers excluded). Conv as implicit GEMM: batch = groups,
     # M = N*H_out*W_out, K = C_in/groups*kh*kw, N = C_out/groups. SDPA counts as its two matmuls.
     matmuls: tuple[tuple[int, int, int, int], ...] = ()
+    # The registered call (autoprec.runtime.calls) that runs each of `matmuls`: "linear",
+    # "addmm", "matmul", "sdpa", "conv", ... (what decides whether FP8 takes it).
+    calls: tuple[str, ...] = ()
     # Forward FLOPs per forward of the model: 2*batch*M*K*N summed over matmuls; embeddings 0;
     # norms a small elementwise estimate. A module called twice counts both calls.
     flops: int = 0
@@ -110,8 +124,13 @@ class Layer:
         if self.kind not in KINDS:
             raise ValueError(f"Layer {self.fqn!r} has kind {self.kind!r}; expected one of "
                              f"{', '.join(KINDS)}.")
-        object.__setattr__(self, "matmuls", tuple(_tuple4(m, f"Layer {self.fqn!r}")
+        object.__setattr__(self, "matmuls", tuple(Product(*_tuple4(m, f"Layer {self.fqn!r}"))
                                                   for m in self.matmuls))
+        object.__setattr__(self, "calls", tuple(str(c) for c in self.calls))
+        unknown = [c for c in self.calls if calls.from_name(c) is None]
+        if unknown or (self.calls and len(self.calls) != len(self.matmuls)):
+            raise ValueError(f"Layer {self.fqn!r} has calls {self.calls!r}: one registered call "
+                             f"name per matmul ({len(self.matmuls)}) is needed.")
         for name in ("flops", "bytes", "params"):
             value = getattr(self, name)
             if int(value) != value or value < 0:
@@ -122,21 +141,31 @@ class Layer:
     @property
     def matmul_flops(self) -> int:
         """FLOPs of the matmuls alone (2*batch*M*K*N each)."""
-        return sum(2 * b * m * k * n for b, m, k, n in self.matmuls)
+        return sum(p.flops for p in self.matmuls)
+
+    def fp8_blockers(self) -> list[str]:
+        """Per matmul, why it would not run in FP8 in an fp8 region ("" where it would)."""
+        names = self.calls or ("",) * len(self.matmuls)  # older records: the shape rule alone
+        out = []
+        for name, p in zip(names, self.matmuls):
+            call = calls.from_name(name)
+            out.append(calls.fp8_blocker(call, p) if call is not None
+                       else calls.fp8_shape_supported(p.m, p.k, p.n)[1])
+        return out
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["matmuls"] = [list(m) for m in self.matmuls]
+        d["calls"] = list(self.calls)
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Layer:
         names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(d) - set(names))
-        if unknown:
-            raise ValueError(f"Unknown keys {unknown} in a layer record; expected {names}.")
+        check_keys(d, "layer", known=names, required=("fqn", "kind", "module_type"))
         d = dict(d)
         d["matmuls"] = tuple(tuple(m) for m in d.get("matmuls", ()))
+        d["calls"] = tuple(d.get("calls", ()))
         return cls(**d)
 
 
@@ -232,15 +261,8 @@ class LayerGraph:
 
         rows = [(layer.fqn or "(root)", layer.kind, layer.module_type, shape(layer),
                  f"{layer.flops / 1e9:.4f}", f"{layer.params:,}") for layer in self.layers]
-        header = ("fqn", "kind", "type", "matmuls (b x M x K x N)", "GFLOPs", "params")
-        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-        right = {4, 5}
-        lines = []
-        for r in [header, *rows]:
-            lines.append("  ".join(c.rjust(w) if i in right else c.ljust(w)
-                                   for i, (c, w) in enumerate(zip(r, widths))).rstrip())
-        lines.insert(1, "-" * len(lines[0]))
-        return "\n".join(lines)
+        return text_table(("fqn", "kind", "type", "matmuls (b x M x K x N)", "GFLOPs", "params"),
+                          rows, right=(4, 5))
 
     def __str__(self) -> str:
         return (f"LayerGraph of {self.model_name} ({self.method}): {len(self.layers)} layers, "
@@ -255,102 +277,51 @@ class LayerGraph:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LayerGraph:
-        keys = {"autoprec_graph", "model_name", "method", "layers", "edges"}
-        unknown = sorted(set(d) - keys)
-        if unknown:
-            raise ValueError(f"Unknown keys {unknown} in a LayerGraph record; expected "
-                             f"{sorted(keys)}.")
-        version = d.get("autoprec_graph")
-        if version != GRAPH_SCHEMA:
-            raise ValueError(f"LayerGraph record has schema version {version!r}; this autoprec "
-                             f"reads version {GRAPH_SCHEMA}. Capture the model again.")
+        check_schema(d, "autoprec_graph", GRAPH_SCHEMA, "LayerGraph")
+        check_keys(d, "LayerGraph", known=("autoprec_graph", "model_name", "method", "layers",
+                                           "edges"),
+                   required=("model_name", "method", "layers"))
         return cls(model_name=d["model_name"], method=d["method"],
                    layers=tuple(Layer.from_dict(x) for x in d["layers"]),
                    edges=tuple(tuple(e) for e in d.get("edges", ())))
 
     def save(self, path: str | os.PathLike) -> None:
         """Write as JSON (see :meth:`load`)."""
-        with open(path, "w") as fh:
-            json.dump(self.to_dict(), fh, indent=1)
-            fh.write("\n")
+        write_json(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> LayerGraph:
-        with open(path) as fh:
-            try:
-                data = json.load(fh)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} is not a LayerGraph JSON file: {e}.") from e
+        data = read_json(path, "LayerGraph")
         try:
             return cls.from_dict(data)
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path} is not a valid LayerGraph file: {e}") from e
 
 
-# ============================================================================ layer classes
-_NORM_CLASS_NAME = re.compile(r"Norm(?:[123]d)?$")
-_ATTENTION_CLASS_NAME = re.compile(r"atten|attn", re.IGNORECASE)
-
-
-def _class_kind(module: nn.Module) -> str | None:
-    """The kind of a module that is a layer by its class, else None."""
-    if isinstance(module, nn.Linear):
-        return "linear"
-    if isinstance(module, nn.modules.conv._ConvNd):
-        return "conv"
-    # HF transformers.pytorch_utils.Conv1D (GPT-2): a linear layer with a transposed weight
-    # that calls torch.addmm; matched by name so that capture does not import transformers.
-    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
-        return "linear"
-    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
-        return "embedding"
-    if isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase,
-                           nn.LocalResponseNorm)) or (hasattr(nn, "RMSNorm") and
-                                                      isinstance(module, nn.RMSNorm)):
-        return "norm"
-    if _NORM_CLASS_NAME.search(type(module).__name__):
-        return "norm"
-    return None
-
-
 # ============================================================================ ops (one IR)
 # The three tracers each turn what they see into a list of _Op in execution order, over
 # _Values (tensors) named by hashable keys; one builder (_build) turns that into a LayerGraph.
-# Normalised op names: matmul-like ones are in _MATMUL_OPS; "embedding", "norm", and "other".
-_MATMUL_OPS = frozenset({"linear", "addmm", "mm", "bmm", "baddbmm", "addbmm", "matmul", "mv",
-                         "addmv", "scaled_mm", "einsum", "sdpa", "conv"})
-
-_ATEN_NAMES = {
-    "linear": "linear", "addmm": "addmm", "mm": "mm", "bmm": "bmm", "baddbmm": "baddbmm",
-    "addbmm": "addbmm", "matmul": "matmul", "mv": "mv", "addmv": "addmv", "einsum": "einsum",
-    "_scaled_mm": "scaled_mm",
-    "scaled_dot_product_attention": "sdpa", "_scaled_dot_product_attention_math": "sdpa",
-    "_scaled_dot_product_flash_attention": "sdpa",
-    "_scaled_dot_product_flash_attention_for_cpu": "sdpa",
-    "_scaled_dot_product_efficient_attention": "sdpa",
-    "_scaled_dot_product_cudnn_attention": "sdpa",
-    "_scaled_dot_product_fused_attention_overrideable": "sdpa",
-    "convolution": "conv", "_convolution": "conv", "conv1d": "conv", "conv2d": "conv",
-    "conv3d": "conv", "conv_transpose1d": "conv", "conv_transpose2d": "conv",
-    "conv_transpose3d": "conv", "mkldnn_convolution": "conv", "cudnn_convolution": "conv",
-    "cudnn_convolution_transpose": "conv", "miopen_convolution": "conv",
-    "_slow_conv2d_forward": "conv", "slow_conv3d_forward": "conv",
-    "slow_conv_transpose2d": "conv", "slow_conv_transpose3d": "conv",
-    "embedding": "embedding", "_embedding_bag": "embedding", "embedding_bag": "embedding",
-}
+# Normalised op names: the registry's call names (autoprec.runtime.calls) for matmul-like ops;
+# "embedding", "norm", and "other".
+_MATMUL_OPS = frozenset(c.name for c in calls.CALLS)
+_EMBEDDING_ATEN = frozenset({"embedding", "_embedding_bag", "embedding_bag"})
 _NORM_OP = re.compile(r"(?:^|_)(?:batch|layer|group|instance|rms)_norm(?:$|_)")
 
 
 def _aten_name(target: Any) -> str:
-    """Normalised name of an aten OpOverload (see _MATMUL_OPS), "norm", or "other"."""
+    """Normalised name of an aten OpOverload: a registered call's name, "embedding", "norm",
+    or "other"."""
     schema = getattr(target, "_schema", None)
     if schema is None:
         return "other"
     ns, _, name = schema.name.partition("::")
     if ns != "aten":
         return "other"
-    if name in _ATEN_NAMES:
-        return _ATEN_NAMES[name]
+    call = calls.from_aten(name)
+    if call is not None:
+        return call.name
+    if name in _EMBEDDING_ATEN:
+        return "embedding"
     if _NORM_OP.search(name) and "backward" not in name:
         return "norm"
     return "other"
@@ -440,93 +411,26 @@ def _value_of(leaves: list) -> _Value:
 
 
 # ============================================================================ FLOPs per op
+def _op_matmuls(op: _Op) -> list[Product]:
+    """The products a matmul-like op runs, as the call registry computes them."""
+    call = calls.from_name(op.name)
+    if call is None:
+        return []
+    if op.name == "einsum":
+        args: list = [op.equation or "", *op.shapes]
+    elif op.name in ("conv", "conv_transpose"):
+        args = [*op.shapes[:2], None, None, None, None, op.transposed]
+    else:
+        args = list(op.shapes)
+    try:
+        return call.products(args, out=op.out)
+    except (IndexError, TypeError, ValueError) as e:
+        raise RuntimeError(f"Cannot read the matmul shape of a {op.name} op with argument shapes "
+                           f"{op.shapes} (output {op.out}).") from e
+
+
 def _prod(xs) -> int:
     return math.prod(int(x) for x in xs)
-
-
-def _matmul_shape(a: tuple, b: tuple) -> tuple[int, int, int, int]:
-    """torch.matmul semantics; batch dims broadcast, a 2-D operand folds into M like mm."""
-    m, k = (1, a[0]) if len(a) == 1 else (a[-2], a[-1])
-    n = 1 if len(b) == 1 else b[-1]
-    batch_a, batch_b = tuple(a[:-2]), tuple(b[:-2])
-    if not batch_b:  # what torch runs: (..., M, K) @ (K, N) is one mm over all rows
-        return (1, _prod(batch_a) * m, k, n)
-    return (_prod(torch.broadcast_shapes(batch_a, batch_b)), m, k, n)
-
-
-def _einsum_shape(equation: str, shapes: list) -> list[tuple[int, int, int, int]]:
-    eq = equation.replace(" ", "")
-    if "." in eq or len(shapes) != 2 or any(s is None for s in shapes):
-        return []  # ellipses or >2 operands: not a matmul we can name
-    lhs, arrow, out = eq.partition("->")
-    terms = lhs.split(",")
-    if len(terms) != 2:
-        return []
-    a, b = terms
-    if not arrow:
-        out = "".join(sorted(c for c in set(a + b) if (a + b).count(c) == 1))
-    sizes = {}
-    for term, shape in zip(terms, shapes):
-        for c, s in zip(term, shape):
-            sizes[c] = s
-    dims = lambda cs: _prod(sizes[c] for c in cs)  # noqa: E731
-    batch = dims(c for c in set(a) & set(b) & set(out))
-    m = dims(c for c in set(a) & set(out) - set(b))
-    n = dims(c for c in set(b) & set(out) - set(a))
-    k = dims(c for c in (set(a) & set(b)) - set(out))
-    return [(batch, m, k, n)]
-
-
-def _op_matmuls(op: _Op) -> list[tuple[int, int, int, int]]:
-    """(batch, M, K, N) of each matmul a matmul-like op runs."""
-    s, name = op.shapes, op.name
-    try:
-        if name == "linear":
-            x, w = s[0], s[1]
-            n = 1 if len(w) == 1 else w[0]
-            return [(1, _prod(x[:-1]), x[-1], n)]
-        if name in ("mm", "scaled_mm"):
-            return [(1, s[0][0], s[0][1], s[1][1])]
-        if name == "addmm":
-            return [(1, s[1][0], s[1][1], s[2][1])]
-        if name == "bmm":
-            return [(s[0][0], s[0][1], s[0][2], s[1][2])]
-        if name in ("baddbmm", "addbmm"):
-            return [(s[1][0], s[1][1], s[1][2], s[2][2])]
-        if name == "mv":
-            return [(1, s[0][0], s[0][1], 1)]
-        if name == "addmv":
-            return [(1, s[1][0], s[1][1], 1)]
-        if name == "matmul":
-            return [_matmul_shape(s[0], s[1])]
-        if name == "einsum":
-            return _einsum_shape(op.equation or "", s)
-        if name == "sdpa":
-            q, k, v = s[0], s[1], s[2]
-            b = _prod(q[:-2])
-            return [(b, q[-2], q[-1], k[-2]), (b, q[-2], k[-2], v[-1])]
-        if name == "conv":
-            return [_conv_gemm(s[0], s[1], op.out, op.transposed)]
-    except (IndexError, TypeError) as e:
-        raise RuntimeError(f"Cannot read the matmul shape of a {name} op with argument shapes "
-                           f"{s} (output {op.out}).") from e
-    return []
-
-
-def _conv_gemm(x: tuple, w: tuple, out: tuple, transposed: bool) -> tuple[int, int, int, int]:
-    """A convolution as implicit GEMM; groups are read off the shapes, not the arguments."""
-    spatial = len(w) - 2
-    batched = len(x) == len(w)
-    n = x[0] if batched else 1
-    kernel = _prod(w[2:])
-    if not transposed:  # w: [C_out, C_in/groups, *k]
-        c_in = x[-spatial - 1]
-        groups = max(1, c_in // w[1])
-        return (groups, n * _prod(out[-spatial:]), w[1] * kernel, w[0] // groups)
-    # transposed, w: [C_in, C_out/groups, *k]: each input pixel scatters a kernel-sized patch
-    c_out = out[-spatial - 1]
-    groups = max(1, c_out // w[1])
-    return (groups, n * _prod(x[-spatial:]), w[0] // groups, w[1] * kernel)
 
 
 # ============================================================================ tracer: export
@@ -669,21 +573,24 @@ def _shape_of(node: Any, shape_key: str) -> tuple[int, ...] | None:
     return leaves[0][0] if len(leaves) == 1 else None
 
 
-# fx (symbolic_trace) call_function / call_method targets, normalised like aten ops.
+# fx (symbolic_trace) call_function / call_method targets that are not registered calls,
+# normalised like aten ops; registered calls are looked up in the registry.
 _FX_FUNCTIONS: dict[Any, str] = {
-    torch.matmul: "matmul", operator.matmul: "matmul", torch.mm: "mm", torch.bmm: "bmm",
-    torch.addmm: "addmm", torch.baddbmm: "baddbmm", torch.addbmm: "addbmm", torch.mv: "mv",
-    torch.addmv: "addmv", F.linear: "linear", torch.einsum: "einsum",
-    F.scaled_dot_product_attention: "sdpa",
-    F.conv1d: "conv", F.conv2d: "conv", F.conv3d: "conv",
-    F.conv_transpose1d: "conv", F.conv_transpose2d: "conv", F.conv_transpose3d: "conv",
-    F.embedding: "embedding",
+    F.embedding: "embedding", operator.matmul: "matmul",
     F.layer_norm: "norm", F.group_norm: "norm", F.batch_norm: "norm", F.instance_norm: "norm",
 }
 if hasattr(F, "rms_norm"):
     _FX_FUNCTIONS[F.rms_norm] = "norm"
-_FX_METHODS = {"matmul": "matmul", "__matmul__": "matmul", "mm": "mm", "bmm": "bmm",
-               "addmm": "addmm", "baddbmm": "baddbmm", "mv": "mv"}
+
+
+def _fx_function_name(target: Any) -> str:
+    call = calls.lookup(target)
+    return call.name if call is not None else _FX_FUNCTIONS.get(target, "other")
+
+
+def _fx_method_name(name: str) -> str:
+    call = calls.lookup(getattr(torch.Tensor, str(name), None))
+    return call.name if call is not None else "other"
 
 
 def _fx_node_op(gm: fx.GraphModule, node: fx.Node, modules: _Modules, env: dict,
@@ -710,13 +617,13 @@ def _fx_node_op(gm: fx.GraphModule, node: fx.Node, modules: _Modules, env: dict,
     if node.op == "call_function" and hasattr(node.target, "_schema"):
         name = _aten_name(node.target)
     elif node.op == "call_function":
-        name = _FX_FUNCTIONS.get(node.target, "other")
+        name = _fx_function_name(node.target)
     elif node.op == "call_method":
-        name = _FX_METHODS.get(node.target, "other")
+        name = _fx_method_name(node.target)
     else:
         name = "other"
     op = _Op(name, owner, shapes, out, inputs, [])
-    if name == "conv":
+    if name in ("conv", "conv_transpose"):
         op.transposed = _conv_transposed(node.target, node.args)
     elif name == "einsum":
         op.equation = node.args[0] if isinstance(node.args[0], str) else None
@@ -739,13 +646,15 @@ def _module_op(modules: _Modules, node: fx.Node, inputs: list, shapes: list,
     """A call_module node: a layer the fx tracer kept as a leaf, read from the module itself."""
     fqn = modules.canon(node.target)
     module = modules.modules.get(fqn) or modules.model.get_submodule(node.target)
-    kind = _class_kind(module)
+    kind = class_kind(module)
     x = shapes[0] if shapes else None
     if kind == "linear":
         w = tuple(module.weight.shape)
         if isinstance(module, nn.Linear):
             return _Op("linear", fqn, [x, w], out, inputs, [])
-        return _Op("linear", fqn, [x, (w[1], w[0])], out, inputs, [])  # Conv1D: [in, out]
+        # HF Conv1D runs torch.addmm(bias, x.view(-1, in), weight [in, out])
+        rows = (math.prod(x[:-1]), x[-1]) if x else None
+        return _Op("addmm", fqn, [(w[1],), rows, w], out, inputs, [])
     if kind == "conv":
         return _Op("conv", fqn, [x, tuple(module.weight.shape)], out, inputs, [],
                    transposed=bool(getattr(module, "transposed", False)))
@@ -762,7 +671,7 @@ class _LayerTracer(fx.Tracer):
     through) besides torch.nn's own leaves."""
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return _class_kind(m) is not None or super().is_leaf_module(m, module_qualified_name)
+        return class_kind(m) is not None or super().is_leaf_module(m, module_qualified_name)
 
 
 def _trace_fx(model: nn.Module, args: tuple, kwargs: dict, modules: _Modules) -> _Trace:
@@ -789,76 +698,132 @@ def _trace_fx(model: nn.Module, args: tuple, kwargs: dict, modules: _Modules) ->
 
 
 # ============================================================================ tracer: hooks
-def _trace_hooks(model: nn.Module, args: tuple, kwargs: dict, modules: _Modules) -> _Trace:
-    trace = _Trace(ops=[], values={})
-    stack: list[str] = []
-    keys = WeakTensorKeyDictionary()  # tensor -> key of the value it holds now
-    counter = iter(range(1 << 62))
+class _HookState:
+    """What the hooks tracer has seen: the trace, the module stack, the value key of each live
+    tensor, and the registered calls running now."""
 
-    def key_of(t: torch.Tensor, new: bool = False) -> Any:
-        if not new and t in keys:
-            return keys[t]
-        key = ("hooks", next(counter))
-        trace.values[key] = _value_of(_tensor_leaves(t))
-        keys[t] = key
+    def __init__(self):
+        self.trace = _Trace(ops=[], values={})
+        self.stack: list[str] = []
+        self.keys = WeakTensorKeyDictionary()  # tensor -> key of the value it holds now
+        self.counter = iter(range(1 << 62))
+        # registered calls running now: their aten ops are theirs, not ops of their own
+        self.inside: list = []
+
+    def key_of(self, t: torch.Tensor, new: bool = False) -> Any:
+        if not new and t in self.keys:
+            return self.keys[t]
+        key = ("hooks", next(self.counter))
+        self.trace.values[key] = _value_of(_tensor_leaves(t))
+        self.keys[t] = key
         return key
 
-    class OpLog(TorchDispatchMode):
-        # Sees aten ops after autograd and composite decomposition: F.linear arrives as
-        # t + addmm, torch.matmul as bmm, F.layer_norm as native_layer_norm.
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
+    @property
+    def owner(self) -> str:
+        return self.stack[-1] if self.stack else ""
+
+    def pop(self, module, args, output) -> None:
+        self.stack.pop()  # returns None: a forward hook's value would replace the output
+
+
+class _CallLog(TorchFunctionMode):
+    """Records matmul-like calls as the registry's calls, as the FP8 router sees them
+    (F.linear, not the t + addmm it becomes below autograd; einsum, not its bmm)."""
+
+    def __init__(self, state: _HookState):
+        super().__init__()
+        self.state = state
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        call = calls.lookup(func)
+        st = self.state
+        if call is None or st.inside:
+            return func(*args, **kwargs)
+        st.inside.append(call)
+        try:
             result = func(*args, **kwargs)
-            try:
-                name = _aten_name(func)
-                shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args]
-                ins = [key_of(t) for t in tree_leaves((args, kwargs))
-                       if isinstance(t, torch.Tensor)]
-                outs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
-                op = _Op(name, stack[-1] if stack else "", shapes,
-                         tuple(outs[0].shape) if outs else None, ins, [])
-                if name == "conv":
-                    op.transposed = _conv_transposed(func, args)
-                elif name == "embedding" and isinstance(args[0], torch.Tensor):
-                    op.gather_key = key_of(args[0])
-                # Every output is a new value, even an in-place op's: it is a new version.
-                op.outputs = [key_of(t, new=True) for t in outs]
-                trace.ops.append(op)
-            except Exception as e:
-                raise RuntimeError(f"autoprec.capture(method='hooks') could not record {func} "
-                                   f"in module {stack[-1] if stack else '(root)'!r}: {e}") from e
+        finally:
+            st.inside.pop()
+        try:
+            st.trace.ops.append(_call_op(call, args, kwargs, result, st.owner, st.key_of))
+        except Exception as e:
+            raise RuntimeError(f"autoprec.capture(method='hooks') could not record {call.name} "
+                               f"in module {st.owner or '(root)'!r}: {e}") from e
+        return result
+
+
+class _OpLog(TorchDispatchMode):
+    """Records the other aten ops, after autograd and composite decomposition (F.layer_norm as
+    native_layer_norm), for data flow, bytes, norms and embeddings."""
+
+    def __init__(self, state: _HookState):
+        super().__init__()
+        self.state = state
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        st = self.state
+        if st.inside:
             return result
+        try:
+            name = _aten_name(func)
+            shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args]
+            ins = [st.key_of(t) for t in tree_leaves((args, kwargs))
+                   if isinstance(t, torch.Tensor)]
+            outs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
+            op = _Op(name, st.owner, shapes, tuple(outs[0].shape) if outs else None, ins, [])
+            if name in ("conv", "conv_transpose"):
+                op.transposed = _conv_transposed(func, args)
+            elif name == "embedding" and isinstance(args[0], torch.Tensor):
+                op.gather_key = st.key_of(args[0])
+            # Every output is a new value, even an in-place op's: it is a new version.
+            op.outputs = [st.key_of(t, new=True) for t in outs]
+            st.trace.ops.append(op)
+        except Exception as e:
+            raise RuntimeError(f"autoprec.capture(method='hooks') could not record {func} "
+                               f"in module {st.owner or '(root)'!r}: {e}") from e
+        return result
 
-    def pre_hook(fqn: str) -> Callable:
-        def hook(module, inputs):
-            stack.append(fqn)
-        return hook
 
-    def post_hook(module, inputs, output):
-        stack.pop()
-
+def _trace_hooks(model: nn.Module, args: tuple, kwargs: dict, modules: _Modules) -> _Trace:
+    st = _HookState()
     handles = []
     try:
         for fqn, module in model.named_modules():
-            handles.append(module.register_forward_pre_hook(pre_hook(fqn)))
-            handles.append(module.register_forward_hook(post_hook, always_call=True))
-        with torch.no_grad(), OpLog():
+            handles.append(module.register_forward_pre_hook(
+                lambda m, a, fqn=fqn: st.stack.append(fqn)))
+            handles.append(module.register_forward_hook(st.pop, always_call=True))
+        with torch.no_grad(), _OpLog(st), _CallLog(st):
             result = model(*args, **kwargs)
-        trace.read_outputs([keys[t] for t in _flatten_output(result) if t in keys])
+        st.trace.read_outputs([st.keys[t] for t in tensors(result) if t in st.keys])
     finally:
         for h in handles:
             h.remove()
-    return trace
+    return st.trace
 
 
-def _flatten_output(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, Mapping):
-        return [t for v in obj.values() for t in _flatten_output(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _flatten_output(v)]
-    return []
+def _call_op(call: calls.Call, args: tuple, kwargs: dict, result: Any, owner: str,
+             key_of: Callable) -> _Op:
+    """One registered call as an op: its argument shapes (in the registry's parameter order,
+    or the operands of an einsum), the tensors it reads, what it made."""
+    def shape(value: Any) -> tuple[int, ...] | None:
+        return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+    if call.name == "einsum":
+        shapes = [shape(t) for t in call.operands(args, kwargs)]
+    else:
+        bound = call.bind(args, kwargs)
+        shapes = [shape(bound.get(p)) for p in call.params]
+    ins = [key_of(t) for t in tree_leaves([*args, *kwargs.values()])
+           if isinstance(t, torch.Tensor)]
+    outs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
+    op = _Op(call.name, owner, shapes, tuple(outs[0].shape) if outs else None, ins, [],
+             transposed=call.name == "conv_transpose",
+             equation=args[0] if call.name == "einsum" and isinstance(args[0], str) else None)
+    op.outputs = [key_of(t, new=True) for t in outs]
+    return op
 
 
 # ============================================================================ builder
@@ -869,22 +834,13 @@ def _build(model: nn.Module, trace: _Trace, method: str, modules: _Modules) -> L
         if op.owner is not None:
             own.setdefault(op.owner, []).append(i)
 
-    # Which modules are layers: layer classes that ran ops of their own, and any module that
-    # itself ran a matmul-like op outside its child layers.
+    # Which modules are layers (runtime.calls.layer_kind, the rule the guard uses too): layer
+    # classes that ran ops of their own, and any module that itself ran a matmul-like op
+    # outside its child layers.
     kinds: dict[str, str] = {}
     for fqn, idx in own.items():
         module = modules.modules.get(fqn)
-        if module is None:
-            continue
-        kind = _class_kind(module)
-        names = {ops[i].name for i in idx}
-        if kind is None and names & _MATMUL_OPS:
-            if "sdpa" in names or _ATTENTION_CLASS_NAME.search(type(module).__name__):
-                kind = "attention"
-            elif names & _MATMUL_OPS == {"conv"}:
-                kind = "conv"
-            else:
-                kind = "matmul"
+        kind = None if module is None else layer_kind(module, {ops[i].name for i in idx})
         if kind is not None:
             kinds[fqn] = kind
 
@@ -894,7 +850,30 @@ def _build(model: nn.Module, trace: _Trace, method: str, modules: _Modules) -> L
     regions = [op.owner if op.owner in kinds else None for op in ops]
     order = {fqn: _first(own[fqn], ops) for fqn in kinds}
 
-    # Data flow: each value remembers the layers whose outputs reach it through non-layer ops.
+    producer_op, consumed_outside, edges = _data_flow(ops, regions, order)
+    layers = []
+    for fqn in sorted(kinds, key=order.__getitem__):
+        kind = kinds[fqn]
+        module = modules.modules[fqn]
+        found = [(m, ops[i].name) for i in own[fqn] if ops[i].name in _MATMUL_OPS
+                 for m in _op_matmuls(ops[i])]
+        nbytes, out_numel = _region_bytes(ops, own[fqn], trace.values, producer_op,
+                                          consumed_outside)
+        flops = sum(m.flops for m, _ in found)
+        if kind == "norm":
+            flops += _NORM_FLOPS_PER_ELEMENT * out_numel
+        layers.append(Layer(fqn=fqn, kind=kind, module_type=type(module).__name__,
+                            matmuls=tuple(m for m, _ in found),
+                            calls=tuple(name for _, name in found), flops=flops, bytes=nbytes,
+                            params=_own_params(module, fqn, kinds)))
+    return LayerGraph(model_name=type(model).__name__, method=method, layers=tuple(layers),
+                      edges=tuple(edges))
+
+
+def _data_flow(ops: list[_Op], regions: list[str | None], order: dict[str, int]):
+    """Each value remembers the layers whose outputs reach it through non-layer ops. Returns
+    (value key -> index of the op that made it, values read outside the layer that made them,
+    layer edges)."""
     producer_op: dict[Any, int] = {}
     sources: dict[Any, frozenset] = {}
     edges: dict[tuple[str, str], None] = {}
@@ -914,23 +893,7 @@ def _build(model: nn.Module, trace: _Trace, method: str, modules: _Modules) -> L
         for k in op.outputs:
             producer_op[k] = i
             sources[k] = frozenset(src)
-
-    layers = []
-    for fqn in sorted(kinds, key=order.__getitem__):
-        kind = kinds[fqn]
-        module = modules.modules[fqn]
-        matmuls = [m for i in own[fqn] for m in _op_matmuls(ops[i])
-                   if ops[i].name in _MATMUL_OPS]
-        nbytes, out_numel = _region_bytes(ops, own[fqn], trace.values, producer_op,
-                                          consumed_outside)
-        flops = sum(2 * b * m * k * n for b, m, k, n in matmuls)
-        if kind == "norm":
-            flops += _NORM_FLOPS_PER_ELEMENT * out_numel
-        layers.append(Layer(fqn=fqn, kind=kind, module_type=type(module).__name__,
-                            matmuls=tuple(matmuls), flops=flops, bytes=nbytes,
-                            params=_own_params(module, fqn, kinds)))
-    return LayerGraph(model_name=type(model).__name__, method=method, layers=tuple(layers),
-                      edges=tuple(edges))
+    return producer_op, consumed_outside, edges
 
 
 def _first(idx: list[int], ops: list[_Op]) -> int:
@@ -988,14 +951,6 @@ def _own_params(module: nn.Module, fqn: str, kinds: dict) -> int:
 _TRACERS = {"export": _trace_export, "symbolic_trace": _trace_fx, "hooks": _trace_hooks}
 
 
-def _split_batch(batch: Any) -> tuple[tuple, dict]:
-    if isinstance(batch, Mapping):
-        return (), dict(batch)
-    if isinstance(batch, (list, tuple)):
-        return tuple(batch), {}
-    return (batch,), {}
-
-
 @contextlib.contextmanager
 def _eval_mode(model: nn.Module) -> Iterator[None]:
     """Eval mode for the capture (no dropout, BN running stats), each module's flag restored."""
@@ -1051,7 +1006,7 @@ def capture(model: nn.Module, example_batch: Any, *, method: str = "auto") -> La
     if method != "auto" and method not in METHODS:
         raise ValueError(f"Unknown capture method {method!r}; expected 'auto' or one of "
                          f"{', '.join(map(repr, METHODS))}.")
-    args, kwargs = _split_batch(example_batch)
+    args, kwargs = split_batch(example_batch)
     modules = _Modules(model)
     tried = METHODS if method == "auto" else (method,)
     failures: list[tuple[str, BaseException]] = []

@@ -39,7 +39,6 @@ policy in ``on_init_end``, before the Trainer's Accelerator prepares the model) 
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import warnings
@@ -48,10 +47,12 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from autoprec._util import device_of
 from autoprec.formats import Format
-from autoprec.guard import Guard, GuardConfig, get_guard
 from autoprec.policy import Policy, PolicyError, load_policy
-from autoprec.rewrite import apply
+from autoprec.runtime import apply
+from autoprec.runtime.guard import Guard, GuardConfig, get_guard
+from autoprec.runtime.rewrite import applied_policy
 
 # PolicyCallback is built on first access (module __getattr__ below)
 __all__ = ["TrainingKit", "training_kit", "PolicyCallback", "use_policy"]  # noqa: F822
@@ -68,10 +69,6 @@ class TrainingKit(NamedTuple):
     scaler: torch.amp.GradScaler
     # The runtime guard, or None when none was asked for.
     guard: Guard | None
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 def _check_accelerator(accelerator: Any, model: nn.Module) -> None:
@@ -97,7 +94,7 @@ def training_kit(model: nn.Module, policy: Policy | str | os.PathLike, *,
                  accelerator: Any = None) -> TrainingKit:
     """Apply ``policy`` to ``model`` and return it with the GradScaler its ``loss_scaling``
     describes (enabled only when a layer is fp16) and the runtime guard (``guard=True`` or a
-    :class:`~autoprec.guard.GuardConfig`; see :mod:`autoprec.guard`).
+    :class:`~autoprec.runtime.guard.GuardConfig`; see :mod:`autoprec.runtime.guard`).
 
     ``device``: where training runs (default: the model's parameters' device).
     ``accelerator``: an ``accelerate.Accelerator`` the model will be prepared with *after*
@@ -111,8 +108,7 @@ def training_kit(model: nn.Module, policy: Policy | str | os.PathLike, *,
         _check_accelerator(accelerator, model)
         device = accelerator.device
     apply(model, policy, strict=strict, guard=guard)
-    _expose_signature(model)
-    device = torch.device(device) if device is not None else _device_of(model)
+    device = torch.device(device) if device is not None else device_of(model)
     outer = getattr(accelerator, "scaler", None) if accelerator is not None else None
     if outer is not None:
         scaler = torch.amp.GradScaler(device.type, enabled=False)
@@ -122,20 +118,6 @@ def training_kit(model: nn.Module, policy: Policy | str | os.PathLike, *,
     if g is not None:
         g.scaler = outer if outer is not None else scaler
     return TrainingKit(model, scaler, g)
-
-
-def _expose_signature(model: nn.Module) -> None:
-    """Give the root's region the signature of the forward it wraps. The Trainer reads
-    ``inspect.signature(model.forward)`` to decide which batch keys to keep
-    (``remove_unused_columns``); a bare ``(*args, **kwargs)`` would make it drop them all."""
-    region = model.__dict__.get("forward")
-    orig = getattr(region, "orig", None)
-    if orig is None:
-        return
-    try:
-        region.__signature__ = inspect.signature(orig)
-    except (TypeError, ValueError):
-        pass  # a forward without a signature: nothing to expose
 
 
 def use_policy(trainer: Any, policy: Policy | str | os.PathLike, *, strict: bool = True,
@@ -182,7 +164,7 @@ def _make_policy_callback():
             self._warned = False
 
         def _apply(self, model: nn.Module) -> None:
-            if model is None or model.__dict__.get("_autoprec_policy") is not None:
+            if model is None or applied_policy(model) is not None:
                 return  # already applied (e.g. on_init_end, then on_train_begin)
             if "_original_forward" in model.__dict__:
                 raise PolicyError(
@@ -190,10 +172,9 @@ def _make_policy_callback():
                     "model with mixed precision (TrainingArguments bf16 or fp16): its autocast "
                     "would sit inside the policy's regions and decide the format of every layer "
                     "the policy does not name. Pass the callback in Trainer(callbacks=[...]), "
-                    "call autoprec.integrations.use_policy(trainer, policy) before train(), or "
+                    "call autoprec.runtime.integrations.use_policy(trainer, policy) before train(), or "
                     "set bf16=False and fp16=False.")
             apply(model, self.policy, strict=self.strict, guard=self.guard_arg)
-            _expose_signature(model)
             self.guard = get_guard(model)
 
         def _scaler(self, args=None):
@@ -248,7 +229,7 @@ def _policy_callback_class():
 
 def __getattr__(name: str):
     # PolicyCallback subclasses transformers.TrainerCallback; building it on first use keeps
-    # `import autoprec.integrations` free of the transformers import (about a second).
+    # `import autoprec.runtime.integrations` free of the transformers import (about a second).
     if name == "PolicyCallback":
         return _policy_callback_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

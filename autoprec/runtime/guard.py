@@ -1,7 +1,7 @@
 """Runtime guard: watch the layers a policy runs in low precision, demote the ones that keep failing.
 
     autoprec.apply(model, policy, guard=True)         # or guard=GuardConfig(patience=3, save_to=...)
-    guard = autoprec.guard.get_guard(model)
+    guard = autoprec.get_guard(model)
     for batch in batches:
         loss = model(**batch).loss
         scaler.scale(loss).backward()
@@ -11,10 +11,14 @@
         guard.step(scaler=scaler)                     # one host sync per training step
     guard.save("policies/my_model.amended.yaml")      # the policy with the demotions written in
 
-What is watched: every module that computes matmuls (``nn.Linear``, HF ``Conv1D``, convolutions,
-and attention modules, which run ``q @ k.T`` themselves) whose format under the policy is one of
-``GuardConfig.formats`` (fp16, fp8 and bf16 by default). Norms and embeddings are not: autocast
-runs them in FP32 in every format.
+What is watched: every module that computes (``autoprec.runtime.calls.layer_kind``, the rule
+capture uses too: ``nn.Linear``, HF ``Conv1D``, convolutions, and any module whose own forward
+runs a matmul-like call of the registry, such as an attention core running ``q @ k.T``) whose
+format under the policy is one of ``GuardConfig.formats`` (fp16, fp8 and bf16 by default).
+Modules that compute by their class are known at once; the others are found on the first
+training forward, by watching which module runs which registered call (their outputs are
+checked from that forward on). Norms and embeddings are not watched: autocast runs them in FP32
+in every format.
 
 What counts as a failure, per step and per watched layer:
 
@@ -55,25 +59,25 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
+from autoprec._util import atomic_write, tensors
 from autoprec.formats import Format
 from autoprec.policy import Policy
-from autoprec.rewrite import _Region, apply
+from autoprec.runtime import calls, rewrite
 
 __all__ = ["GuardConfig", "GuardEvent", "Guard", "get_guard"]
 
 logger = logging.getLogger(__name__)
 
 _GUARD_ATTR = "_autoprec_guard"
-_ATTENTION_CLASS_NAME = re.compile(r"atten|attn", re.IGNORECASE)
 _BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 # What the hooks record per watched layer: outputs, inputs (suspects only), the gradient at the
 # output, the gradients of the layer's own parameters.
@@ -143,34 +147,14 @@ def get_guard(model: nn.Module) -> Guard | None:
     return model.__dict__.get(_GUARD_ATTR)
 
 
-def _computes(module: nn.Module) -> bool:
-    """Modules whose own forward runs matmul-like ops: the layers worth watching."""
-    if isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
-        return True
-    # HF transformers.pytorch_utils.Conv1D (GPT-2), matched by name: no transformers import.
-    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
-        return True
-    return bool(_ATTENTION_CLASS_NAME.search(type(module).__name__))
-
-
 def _limit(fmt: Format) -> float:
     """Largest magnitude a layer of ``fmt`` can hand on: the range of its output dtype."""
     return float(torch.finfo(torch.float16).max) if fmt is Format.FP16 else _BF16_MAX
 
 
-def _first_tensor(obj: Any, depth: int = 0) -> torch.Tensor | None:
-    if isinstance(obj, torch.Tensor):
-        return obj
-    if depth > 1:
-        return None
-    if isinstance(obj, Mapping):
-        obj = obj.values()
-    if isinstance(obj, (tuple, list)) or isinstance(obj, type({}.values())):
-        for item in obj:
-            t = _first_tensor(item, depth + 1)
-            if t is not None:
-                return t
-    return None
+def _first_tensor(obj: Any) -> torch.Tensor | None:
+    found = tensors(obj)
+    return found[0] if found else None
 
 
 def _record(store: dict, fqn: str, t: torch.Tensor, exact: bool = False) -> None:
@@ -284,6 +268,69 @@ class _Failure:
     scale: float | None = None
 
 
+class _Discovery(TorchFunctionMode):
+    """Finds, on the first training forward, the modules that compute by what they run: each
+    registered call (``autoprec.runtime.calls``) is attributed to the innermost module running
+    it, and :func:`~autoprec.runtime.calls.layer_kind` judges each module by its own calls.
+    Then it hands the finds to the guard and removes its hooks."""
+
+    def __init__(self, guard: Guard, modules: dict[str, nn.Module]):
+        super().__init__()
+        self.guard = guard
+        self.stack: list[str] = []
+        self.calls: dict[str, set[str]] = {}
+        self.active = False
+        self.handles = []
+        root = modules[""]
+        self.handles.append(root.register_forward_pre_hook(self._start))
+        # Bound methods (in partials), not closures: copy.deepcopy(model) rebinds them to the
+        # copy's guard, as _Watch's hooks. Every module is on the stack (a call belongs to the
+        # innermost one); only those not yet known to compute are judged.
+        for fqn, module in modules.items():
+            self.handles.append(module.register_forward_pre_hook(partial(self._pre, fqn)))
+            self.handles.append(module.register_forward_hook(partial(self._post, fqn),
+                                                             with_kwargs=True, always_call=True))
+        self.handles.append(root.register_forward_hook(self._finish, always_call=True))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        call = calls.lookup(func)
+        if call is not None and self.stack:
+            self.calls.setdefault(self.stack[-1], set()).add(call.name)
+        return func(*args, **(kwargs or {}))
+
+    def _start(self, module, args):
+        if torch.is_grad_enabled() and not self.active:
+            self.active = True
+            self.__enter__()
+
+    def _pre(self, fqn: str, module, args):
+        if self.active:
+            self.stack.append(fqn)
+
+    def _post(self, fqn: str, module, args, kwargs, output):
+        if not self.active:
+            return None
+        self.stack.pop()
+        own = self.calls.get(fqn, set())
+        if fqn not in self.guard._layers and \
+                calls.layer_kind(module, own) in calls.COMPUTING_KINDS:
+            watch = self.guard._discovered(fqn, module, own)
+            if watch is not None:
+                watch.forward_hook(module, args, kwargs, output)
+        return None
+
+    def _finish(self, module, args, output):
+        if not self.active:
+            return None
+        self.__exit__(None, None, None)
+        self.active = False
+        self.guard._discovery_done = True
+        for h in self.handles:
+            h.remove()
+        self.guard._handles = [h for h in self.guard._handles if h not in self.handles]
+        return None
+
+
 class Guard:
     """Watches a policy-applied model in training and demotes layers that keep failing.
 
@@ -299,9 +346,12 @@ class Guard:
         # The policy in force on the model (the original one, amended by each demotion).
         self.policy: Policy | None = None
         self.model: nn.Module | None = None
-        # GradScaler consulted by step() when none is passed (set by autoprec.integrations).
+        # GradScaler consulted by step() when none is passed (set by autoprec.runtime.integrations).
         self.scaler: torch.amp.GradScaler | None = None
         self._watched: dict[str, Format] = {}
+        # fqn -> kind of every module of the model that computes (None: not attached yet).
+        self._layers: dict[str, str] | None = None
+        self._discovery_done = False
         self._handles: list = []
         self._step = 0
         self._counts: dict[str, int] = {}
@@ -310,7 +360,8 @@ class Guard:
 
     # ---------------------------------------------------------------- attach / detach
     @classmethod
-    def _coerce(cls, guard: Any) -> Guard:
+    def coerce(cls, guard: Any) -> Guard:
+        """A guard from what ``apply(..., guard=...)`` accepts: True, a GuardConfig, a Guard."""
         if guard is True:
             return cls()
         if isinstance(guard, GuardConfig):
@@ -324,35 +375,54 @@ class Guard:
         """Watch ``model`` (to which ``policy`` is applied). Called by ``autoprec.apply``."""
         if self.model is not None and self.model is not model:
             self.detach()
+            self._layers, self._discovery_done = None, False
         self._remove_hooks()
         self.model = model
         self.policy = policy
         self._watched = {}
+        modules = dict(model.named_modules())
+        if self._layers is None:
+            # By class now; the modules that compute by what they run, on the first forward.
+            self._layers = {fqn: kind for fqn, m in modules.items()
+                            if (kind := calls.class_kind(m)) in calls.COMPUTING_KINDS}
+        if not self._discovery_done:
+            self._handles.extend(_Discovery(self, modules).handles)
         owners: dict[int, int] = {}
-        for module in model.modules():
+        for module in modules.values():
             for p in module.parameters(recurse=False):
                 owners[id(p)] = owners.get(id(p), 0) + 1
-        for fqn, module in model.named_modules():
-            if not _computes(module):
-                continue
-            fmt = policy.format_for(fqn)
-            if fmt not in self.config.formats:
-                continue
-            self._watched[fqn] = fmt
-            watch = _Watch(self, fqn, _limit(fmt))
-            self._handles.append(module.register_forward_hook(watch.forward_hook,
-                                                              with_kwargs=True))
-            # Weight gradients of fp16 layers only: their FP16 products (a sum over every
-            # token) can overflow where the gradient at the output does not. A bf16 product
-            # has FP32's range, and fp8's gradients are rescaled into E5M2 and come back FP32.
-            if self.config.check_gradients and fmt is Format.FP16:
-                for p in module.parameters(recurse=False):
-                    # a tied weight (GPT-2's lm_head and wte) also gets gradients from its
-                    # other owners: its gradient says nothing about this module's backward
-                    if p.requires_grad and owners[id(p)] == 1:
-                        self._handles.append(p.register_hook(watch.weight_grad_hook))
+        for fqn in self._layers:
+            self._watch(fqn, modules[fqn], owners)
         model.__dict__[_GUARD_ATTR] = self
         return self
+
+    def _watch(self, fqn: str, module: nn.Module, owners: dict[int, int]) -> _Watch | None:
+        fmt = self.policy.format_for(fqn)
+        if fmt not in self.config.formats:
+            return None
+        self._watched[fqn] = fmt
+        watch = _Watch(self, fqn, _limit(fmt))
+        self._handles.append(module.register_forward_hook(watch.forward_hook, with_kwargs=True))
+        # Weight gradients of fp16 layers only: their FP16 products (a sum over every token)
+        # can overflow where the gradient at the output does not. A bf16 product has FP32's
+        # range, and fp8's gradients are rescaled into E5M2 and come back FP32.
+        if self.config.check_gradients and fmt is Format.FP16:
+            for p in module.parameters(recurse=False):
+                # a tied weight (GPT-2's lm_head and wte) also gets gradients from its other
+                # owners: its gradient says nothing about this module's backward
+                if p.requires_grad and owners.get(id(p)) == 1:
+                    self._handles.append(p.register_hook(watch.weight_grad_hook))
+        return watch
+
+    def _discovered(self, fqn: str, module: nn.Module, own_calls: set[str]) -> _Watch | None:
+        """The first training forward found that ``module`` computes by what it runs: watch
+        it from now on (the caller checks this forward's output with the watch returned)."""
+        self._layers[fqn] = calls.layer_kind(module, own_calls)
+        owners: dict[int, int] = {}
+        for m in self.model.modules():
+            for p in m.parameters(recurse=False):
+                owners[id(p)] = owners.get(id(p), 0) + 1
+        return self._watch(fqn, module, owners)
 
     def detach(self) -> None:
         """Stop watching (the model keeps its current policy)."""
@@ -391,7 +461,7 @@ class Guard:
         model = self.model
         if model is None:
             return []
-        if model.__dict__.get("_autoprec_policy") is None:
+        if rewrite.applied_policy(model) is None:
             # autoprec.remove(model) ran: nothing left to guard
             self.detach()
             return []
@@ -508,8 +578,8 @@ class Guard:
         updates = {fqn: new}
         amended = self.policy.with_layers(updates)
         prefix = fqn + "."
-        for name, module in self.model.named_modules():
-            if name.startswith(prefix) and _computes(module):
+        for name in self._layers or {}:
+            if name.startswith(prefix):
                 before = self.policy.format_for(name)
                 if amended.format_for(name) is not before:
                     updates[name] = before
@@ -523,16 +593,17 @@ class Guard:
         # by re-applying; put them back where the module's format does not change (the root's
         # never does: a demotion only adds entries for named layers).
         foreign = {}
-        for module, *_ in model.__dict__.get("_autoprec_applied") or []:
-            fwd = module.__dict__.get("forward")
-            fqn = names.get(id(module))
-            if fwd is not None and not isinstance(fwd, _Region) and fqn is not None \
+        for region in rewrite.regions(model):
+            fwd = region.module.__dict__.get("forward")
+            fqn = names.get(id(region.module))
+            if fwd is not None and not isinstance(fwd, rewrite.Region) and fqn is not None \
                     and policy.format_for(fqn) is self.policy.format_for(fqn):
-                foreign[module] = fwd
+                foreign[region.module] = fwd
         with warnings.catch_warnings():
             # the policy was checked when first applied; its warnings need not repeat
             warnings.simplefilter("ignore")
-            apply(model, policy, strict=False, guard=self)
+            rewrite.apply(model, policy, strict=False)
+        self.attach(model, policy)
         for module, fwd in foreign.items():
             module.forward = fwd
 
@@ -551,16 +622,8 @@ class Guard:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write :meth:`amended_policy` as a policy file, with the demotions as comments."""
-        path = os.fspath(path)
-        text = self.amended_policy().to_yaml()
         lines = [f"# amended by the autoprec runtime guard: {e}\n" for e in self.events]
-        parent = os.path.dirname(path)
-        if parent:
-            os.makedirs(parent, exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write("".join(lines) + text)
-        os.replace(tmp, path)
+        atomic_write(path, "".join(lines) + self.amended_policy().to_yaml())
 
     def __repr__(self) -> str:
         return (f"<autoprec Guard watching {len(self._watched)} layers, "

@@ -19,18 +19,25 @@ What a region does, by format:
 - ``bf16`` / ``fp16``: ``torch.autocast(dtype=...)``; autocast's per-op rules decide which ops
   run low (matmul, conv, linear) and which stay FP32 (norms, softmax, losses). Embedding
   lookups and norms therefore compute exactly as under plain ``torch.autocast``.
-- ``fp8``: as ``bf16``, and the matmul-like calls inside (``F.linear``, ``addmm``, ``mm``,
+- ``fp8``: as ``bf16``, and the matmul-like calls inside that the call registry
+  (:mod:`autoprec.runtime.calls`) gives an FP8 route (``F.linear``, ``addmm``, ``mm``,
   ``matmul``, ``@``, ``bmm``) are routed by a ``TorchFunctionMode`` through
-  :func:`autoprec.fp8.fp8_matmul`. This reaches functional matmuls in attention and HF's
-  ``Conv1D`` (``torch.addmm``) as well as ``nn.Linear``. Convolutions run in bf16 (no FP8
-  conv kernels exist in PyTorch).
+  :func:`autoprec.runtime.fp8.fp8_matmul`. This reaches functional matmuls in attention and
+  HF's ``Conv1D`` (``torch.addmm``) as well as ``nn.Linear``. Convolutions, SDPA and
+  ``baddbmm`` run in bf16 (PyTorch has no FP8 kernels for them).
 
 Regions nest and the innermost wins: a per-thread stack of formats tells the FP8 router
-whether the call it sees is in an fp8 region or in a region nested inside one.
+whether the call it sees is in an fp8 region or in a region nested inside one. On a device type
+without autocast (``meta``) a region only keeps the format stack and the fp32 upcasts.
+
+The public surface other parts use (the guard, the integrations, measurements):
+:func:`apply`, :func:`remove`, :func:`applied_policy`, :func:`regions` and :class:`Region`.
+This module knows nothing of guards; :func:`autoprec.apply` attaches one on top.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import threading
@@ -43,12 +50,15 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from autoprec.formats import Format, Support, supported_formats
-from autoprec.fp8 import fp8_linear, fp8_matmul
 from autoprec.policy import Policy, load_policy
+from autoprec.runtime import calls
+from autoprec.runtime.fp8 import fp8_matmul
 
-__all__ = ["apply", "remove", "applied_formats", "current_format"]
+__all__ = ["apply", "remove", "applied_formats", "applied_policy", "regions", "Region",
+           "current_format"]
 
-_APPLIED_ATTR = "_autoprec_applied"
+_REGIONS_ATTR = "_autoprec_regions"
+_POLICY_ATTR = "_autoprec_policy"
 _tls = threading.local()
 
 
@@ -65,59 +75,17 @@ def current_format() -> Format | None:
     return stack[-1] if stack else None
 
 
-# ------------------------------------------------------------------------- FP8 routing
-def _route_linear(args, kwargs):
-    x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
-    bias = args[2] if len(args) > 2 else kwargs.get("bias")
-    if x.dim() < 2 or not x.is_floating_point():
-        return NotImplemented
-    return fp8_linear(x, weight, bias)
-
-
-def _route_addmm(args, kwargs):
-    if "out" in kwargs or kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1:
-        return NotImplemented
-    bias, a, b = args[:3]
-    if not (a.is_floating_point() and b.is_floating_point()):
-        return NotImplemented
-    return fp8_matmul(a, b, bias)
-
-
-def _route_matmul(args, kwargs):
-    if kwargs or len(args) != 2:
-        return NotImplemented
-    a, b = args
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-        return NotImplemented
-    if a.dim() < 2 or b.dim() < 2 or not (a.is_floating_point() and b.is_floating_point()):
-        return NotImplemented
-    return fp8_matmul(a, b)
-
-
-_ROUTES = {
-    torch.nn.functional.linear: _route_linear,
-    torch.addmm: _route_addmm,
-    torch.Tensor.addmm: _route_addmm,
-    torch.matmul: _route_matmul,
-    torch.Tensor.matmul: _route_matmul,
-    torch.Tensor.__matmul__: _route_matmul,
-    torch.mm: _route_matmul,
-    torch.Tensor.mm: _route_matmul,
-    torch.bmm: _route_matmul,
-    torch.Tensor.bmm: _route_matmul,
-}
-
-
 class _FP8Router(TorchFunctionMode):
-    """Sends matmul-like calls made inside an fp8 region through the FP8 autograd function."""
+    """Sends the matmul-like calls made inside an fp8 region that the registry gives an FP8
+    route through the FP8 autograd function; everything else runs as it is (bf16 autocast)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        route = _ROUTES.get(func)
-        if route is not None and current_format() is Format.FP8:
-            out = route(args, kwargs)
-            if out is not NotImplemented:
-                return out
+        if current_format() is Format.FP8:
+            call = calls.lookup(func)
+            form = calls.matmul_form(call, args, kwargs) if call is not None else None
+            if form is not None:
+                return fp8_matmul(*form)
         return func(*args, **kwargs)
 
 
@@ -131,20 +99,31 @@ def _device_type(args, kwargs, module: nn.Module) -> str:
     return "cpu"
 
 
+def _autocast(device_type: str, fmt: Format):
+    """The autocast context of a region (autocast off for fp32); none on a device type that
+    has no autocast (``meta``), where the model runs as it would without a policy."""
+    if not torch.amp.is_autocast_available(device_type):
+        return contextlib.nullcontext()
+    if fmt.autocast_dtype is None:
+        return torch.autocast(device_type, enabled=False)
+    return torch.autocast(device_type, dtype=fmt.autocast_dtype)
+
+
 def _upcast(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.dtype in (torch.bfloat16, torch.float16):
         return value.float()
     return value
 
 
-class _Region:
+class Region:
     """The forward of a module under a policy: ``orig`` run inside a region of ``fmt``.
 
     A callable object rather than a closure so that ``copy.deepcopy(model)`` rebinds
     ``orig`` to the copied module.
     """
 
-    def __init__(self, module: nn.Module, orig, fmt: Format, fqn: str, cast_out: bool = False):
+    def __init__(self, module: nn.Module, orig, fmt: Format, fqn: str, *, cast_out: bool,
+                 had_own: bool):
         self.orig = orig
         # Callers that read `inspect.signature(model.forward)` (HF Trainer drops batch keys the
         # forward does not name) must see the original signature, not (*args, **kwargs).
@@ -158,18 +137,20 @@ class _Region:
         # Inside an fp32 region autocast is off, so a bf16 output reaching an fp32 op would be
         # a dtype error: a low-precision region nested in fp32 hands back FP32 tensors.
         self.cast_out = cast_out
+        # Whether the module had an instance forward of its own before (restored by remove).
+        self.had_own = had_own
 
     def __call__(self, *args, **kwargs):
         fmt = self.fmt
-        device_type = _device_type(args, kwargs, self.module)
+        region = _autocast(_device_type(args, kwargs, self.module), fmt)
         stack = _stack()
         stack.append(fmt)
         try:
             if fmt is Format.FP32:
                 args, kwargs = tree_map(_upcast, args), tree_map(_upcast, kwargs)
-                with torch.autocast(device_type, enabled=False):
+                with region:
                     return self.orig(*args, **kwargs)
-            with torch.autocast(device_type, dtype=fmt.autocast_dtype):
+            with region:
                 if fmt is Format.FP8:
                     with _FP8Router():
                         out = self.orig(*args, **kwargs)
@@ -183,96 +164,84 @@ class _Region:
         return f"<autoprec region {self.fmt.value} around {self.fqn or 'root'}>"
 
 
-def _install(module: nn.Module, fmt: Format, fqn: str, record: list, cast_out: bool) -> None:
+def _install(module: nn.Module, fmt: Format, fqn: str, cast_out: bool) -> Region:
     had_own = "forward" in module.__dict__
     orig = module.__dict__["forward"] if had_own else module.forward
-    region = _Region(module, orig, fmt, fqn, cast_out)
-    record.append((module, had_own, orig, region))
+    region = Region(module, orig, fmt, fqn, cast_out=cast_out, had_own=had_own)
     module.forward = region
+    return region
 
 
-def apply(model: nn.Module, policy: Policy | str | os.PathLike, *, strict: bool = True,
-          guard: Any = None) -> nn.Module:
+def _warn_emulated_fp8(model: nn.Module, policy: Policy, assigned: dict[str, Format]) -> None:
+    if policy.default is not Format.FP8 and Format.FP8 not in assigned.values():
+        return
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if device.type != "meta" and supported_formats(device)[Format.FP8] is not Support.NATIVE:
+        warnings.warn(
+            f"Policy{' ' + policy.source if policy.source else ''} puts layers in fp8, "
+            f"which {device} can only emulate: numerics are exact FP8, but those layers run "
+            "slower than fp32, not faster. Use a CUDA GPU of compute capability >= 8.9 for "
+            "real FP8 speed.", stacklevel=3)
+
+
+def apply(model: nn.Module, policy: Policy | str | os.PathLike, *,
+          strict: bool = True) -> nn.Module:
     """Make ``model`` compute as ``policy`` says; in place, returns ``model``.
 
     ``policy`` is a :class:`Policy` or a path to a policy YAML file. With ``strict`` (the
     default) a fingerprint of another model or a pattern that matches no module is a
     :class:`~autoprec.policy.PolicyError`; with ``strict=False`` they are warnings. Applying
     again replaces the previous policy.
-
-    ``guard``: ``True`` or a :class:`~autoprec.guard.GuardConfig` attaches a runtime guard
-    that watches the low-precision layers in training and demotes those that keep overflowing
-    (see :mod:`autoprec.guard`; ``autoprec.guard.get_guard(model)`` returns it); a
-    :class:`~autoprec.guard.Guard` re-attaches that guard, keeping its history. ``None`` (the
-    default) or ``False`` attaches none and detaches a guard a previous ``apply`` attached.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply(model, policy) needs an nn.Module, got {type(model).__name__}.")
-    new_guard = None
-    if guard is not None and guard is not False:
-        from autoprec.guard import Guard  # imported here: autoprec.guard imports this module
-
-        new_guard = Guard._coerce(guard)
     if not isinstance(policy, Policy):
         policy = load_policy(policy)
     assigned = policy.check_model(model, strict=strict)
     _remove_regions(model)
-
-    if policy.default is Format.FP8 or Format.FP8 in assigned.values():
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        if device.type != "meta" and supported_formats(device)[Format.FP8] is not Support.NATIVE:
-            warnings.warn(
-                f"Policy{' ' + policy.source if policy.source else ''} puts layers in fp8, "
-                f"which {device} can only emulate: numerics are exact FP8, but those layers run "
-                "slower than fp32, not faster. Use a CUDA GPU of compute capability >= 8.9 for "
-                "real FP8 speed.", stacklevel=2)
-
-    record: list = []
-    modules = dict(model.named_modules())
+    _warn_emulated_fp8(model, policy, assigned)
+    installed: list[Region] = []
     # Parents before children, so each region knows the format it would inherit.
-    for fqn, module in modules.items():
+    for fqn, module in model.named_modules():
         own = assigned.get(fqn, policy.default if fqn == "" else None)
         if own is None:
             continue
         inherited = None if fqn == "" else policy.format_for(fqn.rpartition(".")[0])
         if own is inherited:
             continue  # same format as the enclosing region: a region would only cost time
-        _install(module, own, fqn, record,
-                 cast_out=inherited is Format.FP32 and own is not Format.FP32)
-    setattr(model, _APPLIED_ATTR, record)
-    model._autoprec_policy = policy
-    old_guard = model.__dict__.get("_autoprec_guard")
-    if old_guard is not None and old_guard is not new_guard:
-        old_guard.detach()
-    if new_guard is not None:
-        new_guard.attach(model, policy)
+        installed.append(_install(module, own, fqn, cast_out=inherited is Format.FP32
+                                  and own is not Format.FP32))
+    model.__dict__[_REGIONS_ATTR] = installed
+    model.__dict__[_POLICY_ATTR] = policy
     return model
 
 
 def remove(model: nn.Module) -> nn.Module:
-    """Undo :func:`apply`: every module gets its original forward back and a runtime guard
-    stops watching. No-op if none."""
-    guard = model.__dict__.get("_autoprec_guard")
-    if guard is not None:
-        guard.detach()
+    """Undo :func:`apply`: every module gets its original forward back. No-op if none."""
     return _remove_regions(model)
 
 
 def _remove_regions(model: nn.Module) -> nn.Module:
-    record = model.__dict__.get(_APPLIED_ATTR)
-    if not record:
-        return model
-    for module, had_own, orig, _ in reversed(record):
-        if had_own:
-            module.forward = orig
+    for region in reversed(model.__dict__.get(_REGIONS_ATTR) or []):
+        if region.had_own:
+            region.module.forward = region.orig
         else:
-            module.__dict__.pop("forward", None)
-    model.__dict__.pop(_APPLIED_ATTR, None)
-    model.__dict__.pop("_autoprec_policy", None)
+            region.module.__dict__.pop("forward", None)
+    model.__dict__.pop(_REGIONS_ATTR, None)
+    model.__dict__.pop(_POLICY_ATTR, None)
     return model
+
+
+def applied_policy(model: nn.Module) -> Policy | None:
+    """The policy :func:`apply` applied to ``model`` (None when none is)."""
+    return model.__dict__.get(_POLICY_ATTR)
+
+
+def regions(model: nn.Module) -> list[Region]:
+    """The regions :func:`apply` installed on ``model``, parents first."""
+    return list(model.__dict__.get(_REGIONS_ATTR) or [])
 
 
 def applied_formats(model: nn.Module) -> dict[str, Format]:
     """fqn -> format of each region :func:`apply` installed on ``model`` ('' is the root)."""
-    record = model.__dict__.get(_APPLIED_ATTR) or []
-    return {region.fqn: region.fmt for _, _, _, region in record}
+    return {region.fqn: region.fmt for region in regions(model)}

@@ -1,0 +1,368 @@
+"""A roofline cost model of devices that are not present, so a CPU machine can tune for a GPU.
+
+:func:`estimate_layer` prices one captured layer in one format on a :class:`DeviceSpec`
+(``DEVICES``: h100, h200, a100, cpu-amx): each matmul at max(compute, memory) for its forward
+and its two backward products (dgrad, wgrad), plus the casts into and out of the format, FP8's
+amax reductions and transposed copies, and a fixed cost per kernel. That is why small layers
+gain nothing from FP8 (torchao measured a 1024x2048x1024 linear at 0.80x of BF16 on H100,
+4096x8192x16384 at 1.39x) and the model reproduces the crossover. Which products run in FP8
+is the call registry's to say (:meth:`autoprec.measure.capture.Layer.fp8_blockers`): the
+others are priced as bf16, as they run.
+
+:func:`estimate_step` prices a whole assignment. Given the captured graph's edges it prices
+the casts where they happen, on the edges between layers whose activations differ in dtype;
+without edges every layer pays its own casts in and out (an upper bound, and what the
+per-layer table shows).
+
+A format a device only emulates is priced as its emulation and never below fp32 or bf16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from autoprec.formats import Format, Support
+from autoprec.measure.timing import MODEL_PREFIX, LayerTime
+from autoprec.runtime.calls import fp8_shape_supported
+
+__all__ = ["DeviceSpec", "DEVICES", "estimate_layer", "estimate_layers", "estimate_step",
+           "resolve_target"]
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """What the roofline model needs to know about a device."""
+
+    # Human-readable name, shown in notes and reports.
+    name: str
+    # Dense peak matmul FLOP/s per format the device runs natively (no sparsity).
+    matmul_flops: Mapping[Format, float]
+    # Peak memory bandwidth in bytes/s.
+    bandwidth: float
+    # How each format runs: NATIVE needs an entry in matmul_flops; EMULATED formats are priced
+    # as their emulation (FP32 matmuls plus quantization) and never faster than FP32.
+    support: Mapping[Format, Support]
+    # Fraction of peak FLOP/s a large GEMM sustains.
+    efficiency: float = 0.7
+    # Fraction of peak bandwidth a large copy sustains.
+    bandwidth_efficiency: float = 0.8
+    # Fixed seconds per kernel (launch, prologue, tail): what makes small layers gain nothing.
+    launch_s: float = 3e-6
+
+    def __post_init__(self):
+        flops = {Format.parse(k, where=f"in DeviceSpec {self.name!r}"): float(v)
+                 for k, v in dict(self.matmul_flops).items()}
+        support = {Format.parse(k, where=f"in DeviceSpec {self.name!r}"): Support(v)
+                   for k, v in dict(self.support).items()}
+        object.__setattr__(self, "matmul_flops", flops)
+        object.__setattr__(self, "support", support)
+        missing = [f.value for f in Format if f not in support]
+        if missing:
+            raise ValueError(f"DeviceSpec {self.name!r} does not say how it runs "
+                             f"{', '.join(missing)}; give support for every format "
+                             f"({', '.join(f.value for f in Format)}).")
+        if support[Format.FP32] is not Support.NATIVE:
+            raise ValueError(f"DeviceSpec {self.name!r} must run fp32 natively: it is the "
+                             "reference emulated formats are priced against.")
+        for f, s in support.items():
+            if s is Support.NATIVE and not flops.get(f, 0) > 0:
+                raise ValueError(f"DeviceSpec {self.name!r} runs {f} natively but gives no "
+                                 f"positive matmul_flops for it (got {flops.get(f)!r}).")
+        for key in ("efficiency", "bandwidth_efficiency"):
+            value = getattr(self, key)
+            if not 0 < value <= 1:
+                raise ValueError(f"DeviceSpec {self.name!r} has {key}={value!r}; it must be in "
+                                 "(0, 1].")
+        if not self.bandwidth > 0 or self.launch_s < 0:
+            raise ValueError(f"DeviceSpec {self.name!r} needs bandwidth > 0 and launch_s >= 0, "
+                             f"got bandwidth={self.bandwidth!r}, launch_s={self.launch_s!r}.")
+
+
+def _tflops(**per_format: float) -> dict[Format, float]:
+    """Dense matmul TFLOP/s per format name -> FLOP/s per Format."""
+    return {Format(name): tflops * 1e12 for name, tflops in per_format.items()}
+
+
+_ALL_NATIVE = {f: Support.NATIVE for f in Format}
+# No FP8 tensor cores (torch._scaled_mm needs CUDA sm_89+): fp8 is emulated.
+_NO_FP8 = {**_ALL_NATIVE, Format.FP8: Support.EMULATED}
+
+DEVICES: dict[str, DeviceSpec] = {
+    "h100": DeviceSpec(
+        name="NVIDIA H100 SXM5 80GB",
+        # NVIDIA H100 datasheet, dense: FP32 67 TFLOP/s on CUDA cores (PyTorch leaves TF32 off
+        # for matmuls: torch.backends.cuda.matmul.allow_tf32 = False); BF16/FP16 Tensor Core
+        # 989 (1979 is with sparsity); FP8 1979 (3958 with sparsity).
+        matmul_flops=_tflops(fp32=67, bf16=989, fp16=989, fp8=1979),
+        # Datasheet: HBM3, 3.35 TB/s.
+        bandwidth=3.35e12,
+        support=_ALL_NATIVE,
+        # Measured on an H200 (same SMs): BF16 GEMM 790 of 989 TFLOP/s, copy 4.3 of 4.8 TB/s.
+        efficiency=0.8, bandwidth_efficiency=0.9, launch_s=3e-6,
+    ),
+    "a100": DeviceSpec(
+        name="NVIDIA A100 SXM4 80GB",
+        # NVIDIA A100 datasheet, dense: FP32 19.5 TFLOP/s (TF32 off, PyTorch's matmul
+        # default); BF16/FP16 Tensor Core 312 (624 with sparsity).
+        matmul_flops=_tflops(fp32=19.5, bf16=312, fp16=312),
+        # Datasheet (80GB SXM): HBM2e, 2,039 GB/s.
+        bandwidth=2.039e12,
+        support=_NO_FP8,  # Ampere is sm_80
+        # Assumed like Hopper: large BF16 GEMMs reach ~0.8 of peak in cuBLAS.
+        efficiency=0.8, bandwidth_efficiency=0.9, launch_s=3e-6,
+    ),
+    "cpu-amx": DeviceSpec(
+        # An example CPU target with fast BF16, not the machine autoprec is developed on (an AMD
+        # EPYC without AMX; see DESIGN.md). Its rates are the sustained figures the project's
+        # first notes gave for a 2-core Xeon with AMX on a 2048x2048 matmul, 2 threads; they
+        # were not re-measured here.
+        name="Intel Xeon, 2 cores, AMX-BF16 (example CPU target)",
+        # BF16 on AMX tiles; FP16 on AVX512-FP16, slower than FP32.
+        matmul_flops=_tflops(fp32=0.34, bf16=2.0, fp16=0.30),
+        # An estimate, not a measurement: ~10 GB/s of sustained DRAM bandwidth per core.
+        bandwidth=20e9,
+        support=_NO_FP8,
+        # The FLOP/s above are already sustained (measured), not datasheet peaks.
+        efficiency=1.0, bandwidth_efficiency=1.0,
+        # PyTorch eager dispatch + oneDNN primitive lookup per op on CPU.
+        launch_s=10e-6,
+    ),
+}
+
+# NVIDIA H200 datasheet: the H100's compute (FP32 67, BF16/FP16 989, FP8 1979 TFLOP/s dense)
+# with HBM3e at 4.8 TB/s. Measured on one: BF16 GEMM 790 TFLOP/s (0.80 of peak), copy 4.3 TB/s
+# (0.90), the efficiencies the H100 entry uses.
+DEVICES["h200"] = dataclasses.replace(DEVICES["h100"], name="NVIDIA H200 SXM 141GB",
+                                      bandwidth=4.8e12)
+DEVICES = {k: DEVICES[k] for k in ("h100", "h200", "a100", "cpu-amx")}  # in this order
+
+# Bytes per element of a matmul operand and of its output, per (natively run) format.
+_OPERAND_BYTES = {Format.FP32: 4, Format.BF16: 2, Format.FP16: 2, Format.FP8: 1}
+_OUTPUT_BYTES = {Format.FP32: 4, Format.BF16: 2, Format.FP16: 2, Format.FP8: 2}  # fp8 -> bf16
+# The dtype activations leave a layer in, per format (fp8 layers output bf16).
+_ACTIVATION = {Format.FP32: "fp32", Format.BF16: "bf16", Format.FP16: "fp16", Format.FP8: "bf16"}
+_ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+_FP32 = 4
+# Cast kernels per matmul around a low-precision product: forward A, B in and C out; backward
+# grad in, dgrad and wgrad out.
+_CASTS_PER_MATMUL = 6
+
+
+def resolve_target(target: str | DeviceSpec) -> tuple[str, DeviceSpec]:
+    if isinstance(target, DeviceSpec):
+        return target.name, target
+    key = str(target).strip().lower()
+    if key not in DEVICES:
+        raise ValueError(f"Unknown cost-model target {target!r}; expected one of "
+                         f"{', '.join(DEVICES)} (or pass a DeviceSpec).")
+    return key, DEVICES[key]
+
+
+def _weight_operand(layer: Any, batch: int) -> bool:
+    """Whether the second operand of a matmul of this layer is a weight (cast from the FP32
+    master) rather than an activation (only matters with graph edges)."""
+    kind = getattr(layer, "kind", "")
+    if kind in ("linear", "conv"):
+        return True
+    return batch == 1 and getattr(layer, "params", 0) > 0
+
+
+def _matmul_time(b: int, m: int, k: int, n: int, fmt: Format, spec: DeviceSpec) -> float:
+    """Forward + dgrad + wgrad of one (batch, M, K, N) product in a native format, roofline."""
+    flops = 2.0 * b * m * k * n
+    ob, cb = _OPERAND_BYTES[fmt], _OUTPUT_BYTES[fmt]
+    # The three products move about the same bytes: two operands in, one result out.
+    moved = b * (m * k + k * n) * ob + b * m * n * cb
+    one = max(flops / (spec.matmul_flops[fmt] * spec.efficiency),
+              moved / (spec.bandwidth * spec.bandwidth_efficiency))
+    # torch._scaled_mm takes 2-D operands only: autoprec.runtime.fp8 runs one kernel per matrix of a
+    # batched (attention) product.
+    kernels = 3 * (b if fmt is Format.FP8 and b > 1 else 1)
+    return 3 * one + kernels * spec.launch_s
+
+
+def _cast_time(a: int, w: int, c: int, fmt: Format, spec: DeviceSpec, *,
+               quantize: bool) -> float:
+    """Casts around one product: operands in (A activation elements, W second-operand
+    elements) and result out (C), forward and backward; FP8 also reads each tensor for its
+    amax (the dynamic scale) and writes transposed copies for the backward's layouts."""
+    bw = spec.bandwidth * spec.bandwidth_efficiency
+    if fmt is Format.FP32:
+        return 0.0
+    elems = a + w + c
+    ob = _OPERAND_BYTES[fmt]
+    seconds = 2 * elems * (_FP32 + ob) / bw + _CASTS_PER_MATMUL * spec.launch_s
+    if quantize:
+        # amax of A, W and the incoming gradient (read at FP32), then transposed FP8 copies.
+        seconds += (elems * _FP32 + 2 * elems * ob) / bw + 6 * spec.launch_s
+    return seconds
+
+
+def _fp8_blockers(layer: Any) -> list[str]:
+    """Why each product of ``layer`` would not run in FP8 ("" where it would): from the call
+    registry for a captured Layer; by the kernel's shape rule alone for a bare record."""
+    if hasattr(layer, "fp8_blockers"):
+        return layer.fp8_blockers()
+    return [fp8_shape_supported(m, k, n)[1] for _, m, k, n in getattr(layer, "matmuls", ())]
+
+
+def _price(layer: Any, fmt: Format, spec: DeviceSpec, *,
+           boundary_casts: bool = True) -> tuple[float, bool, list[str]]:
+    """(seconds, emulated, notes) for one layer in one format on ``spec``."""
+    bw = spec.bandwidth * spec.bandwidth_efficiency
+    matmuls = tuple(getattr(layer, "matmuls", ()) or ())
+    kind = getattr(layer, "kind", "")
+    notes: list[str] = []
+    emulated = False
+    total = 0.0
+    matmul_fp32_bytes = 0
+    blockers = _fp8_blockers(layer) if fmt is Format.FP8 else [""] * len(matmuls)
+    for (b, m, k, n), blocker in zip(matmuls, blockers):
+        matmul_fp32_bytes += _FP32 * b * (m * k + k * n + m * n)
+        # A product FP8 does not take (the registry says why) runs, and is priced, as bf16.
+        run = Format.BF16 if fmt is Format.FP8 and blocker else fmt
+        weight = _weight_operand(layer, b)
+        a_el, w_el, c_el = b * m * k, b * k * n, b * m * n
+        if not boundary_casts:
+            # Activations arrive and leave in the layer's dtype; the graph edges price the
+            # casts between layers. Weights are still cast from their FP32 masters.
+            a_el = c_el = 0
+            if not weight:
+                w_el = 0
+        if run is Format.FP8 and spec.support[Format.FP8] is Support.EMULATED:
+            # Emulation: quantize -> dequantize (read FP32, write FP8, read FP8, write FP32 per
+            # element of A, W, grad) around FP32 matmuls.
+            emulated = True
+            q_el = b * (m * k + k * n + m * n)
+            total += _matmul_time(b, m, k, n, Format.FP32, spec)
+            total += (q_el * (_FP32 + 2 * (_FP32 + 1))) / bw + 9 * spec.launch_s
+        else:
+            total += _matmul_time(b, m, k, n, run, spec)
+            total += _cast_time(a_el, w_el, c_el, run, spec, quantize=run is Format.FP8)
+    blocked = [r for r in blockers if r]
+    if fmt is Format.FP8 and blocked:
+        notes.append(f"{len(blocked)} of {len(matmuls)} matmuls priced as bf16: {blocked[0]}")
+    # Elementwise work (softmax, masks, norms, lookups): memory-bound, and autocast keeps it
+    # in FP32 in every format, so the format changes little. Backward moves about twice the
+    # forward's bytes.
+    rest = max(0, int(getattr(layer, "bytes", 0)) - matmul_fp32_bytes)
+    if rest or not matmuls:
+        total += 3 * rest / bw + 3 * spec.launch_s
+    if not matmuls:
+        notes.append(f"memory-bound {kind or 'layer'}: the format changes little")
+    return total, emulated, notes
+
+
+def estimate_layer(layer: Any, fmt: Format | str, target: str | DeviceSpec) -> LayerTime:
+    """Roofline estimate of forward + backward seconds of ``layer`` in ``fmt`` on ``target``.
+
+    ``layer`` is an :class:`autoprec.measure.capture.Layer` or anything with ``fqn``, ``kind``,
+    ``matmuls`` ((batch, M, K, N) per forward), ``bytes`` (read + written per forward at FP32)
+    and ``params``. ``target`` is a key of ``DEVICES`` (h100, h200, a100, cpu-amx) or a
+    :class:`DeviceSpec`. Each matmul costs 3x its forward (dgrad, wgrad) at max(compute,
+    memory), plus casts in and out of the format (and FP8's amax reductions and transposed
+    copies) and a fixed cost per kernel. FP8 products the kernel cannot take run, and are
+    priced, as bf16 (see ``note``). An emulated format costs its emulation and never less than
+    fp32 or bf16.
+    """
+    fmt = Format.parse(fmt, where=f"for layer `{getattr(layer, 'fqn', '?')}`")
+    key, spec = resolve_target(target)
+    fqn = getattr(layer, "fqn", "")
+    if spec.support[fmt] is Support.UNSUPPORTED:
+        return LayerTime(fqn=fqn, format=fmt, seconds=math.inf, raw_seconds=math.inf, spread=0.0,
+                         source=f"{MODEL_PREFIX}{key}", error=f"{key} cannot run {fmt}")
+    (raw, seconds), emulated, notes = _estimate(layer, fmt, spec, key)
+    return LayerTime(fqn=fqn, format=fmt, seconds=seconds, raw_seconds=raw, spread=0.0,
+                     emulated=emulated, source=f"{MODEL_PREFIX}{key}", note="; ".join(notes))
+
+
+def _estimate(layer: Any, fmt: Format, spec: DeviceSpec, key: str, *,
+              boundary_casts: bool = True) -> tuple[tuple[float, float], bool, list[str]]:
+    """((raw, floored) seconds, emulated, notes)."""
+    raw, emulated, notes = _price(layer, fmt, spec, boundary_casts=boundary_casts)
+    seconds = raw
+    if emulated:
+        # Emulated FP8 is bf16-or-fp32 work plus quantization: it cannot beat either.
+        floor = max(_price(layer, f, spec, boundary_casts=boundary_casts)[0]
+                    for f in (Format.FP32, Format.BF16) if spec.support[f] is Support.NATIVE)
+        seconds = max(raw, floor)
+        notes.append(f"{fmt} emulated on {key}: not representative; priced as never faster "
+                     "than fp32 or bf16")
+    return (raw, seconds), emulated, notes
+
+
+def estimate_layers(layers: Iterable[Any], formats: Iterable[Format | str],
+                    target: str | DeviceSpec) -> dict[str, dict[Format, LayerTime]]:
+    """:func:`estimate_layer` for every layer and format, shaped like :func:`measure_layers`."""
+    fmts = [Format.parse(f) for f in formats]
+    return {layer.fqn: {f: estimate_layer(layer, f, target) for f in fmts} for layer in layers}
+
+
+def _output_elements(layer: Any) -> int:
+    """Elements of the tensor a layer passes on: its last product's result, or for a layer
+    without matmuls half its FP32 traffic (input and output of equal size)."""
+    matmuls = tuple(getattr(layer, "matmuls", ()) or ())
+    if matmuls:
+        b, m, _, n = matmuls[-1]
+        return b * m * n
+    return int(getattr(layer, "bytes", 0)) // (2 * _FP32)
+
+
+def estimate_step(layers: Iterable[Any], assignment: Mapping[str, Format | str],
+                  target: str | DeviceSpec, *,
+                  edges: Iterable[tuple[str, str]] | None = None,
+                  default: Format | str | None = None) -> float:
+    """Modeled seconds of forward + backward of the whole set of ``layers`` under
+    ``assignment`` (fqn -> format) on ``target``.
+
+    Without ``edges``, the sum of :func:`estimate_layer` (each layer pays its own casts in and
+    out, as :func:`measure_layers` measures it: an upper bound). With ``edges`` ((producer,
+    consumer) fqn pairs, e.g. ``LayerGraph.edges``), layers keep their activations in their own
+    dtype and each edge between layers of different activation dtypes pays one cast, forward
+    and backward; an fp8 layer outputs bf16, so fp8 -> bf16 costs nothing. ``default`` is the
+    format of layers the assignment does not name; None makes a missing layer an error.
+    """
+    key, spec = resolve_target(target)
+    layers = list(layers)
+    default_fmt = Format.parse(default, where="for `default`") if default is not None else None
+    fmts: dict[str, Format] = {}
+    for layer in layers:
+        if layer.fqn in assignment:
+            fmts[layer.fqn] = Format.parse(assignment[layer.fqn], where=f"for layer `{layer.fqn}`")
+        elif default_fmt is not None:
+            fmts[layer.fqn] = default_fmt
+    missing = [layer.fqn for layer in layers if layer.fqn not in fmts]
+    if missing:
+        raise ValueError(f"The assignment gives no format for {len(missing)} layer(s), e.g. "
+                         f"{', '.join(map(repr, missing[:3]))}; add them or pass default=.")
+    by_fqn = {layer.fqn: layer for layer in layers}
+    unknown = [f for f in assignment if f not in by_fqn]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], list(by_fqn), n=3)
+        hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+        raise ValueError(f"The assignment names {unknown[0]!r}, which is not one of the layers."
+                         f"{hint}")
+    boundary = edges is None
+    total = sum(_estimate(layer, fmts[layer.fqn], spec, key, boundary_casts=boundary)[0][1]
+                for layer in layers)
+    if edges is not None:
+        bw = spec.bandwidth * spec.bandwidth_efficiency
+        for src, dst in edges:
+            if src not in by_fqn or dst not in by_fqn:
+                bad = src if src not in by_fqn else dst
+                raise ValueError(f"Edge ({src!r}, {dst!r}) names {bad!r}, which is not one of "
+                                 "the layers.")
+            a, b = _ACTIVATION[fmts[src]], _ACTIVATION[fmts[dst]]
+            if a == b:
+                continue
+            elems = _output_elements(by_fqn[src])
+            # Forward cast of the activation, backward cast of its gradient.
+            per = elems * (_ACTIVATION_BYTES[a] + _ACTIVATION_BYTES[b])
+            total += 2 * per / bw + 2 * spec.launch_s
+    return total
+

@@ -1,0 +1,291 @@
+"""The one comparison of a candidate policy against the FP32 reference.
+
+Used by the profile (a policy that switches one layer, :mod:`autoprec.measure.sensitivity`)
+and by every trial of the search (a whole policy), so "loss change" and "gradient error" mean
+the same everywhere:
+
+- ``loss_rel_change``: mean over the batches of ``(loss - loss_fp32) / |loss_fp32|``;
+- ``grad_rel_error``: ``||g - g_fp32|| / ||g_fp32||`` over every trainable parameter's
+  gradient, all batches concatenated (not the error of the summed gradients, which lets errors
+  of opposite sign on two batches cancel);
+- gradients come from ``torch.autograd.grad`` (no ``.grad`` is written, no weight moves);
+- a policy with fp16 layers back-propagates ``loss * scale`` with the policy's
+  ``loss_scaling.init_scale`` and divides the gradients by it, halving the scale while the
+  scaled gradients are not finite (GradScaler's back-off), down to 1;
+- ``torch.manual_seed(seed + batch_index)`` before every forward, the model in the state
+  :func:`prepare_for_measurement` puts it in (train mode, dropout 0, BatchNorm statistics
+  frozen), so two runs of the same policy give the same numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoprec.formats import Format
+from autoprec.policy import Policy
+from autoprec.runtime import rewrite
+
+__all__ = ["Reference", "Deviation", "Numerics", "prepare_for_measurement"]
+
+
+def prepare_for_measurement(model: nn.Module) -> nn.Module:
+    """Put ``model`` (a private copy) in the state measurements need, in place: train mode
+    with every dropout at 0 and BatchNorm running statistics frozen (``momentum=0``; the
+    forward still normalises with batch statistics, as training does). Returns ``model``.
+
+    Dropout is off because its masks would differ between a candidate and the reference only
+    through RNG use, and their noise would swamp a format's error. Besides every
+    ``nn.Dropout``, float ``*dropout*``/``*pdrop*`` attributes of modules and HF configs are
+    zeroed: HF attention reads ``attention_dropout`` at call time and passes it to SDPA."""
+    model.train()
+    configs = [getattr(model, "config", None)]
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        elif isinstance(module, nn.modules.batchnorm._BatchNorm):
+            # momentum=None would average with num_batches_tracked; 0.0 keeps the stats put.
+            module.momentum = 0.0
+        _zero_dropout_fields(module)
+        configs.append(getattr(module, "config", None))
+    for config in {id(c): c for c in configs if c is not None and hasattr(c, "__dict__")}.values():
+        _zero_dropout_fields(config)
+    return model
+
+
+def _zero_dropout_fields(obj: Any) -> None:
+    for key, value in list(vars(obj).items()):
+        name = key.lower()
+        if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
+            setattr(obj, key, 0.0)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The FP32 run every candidate is compared with."""
+
+    # Loss per batch.
+    losses: list[float]
+    # Per batch, the FP32 gradient of every trainable parameter (zeros where unused).
+    grads: list[list[torch.Tensor]]
+    # Per batch, float64 squared norm of each parameter's gradient, shape [n_params].
+    grad_sq: list[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Deviation:
+    """How far a candidate moved the loss and the gradients from the reference."""
+
+    # Mean over batches of (loss - loss_fp32) / |loss_fp32| (the absolute change where the
+    # reference loss is 0). Signed: positive is a higher loss.
+    loss_rel_change: float
+    # ||g - g_fp32|| / ||g_fp32|| over every trainable parameter, all batches concatenated.
+    grad_rel_error: float
+    # True when every loss and gradient was finite.
+    finite: bool
+    # Per parameter, summed over batches: squared norm of the difference, and of the reference
+    # (so a subset of the parameters, e.g. one layer's own, gets its error too).
+    diff_sq: tuple[float, ...]
+    ref_sq: tuple[float, ...]
+    # Batches compared.
+    n_batches: int
+
+    def grad_error_of(self, indices: Sequence[int]) -> float | None:
+        """The gradient error over the parameters at ``indices`` (None when there are none)."""
+        if not indices:
+            return None
+        return relative(math.fsum(self.diff_sq[i] for i in indices),
+                        math.fsum(self.ref_sq[i] for i in indices))
+
+
+class Numerics:
+    """Measures candidates against FP32 on fixed batches, on one private model.
+
+    ``model`` must be a private copy in FP32 (see :func:`prepare_for_measurement`), ``batches``
+    already on its device; ``loss_fn(model, batch)`` returns a scalar tensor. The FP32
+    reference is computed once, on first use.
+    """
+
+    def __init__(self, model: nn.Module, batches: Sequence[Any],
+                 loss_fn: Callable[[nn.Module, Any], torch.Tensor], *, seed: int = 0):
+        self.model = model
+        self.batches = list(batches)
+        if not self.batches:
+            raise ValueError("Measuring numerics needs at least one batch; got none.")
+        self.loss_fn = loss_fn
+        self.seed = seed
+        for name, p in model.named_parameters():
+            if p.is_floating_point() and p.dtype != torch.float32:
+                raise ValueError(f"Parameter `{name}` is {p.dtype}, but candidates are compared "
+                                 "with an FP32 reference with FP32 master weights (as autoprec "
+                                 "trains); build the model in FP32 (model.float()).")
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError(f"{type(model).__name__} has no parameter with requires_grad=True, "
+                             "so there are no gradients to compare; unfreeze the parameters.")
+        self._reference: Reference | None = None
+
+    def index_of(self, params) -> list[int]:
+        """Positions of ``params`` among the compared parameters (for Deviation.grad_error_of)."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        return [index[id(p)] for p in params if id(p) in index]
+
+    # ---------------------------------------------------------------- the reference
+    def reference(self, *, around: Callable[[int], Any] | None = None) -> Reference:
+        """The FP32 run (computed on the first call; later calls return it). ``around(b)``
+        gives a context manager to run batch ``b``'s forward in (probes watching it)."""
+        if self._reference is not None:
+            return self._reference
+        losses, grads, grad_sq = [], [], []
+        with _fp32(self.model):
+            for b, batch in enumerate(self.batches):
+                ctx = around(b) if around is not None else contextlib.nullcontext()
+                with torch.random.fork_rng(devices=_rng_devices(self.model)), ctx:
+                    torch.manual_seed(self.seed + b)
+                    loss = self._loss(batch)
+                g = _grads(loss, self.params)
+                value = float(loss.detach())
+                if not math.isfinite(value) or not all_finite(g):
+                    what = f"loss is {value}" if not math.isfinite(value) else \
+                        "gradients are not finite"
+                    raise ValueError(f"The FP32 reference {what} on calibration batch {b}; every "
+                                     "error is measured against a finite FP32 run, so fix the "
+                                     "model or the batch first.")
+                losses.append(value)
+                grads.append(g)
+                grad_sq.append(_sq_norms(g))
+        self._reference = Reference(losses=losses, grads=grads, grad_sq=grad_sq)
+        return self._reference
+
+    # ---------------------------------------------------------------- a candidate
+    def compare(self, policy: Policy, *, after_forward: Callable[[int], None] | None = None
+                ) -> Deviation:
+        """Run every batch under ``policy`` and compare with the reference.
+        ``after_forward(b)`` is called after batch ``b``'s forward (to read probes)."""
+        ref = self.reference()
+        scale = policy.loss_scaling.init_scale if policy.uses(Format.FP16) else 1.0
+        changes: list[float] = []
+        diff_sq = torch.zeros(len(self.params), dtype=torch.float64,
+                              device=ref.grad_sq[0].device)
+        finite = True
+        with warnings.catch_warnings():
+            # apply() warns that emulated fp8 is slow; numerics are exact, which is all we use.
+            warnings.filterwarnings("ignore", message=r".*can only emulate.*")
+            rewrite.apply(self.model, policy, strict=False)
+        try:
+            for b, batch in enumerate(self.batches):
+                with torch.random.fork_rng(devices=_rng_devices(self.model)):
+                    torch.manual_seed(self.seed + b)
+                    loss = self._loss(batch)
+                if after_forward is not None:
+                    after_forward(b)
+                value = float(loss.detach())
+                g = _scaled_grads(loss, self.params, scale)
+                r = ref.losses[b]
+                changes.append((value - r) / abs(r) if r != 0 else value - r)
+                # Out of place: autograd may hand the same tensor to two parameters (a + b).
+                diff_sq += _sq_norms(torch._foreach_sub(g, ref.grads[b]))
+                finite = finite and math.isfinite(value) and all_finite(g)
+        finally:
+            rewrite.remove(self.model)
+        ref_sq = torch.stack(ref.grad_sq).sum(0).tolist()
+        diff = diff_sq.tolist()
+        return Deviation(loss_rel_change=math.fsum(changes) / len(changes),
+                         grad_rel_error=relative(math.fsum(diff), math.fsum(ref_sq)),
+                         finite=finite, diff_sq=tuple(diff), ref_sq=tuple(ref_sq),
+                         n_batches=len(self.batches))
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        loss = self.loss_fn(self.model, batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"loss_fn must return a scalar tensor, got {shape}; reduce it "
+                             "(e.g. .mean()).")
+        if not loss.requires_grad:
+            raise ValueError("The loss does not require grad, so there are no gradients to "
+                             "compare; do not compute it under torch.no_grad().")
+        return loss.reshape(())
+
+
+@contextlib.contextmanager
+def _fp32(model: nn.Module):
+    rewrite.apply(model, Policy(default=Format.FP32), strict=False)
+    try:
+        yield
+    finally:
+        rewrite.remove(model)
+
+
+def _rng_devices(model: nn.Module) -> list:
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if device.type != "cuda":
+        return []
+    return [device.index if device.index is not None else torch.cuda.current_device()]
+
+
+def _grads(loss: torch.Tensor, params: list[torch.Tensor], *, scale: float = 1.0,
+           retain_graph: bool = False) -> list[torch.Tensor]:
+    target = loss * scale if scale != 1.0 else loss
+    grads = torch.autograd.grad(target, params, allow_unused=True, retain_graph=retain_graph)
+    out = []
+    for g, p in zip(grads, params):
+        g = torch.zeros_like(p) if g is None else g.to(torch.float32)
+        out.append(g / scale if scale != 1.0 else g)
+    return out
+
+
+def _scaled_grads(loss: torch.Tensor, params: list[torch.Tensor],
+                  scale: float) -> list[torch.Tensor]:
+    """Gradients of ``loss``; with ``scale > 1`` back-propagated from ``loss * scale`` and
+    unscaled, halving the scale while the scaled gradients overflow (GradScaler's back-off),
+    down to 1. A non-finite loss is not retried: no scale can fix it."""
+    if scale == 1.0 or not bool(torch.isfinite(loss.detach())):
+        return _grads(loss, params)
+    while True:
+        g = _grads(loss, params, scale=scale, retain_graph=scale > 1.0)
+        if scale <= 1.0 or all_finite(g):
+            return g
+        scale = max(1.0, scale / 2)
+
+
+def _sq_norms(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Squared L2 norm of each tensor, float64, shape [len(grads)].
+
+    One fused ``_foreach_norm`` in FP32 rather than a float64 copy of every gradient: the
+    copies cost more than the forward and backward on a 22M-parameter model, and a norm's
+    relative rounding (~1e-7) is far below any error worth reporting. A norm is exactly 0
+    only for an exactly zero tensor, so FP32 against itself still gives exactly 0.
+    """
+    if not grads:
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.stack(torch._foreach_norm(grads)).to(torch.float64).square()
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every value of every tensor is finite (one fused norm in the common case)."""
+    if not tensors:
+        return True
+    # Finite norms mean finite tensors. A non-finite norm may also come from FP32 overflow of
+    # a finite tensor's norm (values ~1e19), so that case is checked exactly.
+    if bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors))).all()):
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def relative(diff_sq: float, ref_sq: float) -> float:
+    """sqrt(diff_sq / ref_sq): 0 for no difference, inf against a zero reference, nan for a
+    non-finite difference."""
+    if math.isnan(diff_sq):
+        return math.nan
+    if diff_sq == 0.0:
+        return 0.0
+    if ref_sq == 0.0:
+        return math.inf
+    return math.sqrt(diff_sq / ref_sq)

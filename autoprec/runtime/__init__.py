@@ -1,0 +1,57 @@
+"""What training imports: apply a policy (and optionally a runtime guard) to a model.
+
+Parts, each on its own: :mod:`~autoprec.runtime.calls` (the registry of matmul-like calls),
+:mod:`~autoprec.runtime.fp8` (the FP8 autograd function), :mod:`~autoprec.runtime.rewrite`
+(precision regions; knows nothing of guards), :mod:`~autoprec.runtime.guard` (watches and
+demotes, through rewrite's public surface only) and :mod:`~autoprec.runtime.integrations`
+(plain loops, Accelerate, the HF Trainer). Imports torch and yaml only.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from torch import nn
+
+from autoprec.policy import Policy
+from autoprec.runtime import rewrite
+from autoprec.runtime.guard import Guard, GuardConfig, GuardEvent, get_guard
+from autoprec.runtime.rewrite import applied_formats, applied_policy
+
+__all__ = ["apply", "remove", "applied_formats", "applied_policy", "get_guard", "Guard",
+           "GuardConfig", "GuardEvent"]
+
+
+def apply(model: nn.Module, policy: Policy | str | os.PathLike, *, strict: bool = True,
+          guard: bool | GuardConfig | Guard | None = None) -> nn.Module:
+    """Make ``model`` compute as ``policy`` says; in place, returns ``model``.
+
+    ``policy`` is a :class:`~autoprec.policy.Policy` or a path to a policy YAML file. With
+    ``strict`` (the default) a fingerprint of another model or a pattern that matches no
+    module is a :class:`~autoprec.policy.PolicyError`; with ``strict=False`` they are warnings.
+    Applying again replaces the previous policy.
+
+    ``guard``: ``True`` or a :class:`GuardConfig` attaches a runtime guard that watches the
+    low-precision layers in training and demotes those that keep overflowing (see
+    :mod:`autoprec.runtime.guard`; :func:`get_guard` returns it); a :class:`Guard` re-attaches
+    that guard, keeping its history. ``None`` (the default) or ``False`` attaches none and
+    detaches a guard a previous ``apply`` attached.
+    """
+    new = Guard.coerce(guard) if guard is not None and guard is not False else None
+    rewrite.apply(model, policy, strict=strict)
+    old = get_guard(model)
+    if old is not None and old is not new:
+        old.detach()
+    if new is not None:
+        new.attach(model, rewrite.applied_policy(model))
+    return model
+
+
+def remove(model: nn.Module) -> nn.Module:
+    """Undo :func:`apply`: every module gets its original forward back and a runtime guard
+    stops watching. No-op if none."""
+    old: Any = get_guard(model)
+    if old is not None:
+        old.detach()
+    return rewrite.remove(model)

@@ -1,0 +1,157 @@
+"""What a tune searches for and how: :class:`TuneConfig` (with :class:`~autoprec.policy.Budget`,
+:class:`Grouping` and :class:`TimingConfig`), checked before any work starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from autoprec.formats import FORMAT_ORDER, Format
+from autoprec.policy import Budget
+
+__all__ = ["TuneConfig", "TimingConfig", "Grouping"]
+
+
+class Grouping(str, enum.Enum):
+    """How layers become search units."""
+
+    # One unit per layer while there are at most 16 layers, same-role groups beyond.
+    AUTO = "auto"
+    # One unit per layer.
+    LAYER = "layer"
+    # Same-role layers share a unit, named by their glob (transformer.h.*.mlp.c_fc).
+    ROLE = "role"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class TimingConfig:
+    """How the search times policies (see :mod:`autoprec.measure.timer`)."""
+
+    # Repetitions per round (the minimum is kept).
+    repeats: int = 2
+    # Rounds per trial, the trial's policy against fp32, paired.
+    trial_rounds: int = 3
+    # Extra rounds a trial gets when its result contradicts the profile's prediction.
+    recheck_rounds: int = 3
+    # Leading feasible policies re-timed at the end (besides the best warm start).
+    finalists: int = 4
+    # Rounds of the final re-timing before the first verdict, then added in steps of this size.
+    final_rounds: int = 6
+    # The final re-timing stops at this many rounds or this many seconds, decided or not.
+    max_final_rounds: int = 30
+    final_seconds: float = 180.0
+    # A/A noise (a true tie measured this far from 1) above which the machine is too noisy to
+    # decide a winner by timing.
+    noise_limit: float = 0.10
+    # How far a measured step-time ratio may lie outside what the per-layer profile predicts,
+    # beyond its own interval, before it is re-measured (the profile's own error: casts, the
+    # optimizer and elementwise work it does not see).
+    model_tolerance: float = 0.25
+
+    def __post_init__(self):
+        for name in ("repeats", "trial_rounds", "finalists", "final_rounds", "max_final_rounds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TimingConfig.{name} must be a positive integer, got {value!r}.")
+        if not isinstance(self.recheck_rounds, int) or self.recheck_rounds < 0:
+            raise ValueError(f"TimingConfig.recheck_rounds must be an integer >= 0, got "
+                             f"{self.recheck_rounds!r}.")
+        for name in ("final_seconds", "noise_limit", "model_tolerance"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value < math.inf):
+                raise ValueError(f"TimingConfig.{name} must be a positive number, got {value!r}.")
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """Everything :func:`autoprec.tune` needs besides the task."""
+
+    # Formats the search may use; fp32 is always added (the reference and the fallback).
+    formats: tuple[Format, ...] = FORMAT_ORDER
+    # How far the winner may move training from FP32.
+    budget: Budget = field(default_factory=Budget)
+    # Trials in the study, warm starts included; a resumed study runs only the rest.
+    n_trials: int = 40
+    # Seconds this worker may search (None: until n_trials).
+    timeout: float | None = None
+    # Optuna storage URL, `journal:PATH`, or None for SQLite beside the output.
+    storage: str | None = None
+    # Study name (share it between workers); None derives one from the task and the model.
+    study_name: str | None = None
+    # Price step time with the cost model of this device instead of measuring it here.
+    target: str | None = None
+    # Seed of the sampler (and of everything random in the measurements).
+    seed: int = 0
+    # Search units: a Grouping, or unit name -> layer fqns.
+    grouping: Grouping | Mapping[str, Sequence[str]] = Grouping.AUTO
+    # The policy path; the default study lives beside it (`<stem>.study.db`).
+    output: str | None = None
+    # Error budgets of the integer-program warm starts, as fractions of max_loss_increase.
+    milp_budgets: tuple[float, ...] = (0.25, 0.5, 1.0)
+    # Calibration batches held out to judge trials (the rest are profiled).
+    n_holdout: int = 2
+    timing: TimingConfig = field(default_factory=TimingConfig)
+
+    def __post_init__(self):
+        fmts = [Format.parse(f, where="in TuneConfig.formats") for f in self.formats]
+        if not fmts:
+            raise ValueError("TuneConfig.formats is empty; give at least one of "
+                             f"{', '.join(f.value for f in Format)}.")
+        fmts = [f for f in FORMAT_ORDER if f in set(fmts) | {Format.FP32}]
+        object.__setattr__(self, "formats", tuple(fmts))
+        if isinstance(self.budget, Mapping):
+            object.__setattr__(self, "budget", Budget(**self.budget))
+        if isinstance(self.timing, Mapping):
+            object.__setattr__(self, "timing", TimingConfig(**self.timing))
+        if not isinstance(self.grouping, Mapping):
+            try:
+                object.__setattr__(self, "grouping", Grouping(str(self.grouping).lower()))
+            except ValueError:
+                raise ValueError(f"Unknown grouping {self.grouping!r}; expected one of "
+                                 f"{', '.join(g.value for g in Grouping)} or a mapping of "
+                                 "unit name -> layer fqns.") from None
+        _positive_int("n_trials", self.n_trials)
+        _positive_int("n_holdout", self.n_holdout)
+        if self.timeout is not None and not (isinstance(self.timeout, (int, float))
+                                             and self.timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}.")
+        if not self.milp_budgets or any(not 0 < b <= 1 for b in self.milp_budgets):
+            raise ValueError(f"milp_budgets are fractions of the loss budget in (0, 1], got "
+                             f"{self.milp_budgets!r}.")
+        if self.target is not None:
+            from autoprec.costmodel import resolve_target
+
+            resolve_target(self.target)  # an unknown target fails here, before any work
+            object.__setattr__(self, "target", str(self.target).strip().lower())
+        if self.storage is not None and self.storage.strip() in ("", "journal:"):
+            raise ValueError(f"Storage {self.storage!r} names no database: give a URL "
+                             "(sqlite:///PATH, postgresql://...) or journal:PATH.")
+        if self.output is not None and os.path.isdir(self.output):
+            raise ValueError(f"-o/--output {self.output} is a directory; give the policy's file "
+                             "path, e.g. policies/NAME.yaml.")
+
+    def replace(self, **changes: Any) -> TuneConfig:
+        """A copy with ``changes``; ``max_loss_increase`` and ``max_grad_error`` set the budget."""
+        budget = {k: changes.pop(k) for k in ("max_loss_increase", "max_grad_error")
+                  if k in changes}
+        if budget:
+            changes["budget"] = dataclasses.replace(self.budget, **budget)
+        unknown = [k for k in changes if k not in {f.name for f in dataclasses.fields(self)}]
+        if unknown:
+            raise TypeError(f"Unknown tune option(s) {', '.join(unknown)}; TuneConfig's fields "
+                            f"are {', '.join(f.name for f in dataclasses.fields(self))}, plus "
+                            "max_loss_increase and max_grad_error.")
+        return dataclasses.replace(self, **changes)
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")

@@ -1,0 +1,138 @@
+"""Evaluating a policy as the search does: its numerics against FP32 on held-out batches (the
+comparison the profile uses, :mod:`autoprec.measure.numerics`) and its step time (the one
+timing protocol, :mod:`autoprec.measure.timer`, paired against fp32; or the cost model's
+price for a ``target``)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autoprec._util import move_to
+from autoprec.formats import Format
+from autoprec.measure.numerics import Deviation, Numerics, prepare_for_measurement
+from autoprec.measure.timer import Comparison, StepTimer, noise_of
+from autoprec.policy import Interval, Policy, model_fingerprint
+from autoprec.profile import Profile
+from autoprec.task import Task, default_loss
+from autoprec.tuning.config import TimingConfig
+from autoprec.tuning.space import expand
+
+__all__ = ["Evaluator", "Timed"]
+
+FP32 = Policy(default=Format.FP32)
+
+
+@dataclass(frozen=True)
+class Timed:
+    """A policy's step time: measured against fp32 (``ratio`` with its interval) or priced."""
+
+    # step seconds / fp32 step seconds, with its 95% interval (rounds=0: priced, exact)
+    ratio: Interval
+    # ratio x the fp32 step time of this tune (the objective the sampler sees)
+    seconds: float
+    # the profile's prediction of the ratio (None: no measured profile to predict from)
+    predicted: float | None = None
+    # the measurement contradicted the prediction even after it was re-measured
+    contradicts: bool = False
+
+    @property
+    def speedup(self) -> Interval:
+        r = self.ratio
+        return Interval(1 / r.value, 1 / r.high if r.high else math.inf,
+                        1 / r.low if r.low else math.inf, r.rounds)
+
+
+class Evaluator:
+    """Holds the measurement copy of the task's model, the FP32 reference on the held-out
+    batches and, when measuring, a timing copy and the fp32 step time; evaluates policies."""
+
+    def __init__(self, task: Task, holdout: Sequence[Any], *, prof: Profile,
+                 target: str | None, timing: TimingConfig):
+        self.task, self.prof, self.target, self.timing = task, prof, target, timing
+        model = prepare_for_measurement(task.build_model())
+        self.fingerprint = model_fingerprint(model)
+        self.model_name = type(model).__name__
+        self.numerics = Numerics(model, [move_to(b, task.device) for b in holdout],
+                                 task.loss_fn or default_loss, seed=task.seed)
+        self.steps: StepTimer | None = None
+        self.aa: Interval | None = None
+        if target is None:
+            self.steps = StepTimer(copy.deepcopy(model), task.example_batch(),
+                                   task.loss_fn or default_loss, task.make_optimizer,
+                                   device=task.device)
+        self.fp32_seconds = self._calibrate()
+
+    def _calibrate(self) -> float:
+        """The fp32 step time, and the machine's noise as an A/A check of fp32 against itself
+        sees it (before the search)."""
+        if self.steps is None:
+            return self.prof.estimate_step(expand(FP32, self.prof), self.target)
+        check = Comparison({"fp32": self.steps.runner(FP32), "fp32 again": self.steps.runner(FP32)},
+                           "fp32", repeats=self.timing.repeats, seed=self.task.seed)
+        check.run(max(6, self.timing.final_rounds), warmup=True)
+        self.aa = check.ratio("fp32 again")
+        return check.seconds("fp32")
+
+    @property
+    def noise(self) -> float | None:
+        """The A/A noise measured before the search (None when priced)."""
+        return None if self.aa is None else noise_of(self.aa)
+
+    # ---------------------------------------------------------------- numerics
+    def deviation(self, policy: Policy) -> Deviation:
+        return self.numerics.compare(policy)
+
+    # ---------------------------------------------------------------- time
+    def predicted_ratio(self, policy: Policy) -> float | None:
+        """The profile's prediction of ``policy``'s step time over fp32's: the fp32 step with
+        each profiled layer's time swapped for its time in the policy's format."""
+        if self.target is not None or not math.isfinite(self.fp32_seconds):
+            return None
+        fmts = expand(policy, self.prof)
+        fp32 = {f: Format.FP32 for f in fmts}
+        layers, layers32 = self.prof.layer_seconds(fmts), self.prof.layer_seconds(fp32)
+        if not (math.isfinite(layers) and math.isfinite(layers32)):
+            return None
+        rest = max(0.0, self.fp32_seconds - layers32)
+        return (rest + layers) / (rest + layers32)
+
+    def consistent(self, ratio: Interval, predicted: float | None) -> bool:
+        """Whether a measured ratio agrees with the profile's prediction, within its own
+        interval widened by the profile's tolerance."""
+        if predicted is None:
+            return True
+        tol = 1 + self.timing.model_tolerance
+        return ratio.low / tol <= predicted <= ratio.high * tol
+
+    def comparison(self, policies: Mapping[Hashable, Policy], *, aa: bool = False) -> Comparison:
+        """A timing comparison of ``policies`` against fp32 (key "fp32"); ``aa`` adds fp32
+        again (key "fp32 again"), the A/A check."""
+        runners = {"fp32": self.steps.runner(FP32)}
+        if aa:
+            runners["fp32 again"] = self.steps.runner(FP32)
+        runners.update({k: self.steps.runner(p) for k, p in policies.items()})
+        return Comparison(runners, "fp32", repeats=self.timing.repeats, seed=self.task.seed)
+
+    def time(self, policy: Policy) -> Timed:
+        """One trial's step time: priced, or measured in a few rounds paired with fp32 and
+        re-measured once more when it contradicts the profile's prediction."""
+        if self.steps is None:
+            sec = self.prof.estimate_step(expand(policy, self.prof), self.target)
+            r = sec / self.fp32_seconds
+            return Timed(Interval(r, r, r, 0), sec)
+        predicted = self.predicted_ratio(policy)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*can only emulate.*")
+            cmp = self.comparison({"trial": policy})
+            cmp.run(self.timing.trial_rounds)
+            ratio = cmp.ratio("trial")
+            if not self.consistent(ratio, predicted) and self.timing.recheck_rounds:
+                cmp.run(self.timing.recheck_rounds)
+                ratio = cmp.ratio("trial")
+        return Timed(ratio, ratio.value * self.fp32_seconds, predicted,
+                     not self.consistent(ratio, predicted))

@@ -1,0 +1,206 @@
+"""What a tune reports: each trial, the result (winner, Pareto front, the verdict), the files
+beside the policy (Pareto CSV and plot), and the provenance written into the policy."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from autoprec._util import atomic_write
+from autoprec.formats import Format
+from autoprec.policy import Budget, Interval, Policy, Provenance
+from autoprec.profile import Profile
+from autoprec.task import Task
+from autoprec.tuning.select import Selection
+
+__all__ = ["TrialResult", "TuneResult", "pareto", "provenance"]
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """One evaluated policy."""
+
+    # Optuna trial number (-1 for an evaluation outside a study).
+    number: int
+    # search unit (layer fqn or group glob) -> format
+    assignment: dict[str, str]
+    # step seconds: fp32's x the measured ratio, or the cost model's price for a target
+    step_seconds: float
+    # speed-up over fp32 with its interval (rounds 0: priced)
+    speedup: Interval
+    # mean relative loss change vs FP32 on held-out calibration batches
+    loss_increase: float
+    # relative L2 error of all parameter gradients vs FP32, all held-out batches
+    grad_error: float
+    # all values finite and within the budget
+    feasible: bool
+    finite: bool
+    # where the trial came from: "warm:fp32", "warm:milp@0.005", "search", ...
+    origin: str = "search"
+    # the profile's prediction of its step time / fp32's (None: priced, or no prediction)
+    predicted: float | None = None
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["speedup"] = self.speedup.to_dict()
+        return d
+
+
+def pareto(trials: list[TrialResult]) -> list[TrialResult]:
+    """The feasible trials no other is at least as fast and as accurate as (and better in one)."""
+    front = []
+    for t in trials:
+        dominated = any(o.step_seconds <= t.step_seconds and o.loss_increase <= t.loss_increase
+                        and (o.step_seconds < t.step_seconds or o.loss_increase < t.loss_increase)
+                        for o in trials)
+        if not dominated:
+            front.append(t)
+    return sorted(front, key=lambda t: t.step_seconds)
+
+
+@dataclass
+class TuneResult:
+    """What tune() found: the winner, the Pareto front, and how the verdict was reached."""
+
+    policy: Policy
+    best: TrialResult
+    fp32_seconds: float
+    pareto: list[TrialResult]
+    trials: list[TrialResult]
+    best_warm_start: TrialResult | None
+    study_name: str
+    storage: str
+    profile: Profile | None = None
+    validation: Any = None
+    # search unit -> the layer fqns it sets
+    units: dict[str, list[str]] = field(default_factory=dict)
+    # the final re-timing's verdict (None before it ran)
+    selection: Selection | None = None
+
+    @property
+    def speedup(self) -> Interval:
+        """The winner's speed-up over fp32, with its interval, as finally re-timed."""
+        if self.selection is not None and self.best.number in self.selection.speedup:
+            return self.selection.speedup[self.best.number]
+        return self.best.speedup
+
+    @property
+    def improvement_over_warm_start(self) -> Interval | None:
+        """The winner's speed-up over the best warm start (None when the winner is the warm
+        start itself or there is none)."""
+        return None if self.selection is None else self.selection.over_warm_start
+
+    def summary(self) -> str:
+        b = self.best
+        distinct = len({json.dumps(t.assignment, sort_keys=True) for t in self.trials})
+        lines = [f"winner: trial {b.number} ({b.origin}): {self.speedup} fp32 step time, "
+                 f"loss {b.loss_increase:+.3%}, gradient error {b.grad_error:.3g}",
+                 f"trials: {len(self.trials)} ({distinct} distinct policies, "
+                 f"{sum(t.feasible for t in self.trials)} feasible), Pareto front: "
+                 f"{len(self.pareto)}"]
+        if self.selection is not None:
+            lines += [f"  {note}" for note in self.selection.notes]
+        return "\n".join(lines)
+
+    def save(self, path: str | os.PathLike, *, plot: bool = True) -> list[str]:
+        """Write the policy YAML, the trials as ``<stem>.pareto.csv`` and a
+        ``<stem>.pareto.png`` plot beside it. Returns the written paths."""
+        path = os.fspath(path)
+        self.policy.save(path)
+        stem = os.path.splitext(path)[0]
+        written = [path, atomic_write(f"{stem}.pareto.csv", self._csv())]
+        if plot:
+            png = _plot_front(self, f"{stem}.pareto.png")
+            if png:
+                written.append(png)
+        return written
+
+    def _csv(self) -> str:
+        out = io.StringIO()
+        w = csv.writer(out)
+        w.writerow(["trial", "origin", "step_seconds", "speedup_vs_fp32", "speedup_low",
+                    "speedup_high", "timing_rounds", "predicted_ratio", "loss_increase",
+                    "grad_error", "feasible", "on_front", "assignment"])
+        front = {t.number for t in self.pareto}
+        for t in sorted(self.trials, key=lambda t: t.step_seconds):
+            s = t.speedup
+            w.writerow([t.number, t.origin, f"{t.step_seconds:.6g}", f"{s.value:.4f}",
+                        f"{s.low:.4f}", f"{s.high:.4f}", s.rounds,
+                        "" if t.predicted is None else f"{t.predicted:.4f}",
+                        f"{t.loss_increase:.6g}", f"{t.grad_error:.6g}", t.feasible,
+                        t.number in front, json.dumps(t.assignment, sort_keys=True)])
+        return out.getvalue()
+
+
+def _plot_front(result: TuneResult, path: str) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # the plot is a convenience; the CSV carries the data
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ok = [t for t in result.trials if t.feasible]
+    bad = [t for t in result.trials if t.finite and not t.feasible]
+    ax.scatter([t.speedup.value for t in bad], [t.loss_increase for t in bad], c="lightgray",
+               s=14, label="over budget")
+    ax.scatter([t.speedup.value for t in ok], [t.loss_increase for t in ok], c="tab:blue",
+               s=14, label="feasible")
+    front = sorted(result.pareto, key=lambda t: t.speedup.value)
+    ax.plot([t.speedup.value for t in front], [t.loss_increase for t in front], "o-",
+            c="tab:red", label="Pareto front")
+    s = result.speedup
+    ax.errorbar([s.value], [result.best.loss_increase],
+                xerr=[[max(0.0, s.value - s.low)], [max(0.0, min(s.high, 1e3) - s.value)]],
+                fmt="*", ms=14, c="gold", mec="k", zorder=5, label="winner (re-timed)")
+    ax.set_xlabel("speed-up vs FP32 (step time)")
+    ax.set_ylabel("relative loss change vs FP32")
+    ax.set_title(f"autoprec tune: {result.study_name}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def provenance(task: Task, result: TuneResult, budget: Budget, target: str | None,
+               prof: Profile) -> dict[str, Any]:
+    """The policy's ``tuned:`` section: where and how it was tuned, its measured speed-up with
+    its interval, and the verdict."""
+    if target is not None:
+        device = f"cost model: {target} (numerics on {task.device})"
+    elif task.device.type == "cuda":
+        device = torch.cuda.get_device_name(task.device)
+    else:
+        device = prof.device
+    distinct = len({json.dumps(t.assignment, sort_keys=True) for t in result.trials})
+    extra: dict[str, Any] = {"study": {"name": result.study_name, "trials": len(result.trials),
+                                       "distinct": distinct}}
+    sel = result.selection
+    if sel is not None and sel.noise is not None:
+        extra["timing"] = {"rounds": sel.rounds, "aa_noise": round(sel.noise, 4),
+                           "too_noisy": sel.too_noisy}
+    if sel is not None and sel.over_warm_start is not None and sel.over_warm_start.low > 1.0:
+        extra["improvement_over_warm_start"] = sel.over_warm_start.to_dict()
+    # layers the policy puts in fp8 whose matmuls FP8 does not take: they run bf16
+    blocked = {lp.fqn: lp.fp8_blocker for lp in prof.layers
+               if lp.fp8_blocker and result.policy.format_for(lp.fqn) is Format.FP8}
+    if blocked:
+        extra["fp8_runs_bf16"] = blocked
+    speedup = result.speedup
+    if not math.isfinite(speedup.high):
+        speedup = dataclasses.replace(speedup, high=speedup.value * 1e3)
+    return Provenance(device=device, torch=str(torch.__version__), task=task.name, budget=budget,
+                      speedup=speedup, loss_increase=result.best.loss_increase,
+                      grad_error=result.best.grad_error,
+                      verdict=tuple(sel.notes) if sel is not None else (),
+                      extra=extra).to_dict()

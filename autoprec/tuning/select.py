@@ -1,0 +1,219 @@
+"""Choosing the winner: re-time the leading policies until the verdict is significant, and
+never crown a winner on noise.
+
+1. **Finalists**: the best warm start, the fastest feasible trials as measured during the
+   search, and the feasible trial the profile predicts fastest; plus fp32 (the reference) and
+   fp32 again (the A/A check of the machine's noise).
+2. **Adaptive re-measurement**: interleaved rounds (:mod:`autoprec.measure.timer`) until the
+   leader is significantly faster (its interval of the ratio excludes 1) than every other
+   finalist and than the best warm start, and no contender's measurement contradicts the
+   profile's prediction beyond its interval; or a cap on rounds or seconds is hit. Finalists
+   significantly slower than the leader stop being timed.
+3. **Decision**: among the finalists within noise of the leader, prefer the one the profile
+   predicts faster, then the more precise one (less of its matmul work in low precision, then
+   the smaller loss change), and say so.
+4. **Noise**: when the A/A check says the machine is too noisy to tell (``noise_limit``), the
+   verdict says so, with the measured spread and what helps, and claims nothing.
+
+With a cost-model ``target`` the prices are exact: the cheapest feasible policy wins, ties go
+to the more precise one.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from autoprec.formats import Format
+from autoprec.measure.timer import noise_of
+from autoprec.policy import Interval, Policy
+from autoprec.profile import Profile
+from autoprec.tuning.config import TimingConfig
+from autoprec.tuning.evaluate import Evaluator
+from autoprec.tuning.space import expand
+
+__all__ = ["Finalist", "Selection", "select", "precision_cost", "NOISE_ADVICE"]
+
+NOISE_ADVICE = ("run the tune on a quiet machine (no other jobs on its cores), pin it to "
+                "cores of its own (taskset) with OMP_NUM_THREADS set to their number, or price "
+                "speed with a cost model (--target) instead of measuring it")
+
+# Low-precision weight of each format: how much of a matmul's precision it gives up.
+_PRECISION_RANK = {Format.FP32: 0, Format.FP16: 1, Format.BF16: 1, Format.FP8: 2}
+
+
+@dataclass
+class Finalist:
+    """A policy the final re-timing compares."""
+
+    # the trial number, the key of the timing comparison
+    number: int
+    policy: Policy
+    # measured loss change (for the precision tie-break)
+    loss_increase: float
+    # the profile's prediction of its step time / fp32's (None when priced)
+    predicted: float | None = None
+    # the trial's own (search-time) step seconds
+    seconds: float = math.inf
+
+
+@dataclass
+class Selection:
+    """The verdict of the final re-timing."""
+
+    # trial number of the winner
+    winner: int
+    # speed-up over fp32 of each finalist, with its interval
+    speedup: dict[int, Interval]
+    # fp32 step seconds as re-timed
+    fp32_seconds: float
+    # the winner's speed-up over the best warm start (None: the winner is it, or no warm start)
+    over_warm_start: Interval | None = None
+    # A/A check (fp32 against itself) in this re-timing, and the noise it implies
+    aa: Interval | None = None
+    noise: float | None = None
+    # rounds the winner was timed in
+    rounds: int = 0
+    # finalists within noise of the leader (the winner among them)
+    ties: list[int] = field(default_factory=list)
+    # the verdict, in sentences
+    notes: list[str] = field(default_factory=list)
+    # too noisy to decide by timing
+    too_noisy: bool = False
+
+
+def precision_cost(policy: Policy, prof: Profile) -> float:
+    """Matmul FLOPs run in low precision, weighted by how much precision each format gives up
+    (fp8 twice bf16/fp16), as a share of all: 0 for all-fp32."""
+    total = sum(lp.layer.flops for lp in prof.layers) or 1
+    return sum(lp.layer.flops * _PRECISION_RANK[fmt]
+               for lp, fmt in zip(prof.layers, expand(policy, prof).values())) / total
+
+
+def _prefer(candidates: list[Finalist], prof: Profile) -> list[Finalist]:
+    """Candidates in order of preference: those the profile predicts fastest (within 2% of the
+    best prediction) first, the more precise before the less, then the smaller loss change;
+    then the rest by prediction."""
+    def pred(f: Finalist) -> float:
+        return f.predicted if f.predicted is not None else math.inf
+
+    best = min(pred(f) for f in candidates)
+    near = [f for f in candidates if pred(f) <= best * 1.02]
+    rest = [f for f in candidates if f not in near]
+    return (sorted(near, key=lambda f: (precision_cost(f.policy, prof), abs(f.loss_increase)))
+            + sorted(rest, key=pred))
+
+
+def select(ev: Evaluator, finalists: list[Finalist], warm: int | None, cfg: TimingConfig,
+           *, log: Callable[[str], None] = lambda msg: None) -> Selection:
+    """Decide the winner among ``finalists`` (``warm``: the trial number of the best warm
+    start, which must be one of them); see the module docstring."""
+    by_number = {f.number: f for f in finalists}
+    if ev.steps is None:
+        return _select_priced(ev, finalists, warm)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*can only emulate.*")
+        cmp = ev.comparison({f.number: f.policy for f in finalists}, aa=True)
+        cmp.run(cfg.final_rounds, warmup=True)
+        started = time.perf_counter()
+        while True:
+            state = _State(cmp, by_number, ev, warm)
+            done = (state.decided and not state.contradicting) or state.too_noisy(cfg)
+            spent = time.perf_counter() - started
+            if done or cmp.n_rounds >= cfg.max_final_rounds or spent >= cfg.final_seconds:
+                break
+            for number in state.beaten:
+                if number != warm:
+                    cmp.drop(number)  # its rounds so far still count
+            cmp.run(min(4, cfg.max_final_rounds - cmp.n_rounds))
+            odd = (f", {len(state.contradicting)} contradict the profile"
+                   if state.contradicting else "")
+            log(f"re-timing: {cmp.n_rounds} rounds; leader trial {state.leader} at "
+                f"{cmp.speedup(state.leader)} fp32 ({len(state.contenders)} within noise{odd})")
+    return _verdict(state, cmp, by_number, ev, warm, cfg)
+
+
+class _State:
+    """Where the re-timing stands after some rounds."""
+
+    def __init__(self, cmp, by_number: dict[int, Finalist], ev: Evaluator, warm: int | None):
+        keys = list(by_number)
+        self.speedup = {k: cmp.speedup(k) for k in keys}
+        self.leader = max(keys, key=lambda k: self.speedup[k].value)
+        # finalists the leader is significantly faster than
+        self.beaten = [k for k in keys if k != self.leader
+                       and cmp.ratio(self.leader, k).high < 1.0]
+        self.contenders = [k for k in keys if k not in self.beaten]
+        self.contradicting = [k for k in self.contenders
+                              if not ev.consistent(cmp.ratio(k), by_number[k].predicted)]
+        self.decided = len(self.contenders) == 1 and (warm is None or warm == self.leader
+                                                      or warm in self.beaten)
+        self.aa = cmp.ratio("fp32 again")
+
+    def too_noisy(self, cfg: TimingConfig) -> bool:
+        return self.aa.rounds >= 3 and noise_of(self.aa) > cfg.noise_limit
+
+
+def _verdict(state: _State, cmp, by_number: dict[int, Finalist], ev: Evaluator,
+             warm: int | None, cfg: TimingConfig) -> Selection:
+    noise = noise_of(state.aa)
+    too_noisy = state.too_noisy(cfg)
+    ranked = _prefer([by_number[k] for k in state.contenders], ev.prof)
+    winner = ranked[0].number
+    notes = []
+    if too_noisy:
+        notes.append(f"the machine was too noisy to decide by timing: fp32 measured against "
+                     f"itself came out at {state.aa} (a true tie measured up to {noise:.0%} "
+                     f"off); the policy the profile predicts fastest among the "
+                     f"{len(ranked)} that timing could not tell apart was kept. What helps: "
+                     f"{NOISE_ADVICE}")
+    elif len(ranked) > 1:
+        notes.append(f"{len(ranked)} policies were within timing noise of each other after "
+                     f"{cmp.n_rounds} rounds (trials {', '.join(map(str, state.contenders))}); "
+                     f"kept trial {winner}: the profile predicts it "
+                     f"{'faster' if _faster_predicted(ranked) else 'as fast'}"
+                     f"{'' if _faster_predicted(ranked) else ', and it is the more precise'}")
+    if winner in state.contradicting:
+        f = by_number[winner]
+        notes.append(f"its measured step time ({cmp.ratio(winner)} of fp32) disagrees with the "
+                     f"profile's prediction ({f.predicted:.2f} of fp32) after {cmp.n_rounds} "
+                     "rounds; the measurement was kept")
+    over = None
+    if warm is not None and warm != winner:
+        over = cmp.speedup(winner, over=warm)
+        if over.low > 1.0:
+            notes.append(f"faster than the best warm start (trial {warm}) by {over}")
+        else:
+            notes.append(f"ties with the best warm start (trial {warm}): {over}, an interval "
+                         "that includes 1")
+    return Selection(winner=winner, speedup=dict(state.speedup), fp32_seconds=cmp.seconds("fp32"),
+                     over_warm_start=over, aa=state.aa, noise=noise,
+                     rounds=cmp.rounds_of(winner), ties=list(state.contenders), notes=notes,
+                     too_noisy=too_noisy)
+
+
+def _faster_predicted(ranked: list[Finalist]) -> bool:
+    a, b = ranked[0].predicted, ranked[1].predicted
+    return a is not None and b is not None and a < b / 1.02
+
+
+def _select_priced(ev: Evaluator, finalists: list[Finalist], warm: int | None) -> Selection:
+    prices = {f.number: ev.prof.estimate_step(expand(f.policy, ev.prof), ev.target)
+              for f in finalists}
+    best = min(prices.values())
+    tied = [f for f in finalists if prices[f.number] <= best * (1 + 1e-9)]
+    winner = sorted(tied, key=lambda f: (precision_cost(f.policy, ev.prof),
+                                         abs(f.loss_increase)))[0].number
+    speedup = {k: Interval(ev.fp32_seconds / p, ev.fp32_seconds / p, ev.fp32_seconds / p, 0)
+               for k, p in prices.items()}
+    over = None
+    notes = [f"priced by the {ev.target} cost model: exact, no timing noise"]
+    if warm is not None and warm != winner:
+        r = prices[warm] / prices[winner]
+        over = Interval(r, r, r, 0)
+        notes.append(f"{r:.3f}x the best warm start's price (trial {warm})")
+    return Selection(winner=winner, speedup=speedup, fp32_seconds=ev.fp32_seconds,
+                     over_warm_start=over, ties=[f.number for f in tied], notes=notes)

@@ -1,0 +1,105 @@
+"""The search space: search units (layers or same-role groups), the formats each unit is
+offered, and the policy an assignment of formats to units stands for."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from autoprec.formats import FORMAT_ORDER, Format
+from autoprec.policy import Policy
+from autoprec.profile import Profile
+from autoprec.tuning.config import Grouping
+
+__all__ = ["group_layers", "SearchSpace", "assignment_policy", "expand"]
+
+
+def group_layers(fqns: Sequence[str], grouping: Grouping | str | Mapping[str, Sequence[str]]
+                 = Grouping.AUTO, *, max_units: int = 16) -> dict[str, list[str]]:
+    """Search units: unit name -> the layer fqns it sets.
+
+    ``Grouping.LAYER``: one unit per layer. ``Grouping.ROLE``: same-role layers share one
+    unit, named by their glob (numeric path components become ``*``:
+    ``transformer.h.*.mlp.c_fc``). ``Grouping.AUTO``: per layer while there are at most
+    ``max_units`` layers, grouped beyond. A mapping (unit name -> fqns) is used as given.
+    """
+    if isinstance(grouping, Mapping):
+        return {k: list(v) for k, v in grouping.items()}
+    grouping = Grouping(grouping)
+    by_role = grouping is Grouping.ROLE or (grouping is Grouping.AUTO and len(fqns) > max_units)
+    if not by_role:
+        return {f: [f] for f in fqns}
+    out: dict[str, list[str]] = {}
+    for f in fqns:
+        key = ".".join("*" if part.isdigit() else part for part in f.split("."))
+        out.setdefault(key, []).append(f)
+    return out
+
+
+@dataclass
+class SearchSpace:
+    """Units and the formats offered for each, from the profile."""
+
+    units: dict[str, list[str]]
+    # unit -> format values offered (fp32 always)
+    choices: dict[str, list[str]]
+    # format value -> units it was not offered for, and why (one line each)
+    pruned: dict[str, list[str]] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, prof: Profile, fmts: Sequence[Format],
+              grouping: Grouping | Mapping[str, Sequence[str]]) -> SearchSpace:
+        """A format is offered for a unit when its numerics stayed finite, its matmuls can
+        really run in it, and it is faster than fp32 on the unit's layers as profiled: a format
+        slower than fp32 is dominated (fp32 has zero error), so offering it would only spend
+        trials (fp16 on CPUs without FP16 matmul units, emulated fp8)."""
+        units = group_layers([lp.fqn for lp in prof.layers], grouping)
+        space = cls(units=units, choices={})
+        for unit, fqns in units.items():
+            allowed = [Format.FP32.value]
+            t32 = sum(prof.seconds(f, Format.FP32) for f in fqns)
+            for fmt in fmts:
+                if fmt is Format.FP32:
+                    continue
+                t = sum(prof.seconds(f, fmt) for f in fqns)
+                if all(prof.allows(f, fmt) for f in fqns) and math.isfinite(t) and t < t32:
+                    allowed.append(fmt.value)
+                else:
+                    space.pruned.setdefault(fmt.value, []).append(unit)
+            space.choices[unit] = allowed
+        return space
+
+    @property
+    def size(self) -> int:
+        return math.prod(len(c) for c in self.choices.values())
+
+    def uniform(self, fmt: Format) -> dict[str, str]:
+        """Every unit in ``fmt`` where it is offered, else fp32."""
+        return {u: fmt.value if fmt.value in c else Format.FP32.value
+                for u, c in self.choices.items()}
+
+
+def assignment_policy(units: Mapping[str, Sequence[str]], choice: Mapping[str, str], *,
+                      model_name: str | None = None, fingerprint: str | None = None) -> Policy:
+    """The policy for one assignment: the most common format (by layers) becomes the default
+    (fewer regions, fewer casts), every unit that differs is listed."""
+    counts: dict[str, int] = {}
+    for unit, fmt in choice.items():
+        counts[fmt] = counts.get(fmt, 0) + len(units[unit])
+    order = {f.value: i for i, f in enumerate(FORMAT_ORDER)}
+    default = max(counts, key=lambda f: (counts[f], -order[f]))
+    layers = {unit: fmt for unit, fmt in choice.items() if fmt != default}
+    # A unit left at the default must still be listed when an enclosing unit (an attention
+    # module around its projections) is listed with another format: regions nest.
+    nested = Policy(default=default, layers=layers)
+    for unit, fmt in choice.items():
+        if fmt == default and any(nested.format_for(f).value != fmt for f in units[unit]):
+            layers[unit] = fmt
+    layers = {u: layers[u] for u in choice if u in layers}
+    return Policy(default=default, layers=layers, model_name=model_name, fingerprint=fingerprint)
+
+
+def expand(policy: Policy, prof: Profile) -> dict[str, Format]:
+    """The format ``policy`` gives each profiled layer."""
+    return {lp.fqn: policy.format_for(lp.fqn) for lp in prof.layers}

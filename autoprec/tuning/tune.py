@@ -1,0 +1,308 @@
+"""tune(): the Optuna search for a per-layer precision policy, as a short orchestration of the
+parts in this package.
+
+    profile (stored in the study) -> search space (space.py) -> warm starts (warmstart.py)
+    -> trials: numerics + paired timing (evaluate.py) -> final re-timing (select.py)
+    -> the policy with its provenance (report.py)
+
+Each trial is one policy, evaluated for real: its loss and gradients on held-out batches
+compared with FP32, and its step time measured against fp32 in interleaved rounds (or priced
+by the cost model for a ``target``). Two objectives (step time, loss increase), the budget as
+constraints; a non-finite trial is infeasible, never a crash.
+
+The study lives in an Optuna storage (storage.py): a SQLite file beside the output by
+default, so an interrupted tune resumes with every completed trial kept; any storage URL
+(PostgreSQL, MySQL, ``journal:path``) lets several workers share one study. The profile is
+stored in the study's user attributes, so a second worker skips profiling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import re
+import warnings
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import optuna
+
+from autoprec._util import log as _log
+from autoprec.formats import Support, supported_formats
+from autoprec.policy import Interval, Policy
+from autoprec.profile import Profile
+from autoprec.profile import profile as run_profile
+from autoprec.task import Task
+from autoprec.tuning.config import TuneConfig
+from autoprec.tuning.evaluate import Evaluator
+from autoprec.tuning.report import TrialResult, TuneResult, pareto, provenance
+from autoprec.tuning.select import Finalist, select
+from autoprec.tuning.space import SearchSpace, assignment_policy
+from autoprec.tuning.storage import open_storage
+from autoprec.tuning.warmstart import warm_starts
+
+__all__ = ["tune", "evaluate_policy"]
+
+# A non-finite trial still needs finite objective values for Optuna's samplers.
+_PENALTY = 1e6
+_COMPLETE = (optuna.trial.TrialState.COMPLETE,)
+
+
+def tune(task: Task, config: TuneConfig | None = None, *, prof: Profile | None = None,
+         progress: bool = True, **options: Any) -> TuneResult:
+    """Search a per-layer precision policy for ``task``; see the module docstring.
+
+    ``config`` says what to search for and how (:class:`TuneConfig`); ``options`` override
+    its fields (``n_trials=20``, ``target="h100"``, and ``max_loss_increase`` /
+    ``max_grad_error`` for the budget). ``prof`` reuses a profile instead of measuring one.
+    """
+    config = (config or TuneConfig()).replace(**options)
+    log = partial(_log, enabled=progress)
+    if len(task.batches) < 2:
+        raise ValueError("tune needs at least 2 calibration batches: some to profile, "
+                         f"some held out to judge policies; the task has {len(task.batches)}.")
+    _note_emulated(task, config, log)
+    n_holdout = min(config.n_holdout, len(task.batches) - 1)
+    study = _open_study(task, config)
+    prof = _stored_profile(study, task, config, prof, task.batches[:-n_holdout], progress)
+    space = SearchSpace.build(prof, config.formats, config.grouping)
+    log(f"search space: {len(space.units)} units over {len(prof.layers)} layers x "
+        f"{len(config.formats)} formats")
+    for f, units in space.pruned.items():
+        log(f"not offered: {f} on {len(units)} of {len(space.units)} units (non-finite, no FP8 "
+            "kernel for the shape, or not faster than fp32 in the profile)")
+    ev = Evaluator(task, task.batches[-n_holdout:], prof=prof, target=config.target,
+                   timing=config.timing)
+    if ev.aa is not None:
+        log(f"timing noise before the search: fp32 against itself {ev.aa} "
+            f"(fp32 step {ev.fp32_seconds * 1e3:.0f} ms)")
+    _enqueue_warm_starts(study, prof, space, config, log)
+    _optimize(study, _Objective(ev, space, config, log), space, config, log)
+    return _decide(study, task, ev, space, config, prof, log)
+
+
+def _note_emulated(task: Task, config: TuneConfig, log: Callable[[str], None]) -> None:
+    if config.target is not None:
+        return
+    support = supported_formats(task.device)
+    emulated = [f for f in config.formats if support[f] is not Support.NATIVE]
+    if emulated:
+        log(f"note: {', '.join(map(str, emulated))} only emulated on {task.device}: measured "
+            "slower, so the search will not pick them for speed; pass target=... to price "
+            "them for another device.")
+
+
+# ------------------------------------------------------------------------- study
+def _open_study(task: Task, config: TuneConfig) -> optuna.Study:
+    output = config.output or f"autoprec-{re.sub(r'[^A-Za-z0-9_.-]', '_', task.name)}.yaml"
+    storage, url = open_storage(config.storage, os.path.splitext(output)[0] + ".study.db")
+    name = config.study_name
+    if name is None:
+        key = json.dumps({"formats": [f.value for f in config.formats],
+                          "budget": config.budget.to_dict(), "target": config.target,
+                          "groups": str(config.grouping)}, sort_keys=True)
+        name = f"{task.name}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+    sampler = optuna.samplers.TPESampler(seed=config.seed, multivariate=True,
+                                         n_startup_trials=8)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(study_name=name, storage=storage, sampler=sampler,
+                                directions=["minimize", "minimize"], load_if_exists=True)
+    study.set_user_attr("storage_url", url)
+    return study
+
+
+def _stored_profile(study: optuna.Study, task: Task, config: TuneConfig, prof: Profile | None,
+                    batches: Sequence[Any], progress: bool) -> Profile:
+    """The study's profile (a resumed tune, a second worker), else the given or a new one,
+    stored in the study."""
+    log = partial(_log, enabled=progress)
+    if prof is None and "profile" in study.user_attrs:
+        prof = Profile.from_dict(json.loads(study.user_attrs["profile"]))
+        log(f"reusing the profile stored in study {study.study_name}")
+    if prof is None:
+        log(f"profiling {task.name} ({', '.join(f.value for f in config.formats)}"
+            f"{', target ' + config.target if config.target else ''})")
+        prof = run_profile(task, formats=config.formats, target=config.target, batches=batches,
+                           progress=progress)
+    if "profile" not in study.user_attrs:
+        study.set_user_attr("profile", json.dumps(prof.to_dict()))
+    return prof
+
+
+def _enqueue_warm_starts(study: optuna.Study, prof: Profile, space: SearchSpace,
+                         config: TuneConfig, log: Callable[[str], None]) -> None:
+    """All-fp32, each uniform format and the integer program's solutions, once per study."""
+    if study.user_attrs.get("warm_started"):
+        return
+    study.set_user_attr("warm_started", True)
+    budgets = [b * config.budget.max_loss_increase for b in config.milp_budgets]
+    starts = warm_starts(prof, space, config.formats, budgets)
+    for origin, choice in starts:
+        study.enqueue_trial(choice, user_attrs={"origin": origin})
+    log(f"enqueued {len(starts)} warm starts")
+
+
+# ------------------------------------------------------------------------- trials
+class _Objective:
+    """One trial: the sampler's policy, its numerics and its step time."""
+
+    def __init__(self, ev: Evaluator, space: SearchSpace, config: TuneConfig,
+                 log: Callable[[str], None]):
+        self.ev, self.space, self.config, self.log = ev, space, config, log
+
+    def __call__(self, trial: optuna.Trial) -> tuple[float, float]:
+        choice = {u: trial.suggest_categorical(u, c) for u, c in self.space.choices.items()}
+        old = _earlier(trial.study, choice)
+        if old is not None:
+            # The sampler proposed a policy already measured: reuse it instead of re-running.
+            for key in ("constraints", "grad_error", "finite", "speedup", "predicted"):
+                trial.set_user_attr(key, old.user_attrs.get(key))
+            _set_constraints(trial, old.user_attrs.get("constraints"))
+            trial.set_user_attr("origin", f"repeat of {old.number}")
+            return tuple(old.values)
+        policy = assignment_policy(self.space.units, choice, model_name=self.ev.model_name,
+                                   fingerprint=self.ev.fingerprint)
+        dev = self.ev.deviation(policy)
+        finite = dev.finite and math.isfinite(dev.loss_rel_change) and \
+            math.isfinite(dev.grad_rel_error)
+        budget = self.config.budget
+        if finite:
+            li, ge = dev.loss_rel_change, dev.grad_rel_error
+            timed = self.ev.time(policy)
+            sec, speedup, predicted = timed.seconds, timed.speedup, timed.predicted
+        else:
+            li, ge, sec = _PENALTY, _PENALTY, self.ev.fp32_seconds * 10
+            speedup, predicted = Interval(0.1, 0.1, 0.1, 0), None
+        cons = (li - budget.max_loss_increase,
+                (ge - budget.max_grad_error) if budget.max_grad_error is not None else -1.0)
+        for key, value in (("constraints", cons), ("grad_error", ge), ("finite", finite),
+                           ("speedup", speedup.to_dict()), ("predicted", predicted)):
+            trial.set_user_attr(key, value)
+        _set_constraints(trial, cons)
+        origin = trial.user_attrs.get("origin", "search")
+        trial.set_user_attr("origin", origin)
+        feasible = finite and all(c <= 0 for c in cons)
+        self.log(f"trial {trial.number:3d}  {speedup}  loss {li:+.3%}  grad err {ge:.3g}  "
+                 f"{'ok' if feasible else 'over budget'}  [{origin}]")
+        return sec, li
+
+
+def _earlier(study: optuna.Study, choice: dict[str, str]) -> optuna.trial.FrozenTrial | None:
+    for old in study.get_trials(deepcopy=False, states=_COMPLETE):
+        if old.params == choice:
+            return old
+    return None
+
+
+def _set_constraints(trial: optuna.Trial, cons) -> None:
+    if cons is not None:
+        trial.set_constraint("loss_increase", float(cons[0]))
+        trial.set_constraint("grad_error", float(cons[1]))
+
+
+def _optimize(study: optuna.Study, objective: _Objective, space: SearchSpace,
+              config: TuneConfig, log: Callable[[str], None]) -> None:
+    n_trials = config.n_trials
+    if space.size < n_trials:
+        log(f"the search space holds only {space.size} policies: running {space.size} trials")
+        n_trials = space.size
+    done = len(study.get_trials(deepcopy=False, states=_COMPLETE))
+    remaining = max(0, n_trials - done)
+    if done:
+        log(f"resuming study {study.study_name}: {done} trials complete, {remaining} to go")
+    if not remaining:
+        return
+    with warnings.catch_warnings():
+        # said once above; every trial would repeat it
+        warnings.filterwarnings("ignore", message=".*can only emulate.*")
+        study.optimize(objective, n_trials=remaining, timeout=config.timeout,
+                       catch=(RuntimeError,),
+                       callbacks=[optuna.study.MaxTrialsCallback(n_trials, states=_COMPLETE)])
+
+
+def _trial_result(t: optuna.trial.FrozenTrial, fp32_seconds: float) -> TrialResult:
+    sec, li = t.values
+    ge = t.user_attrs.get("grad_error", math.nan)
+    finite = bool(t.user_attrs.get("finite", False))
+    cons = t.user_attrs.get("constraints", (1, 1))
+    speedup = Interval.from_value(t.user_attrs.get("speedup")) or \
+        Interval(fp32_seconds / sec, fp32_seconds / sec, fp32_seconds / sec, 0)
+    return TrialResult(t.number, dict(t.params), sec, speedup, li, ge,
+                       finite and all(c <= 0 for c in cons), finite,
+                       t.user_attrs.get("origin", "search"), t.user_attrs.get("predicted"))
+
+
+# ------------------------------------------------------------------------- the verdict
+def _decide(study: optuna.Study, task: Task, ev: Evaluator, space: SearchSpace,
+            config: TuneConfig, prof: Profile, log: Callable[[str], None]) -> TuneResult:
+    trials = [_trial_result(t, ev.fp32_seconds)
+              for t in study.get_trials(deepcopy=False, states=_COMPLETE)]
+    feasible = [t for t in trials if t.feasible]
+    if not feasible:
+        raise RuntimeError(
+            f"No feasible policy in study {study.study_name} ({len(trials)} trials): even "
+            "all-fp32 broke the budget, which means the loss is noisy between identical runs. "
+            "Check that the task's loss is deterministic (dropout off, fixed data).")
+    warm = [t for t in feasible if t.origin.startswith("warm")]
+    best_warm = min(warm, key=lambda t: t.step_seconds) if warm else None
+    finalists = _finalists(feasible, best_warm, ev, space, config.timing.finalists)
+    log(f"re-timing {len(finalists)} leading policies against fp32 until the verdict is "
+        "significant")
+    sel = select(ev, finalists, None if best_warm is None else best_warm.number,
+                 config.timing, log=log)
+    by_number = {t.number: t for t in trials}
+    best = dataclasses.replace(by_number[sel.winner], speedup=sel.speedup[sel.winner])
+    policy = next(f.policy for f in finalists if f.number == sel.winner)
+    result = TuneResult(policy=policy, best=best, fp32_seconds=sel.fp32_seconds,
+                        pareto=pareto(feasible), trials=trials, best_warm_start=best_warm,
+                        study_name=study.study_name,
+                        storage=study.user_attrs.get("storage_url", ""), profile=prof,
+                        units=space.units, selection=sel)
+    result.policy = dataclasses.replace(policy, tuned=provenance(task, result, config.budget,
+                                                                 config.target, prof))
+    return result
+
+
+def _finalists(feasible: list[TrialResult], best_warm: TrialResult | None, ev: Evaluator,
+               space: SearchSpace, n: int) -> list[Finalist]:
+    """The best warm start, the ``n`` fastest distinct feasible trials as measured, and the
+    feasible trial the profile predicts fastest."""
+    picked: list[TrialResult] = [best_warm] if best_warm is not None else []
+    for t in sorted(feasible, key=lambda t: t.step_seconds):
+        if len(picked) >= n + (best_warm is not None):
+            break
+        if t.assignment not in [p.assignment for p in picked]:
+            picked.append(t)
+    predicted = [t for t in feasible if t.predicted is not None]
+    if predicted:
+        best = min(predicted, key=lambda t: t.predicted)
+        if best.assignment not in [p.assignment for p in picked]:
+            picked.append(best)
+    out = []
+    for t in picked:
+        policy = assignment_policy(space.units, t.assignment, model_name=ev.model_name,
+                                   fingerprint=ev.fingerprint)
+        out.append(Finalist(t.number, policy, t.loss_increase, ev.predicted_ratio(policy),
+                            t.step_seconds))
+    return out
+
+
+def evaluate_policy(task: Task, policy: Policy, *, prof: Profile | None = None,
+                    target: str | None = None, holdout: Sequence[Any] | None = None,
+                    config: TuneConfig | None = None) -> TrialResult:
+    """Evaluate one policy as a trial of tune() would."""
+    config = config or TuneConfig(target=target)
+    prof = prof if prof is not None else run_profile(task, progress=False, target=target)
+    ev = Evaluator(task, holdout if holdout is not None else task.batches[-2:], prof=prof,
+                   target=target, timing=config.timing)
+    timed = ev.time(policy)
+    dev = ev.deviation(policy)
+    finite = dev.finite
+    feasible = finite and config.budget.allows(dev.loss_rel_change, dev.grad_rel_error)
+    return TrialResult(-1, {}, timed.seconds, timed.speedup, dev.loss_rel_change,
+                       dev.grad_rel_error, feasible, finite, "evaluate", timed.predicted)
+

@@ -1,0 +1,70 @@
+"""The one comparison against FP32 (autoprec.measure.numerics), shared by the profile and the
+trials of the search."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autoprec
+from autoprec import Format, Policy
+from autoprec.measure.numerics import Numerics, prepare_for_measurement
+from autoprec.profile import profile
+from autoprec.tuning import evaluate_policy
+from examples.data import byte_batches
+from examples.gpt2_bytes import make_model
+
+LAYER = "transformer.h.0.mlp.c_fc"
+
+
+def _tiny_loss_task() -> autoprec.Task:
+    # A loss scaled down by 1e-7 (as a sum over a huge batch, or a small auxiliary loss, would
+    # be): the gradients reaching the layers sit below FP16's smallest subnormal (6e-8) unless
+    # the loss is scaled up first, as GradScaler does.
+    return autoprec.Task(model=lambda: make_model(n_layer=1, n_embd=64, n_head=2, seq_len=32),
+                         batches=byte_batches(3, 4, 32, seed=5), name="tiny-loss",
+                         loss_fn=lambda m, b: m(**b).loss * 1e-7, device="cpu")
+
+
+def test_trial_and_profile_agree_on_fp16_gradients_that_underflow_unscaled():
+    task = _tiny_loss_task()
+    batches = task.batches[:1]
+    head = "lm_head"  # every gradient upstream flows through its backward
+    policy = Policy(default="fp32", layers={head: "fp16"})
+    prof = profile(task, formats=("fp32", "fp16"), target="h100", batches=batches,
+                   layers=[head], progress=False)
+    trial = evaluate_policy(task, policy, prof=prof, target="h100", holdout=batches)
+    in_profile = prof.layer(head).sensitivity[Format.FP16]
+    assert trial.grad_error == in_profile.grad_rel_error
+    assert trial.loss_increase == in_profile.loss_rel_change
+    # both are loss-scaled: a small error. Unscaled, the same policy loses its gradients.
+    assert trial.grad_error < 0.05, trial.grad_error
+    numerics = Numerics(prepare_for_measurement(task.build_model()), batches, task.loss_fn)
+    unscaled = numerics.compare(Policy(default="fp32", layers={head: "fp16"},
+                                       loss_scaling={"init_scale": 1.0}))
+    assert unscaled.grad_rel_error > 0.9, unscaled.grad_rel_error
+
+
+def test_compare_is_deterministic_and_fp32_against_itself_is_exact(gpt2_batch):
+    torch.manual_seed(0)
+    model = prepare_for_measurement(make_model(n_layer=1, n_embd=64, n_head=2, seq_len=32))
+    numerics = Numerics(model, [gpt2_batch], lambda m, b: m(**b).loss)
+    same = numerics.compare(Policy(default="fp32"))
+    assert same.loss_rel_change == 0.0 and same.grad_rel_error == 0.0 and same.finite
+    a = numerics.compare(Policy(default="bf16"))
+    b = numerics.compare(Policy(default="bf16"))
+    assert a == b and 0 < a.grad_rel_error < 0.1
+    own = numerics.index_of(model.get_submodule(LAYER).parameters())
+    assert len(own) == 2 and 0 < a.grad_error_of(own) and a.grad_error_of([]) is None
+    assert autoprec.applied_formats(model) == {}, "compare must leave no policy applied"
+
+
+def test_bad_inputs_are_clear_errors(gpt2_batch):
+    model = prepare_for_measurement(make_model(n_layer=1, n_embd=64, n_head=2, seq_len=32))
+    with pytest.raises(ValueError, match="at least one batch"):
+        Numerics(model, [], lambda m, b: m(**b).loss)
+    with pytest.raises(ValueError, match="scalar tensor"):
+        Numerics(model, [gpt2_batch], lambda m, b: m(**b).logits).compare(Policy())
+    half = make_model(n_layer=1, n_embd=64, n_head=2, seq_len=32).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="FP32 master weights"):
+        Numerics(half, [gpt2_batch], lambda m, b: m(**b).loss)
