@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import enum
 import platform
-from dataclasses import dataclass
 
 import torch
 
@@ -133,13 +132,6 @@ class Support(str, enum.Enum):
     UNSUPPORTED = "unsupported"
 
 
-@dataclass(frozen=True)
-class _DeviceCaps:
-    bf16: Support
-    fp16: Support
-    fp8: Support
-
-
 def fp8_is_native(device: torch.device | str) -> bool:
     """True where ``torch._scaled_mm`` has fast FP8 kernels: CUDA compute capability >= 8.9."""
     device = torch.device(device)
@@ -156,19 +148,18 @@ def supported_formats(device: torch.device | str = "cpu") -> dict[Format, Suppor
     FP32 there, so FP8 counts as emulated everywhere except CUDA sm_89+.
     """
     device = torch.device(device)
+    out = {Format.FP32: Support.NATIVE, Format.BF16: Support.NATIVE,
+           Format.FP16: Support.NATIVE, Format.FP8: Support.EMULATED}
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError(f"Device {device} was requested but CUDA is not available.")
-        bf16 = Support.NATIVE if torch.cuda.is_bf16_supported() else Support.EMULATED
-        caps = _DeviceCaps(bf16=bf16, fp16=Support.NATIVE,
-                           fp8=Support.NATIVE if fp8_is_native(device) else Support.EMULATED)
-    elif device.type == "cpu":
-        # CPU autocast runs both half formats; whether they are fast is for timing to say.
-        caps = _DeviceCaps(bf16=Support.NATIVE, fp16=Support.NATIVE, fp8=Support.EMULATED)
-    else:
-        caps = _DeviceCaps(bf16=Support.NATIVE, fp16=Support.NATIVE, fp8=Support.EMULATED)
-    return {Format.FP32: Support.NATIVE, Format.BF16: caps.bf16,
-            Format.FP16: caps.fp16, Format.FP8: caps.fp8}
+        if not torch.cuda.is_bf16_supported():
+            out[Format.BF16] = Support.EMULATED
+        if fp8_is_native(device):
+            out[Format.FP8] = Support.NATIVE
+    # Elsewhere (CPU and other devices) autocast runs both half formats; whether they are fast
+    # is for timing to say.
+    return out
 
 
 def device_name(device: torch.device | str = "cpu") -> str:

@@ -131,7 +131,7 @@ class Region:
             self.__signature__ = inspect.signature(orig)
         except (TypeError, ValueError):
             pass
-        self.fmt = fmt
+        self.format = fmt
         self.fqn = fqn
         self.module = module
         # Inside an fp32 region autocast is off, so a bf16 output reaching an fp32 op would be
@@ -141,7 +141,7 @@ class Region:
         self.had_own = had_own
 
     def __call__(self, *args, **kwargs):
-        fmt = self.fmt
+        fmt = self.format
         region = _autocast(_device_type(args, kwargs, self.module), fmt)
         stack = _stack()
         stack.append(fmt)
@@ -161,7 +161,7 @@ class Region:
         return tree_map(_upcast, out) if self.cast_out else out
 
     def __repr__(self):
-        return f"<autoprec region {self.fmt.value} around {self.fqn or 'root'}>"
+        return f"<autoprec region {self.format.value} around {self.fqn or 'root'}>"
 
 
 def _install(module: nn.Module, fmt: Format, fqn: str, cast_out: bool) -> Region:
@@ -244,4 +244,4 @@ def regions(model: nn.Module) -> list[Region]:
 
 def applied_formats(model: nn.Module) -> dict[str, Format]:
     """fqn -> format of each region :func:`apply` installed on ``model`` ('' is the root)."""
-    return {region.fqn: region.fmt for region in regions(model)}
+    return {region.fqn: region.format for region in regions(model)}

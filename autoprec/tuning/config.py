@@ -43,8 +43,9 @@ class TimingConfig:
     recheck_rounds: int = 3
     # Leading feasible policies re-timed at the end (besides the best warm start).
     finalists: int = 4
-    # Rounds of the final re-timing before the first verdict, then added in steps of this size.
-    final_rounds: int = 6
+    # Rounds of the final re-timing before the first verdict (fewer make the bootstrap
+    # interval too narrow), then added four at a time.
+    final_rounds: int = 10
     # The final re-timing stops at this many rounds or this many seconds, decided or not.
     max_final_rounds: int = 30
     final_seconds: float = 180.0

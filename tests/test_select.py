@@ -1,0 +1,89 @@
+"""Choosing the winner (autoprec.tuning.select) on synthetic timings: the final re-timing never
+crowns a slower policy, says "tie" when timing cannot tell, prefers the profile's prediction
+and then precision among ties, and says when the machine is too noisy to decide."""
+
+from __future__ import annotations
+
+import pytest
+from test_timer import BurstyMachine
+
+from autoprec import Policy
+from autoprec.measure.capture import Layer
+from autoprec.measure.timer import Comparison
+from autoprec.profile import LayerProfile, Profile
+from autoprec.tuning.config import TimingConfig
+from autoprec.tuning.select import Finalist, precision_cost, select
+
+PROF = Profile(task_name="t", model_name="M", device="sim", target=None,
+               capture_method="hooks", formats=(), layers=[
+                   LayerProfile(Layer("a", "linear", "Linear", ((1, 64, 64, 64),),
+                                      flops=2 * 64 ** 3)),
+                   LayerProfile(Layer("b", "linear", "Linear", ((1, 64, 64, 64),),
+                                      flops=2 * 64 ** 3))])
+
+
+class FakeEvaluator:
+    """What select() needs of an Evaluator, timing on a simulated machine: each policy's true
+    step time is given, the steps are slowed by bursts."""
+
+    def __init__(self, machine: BurstyMachine, true: dict, tolerance: float = 0.25):
+        self.machine, self.true, self.prof = machine, true, PROF
+        self.steps = object()  # measured, not priced
+        self.tolerance = tolerance
+
+    def comparison(self, policies, *, aa=False):
+        runs = {"fp32": self.machine.step(self.true["fp32"])}
+        if aa:
+            runs["fp32 again"] = self.machine.step(self.true["fp32"])
+        runs.update({k: self.machine.step(self.true[k]) for k in policies})
+        return Comparison(runs, "fp32", repeats=2, seed=0)
+
+    def consistent(self, ratio, predicted):
+        return predicted is None or ratio.low / 1.25 <= predicted <= ratio.high * 1.25
+
+
+def _finalists(true: dict) -> list[Finalist]:
+    policies = {0: Policy(default="bf16"), 1: Policy(default="bf16", layers={"b": "fp8"}),
+                2: Policy(default="fp32", layers={"a": "bf16"})}
+    return [Finalist(k, policies[k], 0.001, predicted=true[k] / true["fp32"]) for k in (0, 1, 2)]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_never_a_slower_winner_and_claims_only_what_the_interval_shows(seed):
+    # trial 1 is truly 3% faster than the warm start 0; trial 2 is far slower
+    true = {"fp32": 0.3, 0: 0.15, 1: 0.15 * 0.97, 2: 0.25}
+    ev = FakeEvaluator(BurstyMachine(seed, mean_gap=1.0), true)
+    sel = select(ev, _finalists(true), 0, TimingConfig(final_rounds=10, max_final_rounds=30,
+                                                       final_seconds=1e9))
+    assert sel.winner in (0, 1), sel
+    assert 2 not in sel.ties
+    if sel.winner == 1 and sel.over_warm_start is not None and sel.over_warm_start.low > 1:
+        assert any("faster than the best warm start" in n for n in sel.notes)
+    else:
+        # a tie with the warm start is said as one; no improvement is claimed
+        assert not any("faster than the best warm start" in n for n in sel.notes), sel.notes
+    if len(sel.ties) > 1:
+        # within noise, the profile's prediction decides: trial 1 is predicted 3% faster
+        assert sel.winner == 1 and any("within timing noise" in n for n in sel.notes)
+    assert sel.speedup[sel.winner].low <= 2.0 * 1.03 / 0.97  # covers the truth or near it
+
+
+def test_a_tie_goes_to_the_more_precise_policy_when_predictions_agree():
+    true = {"fp32": 0.3, 0: 0.15, 1: 0.15, 2: 0.15}
+    ev = FakeEvaluator(BurstyMachine(3, mean_gap=1.0), true)
+    sel = select(ev, _finalists(true), 0, TimingConfig(final_rounds=10, max_final_rounds=12,
+                                                       final_seconds=1e9))
+    costs = {f.number: precision_cost(f.policy, PROF) for f in _finalists(true)}
+    tied = sorted(sel.ties, key=lambda k: costs[k])
+    assert len(sel.ties) >= 2 and sel.winner == tied[0], (sel.ties, costs)
+    assert costs[2] < costs[0] < costs[1]
+
+
+def test_too_noisy_says_so_with_the_spread_and_what_helps():
+    true = {"fp32": 0.3, 0: 0.15, 1: 0.15 * 0.97, 2: 0.25}
+    ev = FakeEvaluator(BurstyMachine(0, mean_gap=0.1, worst=40), true)
+    sel = select(ev, _finalists(true), 0, TimingConfig(final_rounds=4, max_final_rounds=6,
+                                                       final_seconds=1e9, noise_limit=0.05))
+    assert sel.too_noisy and sel.noise > 0.05
+    note = sel.notes[0]
+    assert "too noisy" in note and "quiet machine" in note and "--target" in note, note
