@@ -121,7 +121,20 @@ def _provenance_text(prov) -> str:
                      f"{prov.grad_error if prov.grad_error is not None else float('nan'):.3g}")
     for note in prov.verdict:
         lines.append(f"  verdict: {note}")
-    for key, value in prov.extra.items():
+    extra = dict(prov.extra)
+    study = extra.pop("study", None)
+    if isinstance(study, dict):
+        lines.append(f"  study: {study.get('name')} ({study.get('trials')} trials, "
+                     f"{study.get('distinct', '?')} distinct policies)")
+    timing = extra.pop("timing", None)
+    if isinstance(timing, dict):
+        drift = timing.get("fp32_drift")
+        lines.append(f"  timing: {timing.get('rounds')} rounds; fp32 against itself within "
+                     f"{timing.get('aa_noise', float('nan')):.1%}"
+                     + (f"; fp32 steps during the search {drift[0]:.2f}-{drift[1]:.2f}x"
+                        if drift else "")
+                     + ("; too noisy to decide" if timing.get("too_noisy") else ""))
+    for key, value in extra.items():
         lines.append(f"  {key}: {value}")
     return "\n".join(lines)
 

@@ -45,6 +45,9 @@ class LayerProfile:
     sensitivity: dict[Format, LayerSensitivity] = field(default_factory=dict)
     # format -> forward+backward seconds of the layer's own work
     times: dict[Format, LayerTime] = field(default_factory=dict)
+    # format -> why its numerics were not measured: it cannot win on this device (emulated,
+    # far slower than fp32, or fp8 the kernel does not take), so the search never offers it
+    skipped: dict[Format, str] = field(default_factory=dict)
 
     @property
     def fqn(self) -> str:
@@ -61,14 +64,16 @@ class LayerProfile:
     def to_dict(self) -> dict:
         return {"layer": self.layer.to_dict(),
                 "sensitivity": {f.value: e.to_dict() for f, e in self.sensitivity.items()},
-                "times": {f.value: t.to_dict() for f, t in self.times.items()}}
+                "times": {f.value: t.to_dict() for f, t in self.times.items()},
+                "skipped": {f.value: why for f, why in self.skipped.items()}}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LayerProfile:
         sens = d["sensitivity"] if "sensitivity" in d else d["errors"]  # version 1: "errors"
         return cls(layer=Layer.from_dict(d["layer"]),
                    sensitivity={Format(k): LayerSensitivity.from_dict(v) for k, v in sens.items()},
-                   times={Format(k): LayerTime.from_dict(v) for k, v in d["times"].items()})
+                   times={Format(k): LayerTime.from_dict(v) for k, v in d["times"].items()},
+                   skipped={Format(k): str(v) for k, v in d.get("skipped", {}).items()})
 
 
 @dataclass
@@ -133,7 +138,7 @@ class Profile:
         if fmt is Format.FP32:
             return True
         lp = self.layer(fqn)
-        if fmt is Format.FP8 and lp.fp8_blocker:
+        if fmt in lp.skipped or (fmt is Format.FP8 and lp.fp8_blocker):
             return False
         err = lp.sensitivity.get(fmt)
         return err is not None and err.finite and math.isfinite(self.seconds(fqn, fmt))
@@ -156,6 +161,8 @@ class Profile:
         lp = self.layer(fqn)
         if fmt is Format.FP8 and lp.fp8_blocker:
             return lp.fp8_blocker
+        if fmt in lp.skipped:
+            return lp.skipped[fmt]
         err = lp.sensitivity.get(fmt)
         if err is not None and not err.finite:
             return f"{fmt} non-finite (loss or gradients overflowed)"
@@ -165,7 +172,7 @@ class Profile:
         t = lp.times.get(fmt)
         t16 = lp.times.get(Format.BF16)
         if t is not None and t.emulated:
-            return f"{fmt} only emulated on {self.device}: {t.note or 'not faster'}"
+            return f"{fmt} only emulated on {self.device}: never faster than fp32 here"
         if t is not None and t16 is not None and fmt is Format.FP8 and t.seconds >= t16.seconds:
             return (f"fp8 not faster than bf16 here ({t.seconds * 1e6:.0f} vs "
                     f"{t16.seconds * 1e6:.0f} us): too small to gain")
@@ -194,8 +201,8 @@ class Profile:
             row = [L.fqn, L.kind, shape, f"{L.flops / 1e9:.3f}"]
             for f in low:
                 e = lp.sensitivity.get(f)
-                row.append("-" if e is None else ("NONFINITE" if not e.finite
-                                                  else f"{e.loss_rel_change:+.1e}"))
+                row.append(("skip" if f in lp.skipped else "-") if e is None else
+                           ("NONFINITE" if not e.finite else f"{e.loss_rel_change:+.1e}"))
             for f in fmts:
                 t = lp.times.get(f)
                 row.append("-" if t is None else f"{t.seconds * 1e6:.0f}" + ("*" if t.emulated
@@ -204,7 +211,7 @@ class Profile:
         src = f"cost model {self.target}" if self.target else f"measured on {self.device}"
         return (text_table(header, rows) + "\nerr: relative loss change with the layer alone in "
                 f"the format; us: fwd+bwd microseconds ({src}); * emulated (never counted as "
-                "fast).")
+                "fast); skip: not measured, the format cannot win here (see `skipped`).")
 
     def _verdict(self, lp: LayerProfile, fmts) -> str:
         """Fastest format whose solo loss change stays under 1%."""
@@ -283,9 +290,8 @@ def profile(task, formats: Sequence[Format | str] = ("fp32", "bf16", "fp16", "fp
     chosen = _computing_layers(graph, layers)
     fqns = [L.fqn for L in chosen]
     calib = list(batches) if batches is not None else list(task.batches[:n_batches])
-    bar = ProgressBar("sensitivity", enabled=progress)
-    errors = measure_sensitivity(task, fqns, [f for f in fmts if f is not Format.FP32],
-                                 batches=calib, progress=bar)
+    # Speed first (measured, or priced at production shapes), then the numerics of only the
+    # formats that can win: a format far slower than fp32 is never chosen for speed.
     if target is not None and task.shape_batch is not None:
         chosen = _at_production_shapes(model, task.shape_batch, fqns)
     if target is None:
@@ -294,14 +300,46 @@ def profile(task, formats: Sequence[Format | str] = ("fp32", "bf16", "fp16", "fp
                                           budget_s=budget_s), fqns)
     else:
         times = {L.fqn: {fmt: estimate_layer(L, fmt, target) for fmt in fmts} for L in chosen}
+    skipped = {L.fqn: _cannot_win(L, times.get(L.fqn, {}), fmts) for L in chosen}
+    low = [f for f in fmts if f is not Format.FP32]
+    bar = ProgressBar("sensitivity", enabled=progress)
+    errors = measure_sensitivity(task, fqns, low, batches=calib, progress=bar,
+                                 only={f: [x for x in low if x not in skipped[f]] for f in fqns})
     rows = [LayerProfile(layer=L, sensitivity=dict(errors.get(L.fqn, {})),
-                         times=dict(times.get(L.fqn, {}))) for L in chosen]
+                         times=dict(times.get(L.fqn, {})), skipped=skipped[L.fqn])
+            for L in chosen]
     return Profile(task_name=task.name, model_name=graph.model_name,
                    device=_device_name(task.device), target=target,
                    capture_method=graph.method, formats=fmts, layers=rows,
                    edges=[tuple(e) for e in graph.edges],
                    fixed={L.fqn: L.kind for L in graph.layers if L.fqn not in set(fqns)},
                    elapsed=time.perf_counter() - t_start)
+
+
+# A format this many times slower than fp32 on a layer cannot win on this device.
+_CANNOT_WIN = 2.0
+
+
+def _cannot_win(layer: Layer, times: Mapping[Format, LayerTime],
+                fmts: Sequence[Format]) -> dict[Format, str]:
+    """Formats not worth measuring the numerics of for ``layer``, and why: fp8 the kernel does
+    not take (it would run bf16), a format the device only emulates, or one at least twice as
+    slow as fp32 here."""
+    out = {}
+    t32 = times.get(Format.FP32)
+    for fmt in fmts:
+        t = times.get(fmt)
+        if fmt is Format.FP32 or t is None:
+            continue
+        blocker = LayerProfile(layer).fp8_blocker if fmt is Format.FP8 else ""
+        if blocker:
+            out[fmt] = blocker
+        elif t.emulated:
+            out[fmt] = f"{fmt} only emulated here: never faster than fp32; numerics not measured"
+        elif t32 is not None and t32.ok and (not t.ok or t.seconds >= _CANNOT_WIN * t32.seconds):
+            what = "failed" if not t.ok else f"{t.seconds / t32.seconds:.1f}x the fp32 time"
+            out[fmt] = f"{fmt} cannot win here ({what}); numerics not measured"
+    return out
 
 
 def _computing_layers(graph: LayerGraph, layers: Sequence[str] | None) -> list[Layer]:

@@ -27,10 +27,20 @@ def test_profile_covers_every_matmul_layer(tiny_prof):
     assert tiny_prof.fixed["transformer.ln_f"] == "norm"
     for lp in tiny_prof.layers:
         assert set(lp.times) == {Format.FP32, Format.BF16, Format.FP16, Format.FP8}
-        assert set(lp.sensitivity) == {Format.BF16, Format.FP16, Format.FP8}
         assert all(t.seconds > 0 for t in lp.times.values())
         assert lp.times[Format.FP8].emulated  # never reported as fast on this CPU
         assert lp.times[Format.FP8].seconds >= lp.times[Format.FP32].seconds
+        # timed first, then only the formats that can win are measured: on this CPU fp8 is
+        # emulated and fp16 (no FP16 matmul units) is many times slower than fp32
+        assert "emulated" in lp.skipped[Format.FP8]
+        assert Format.FP8 not in lp.sensitivity and not tiny_prof.allows(lp.fqn, Format.FP8)
+        t16, t32 = lp.times[Format.FP16].seconds, lp.times[Format.FP32].seconds
+        assert (Format.FP16 in lp.skipped) is (t16 >= 2 * t32), (lp.fqn, t16 / t32)
+        assert (Format.FP16 in lp.sensitivity) is (Format.FP16 not in lp.skipped)
+        assert Format.BF16 in lp.sensitivity or Format.BF16 in lp.skipped
+    assert "cannot win here" in tiny_prof.reason("lm_head", Format.FP16) or \
+        Format.FP16 in tiny_prof.layer("lm_head").sensitivity
+    assert "skip" in tiny_prof.table()
 
 
 def test_profile_round_trips_and_prints(tmp_path, tiny_prof):
@@ -46,9 +56,15 @@ def test_profile_round_trips_and_prints(tmp_path, tiny_prof):
 
 def test_two_profiles_give_identical_errors(tiny_prof):
     other = profile(tiny_gpt2_task(), progress=False, repeats=1, target="h100")
+    assert all(set(lp.sensitivity) == {Format.BF16, Format.FP16, Format.FP8}
+               for lp in other.layers if not lp.skipped), "priced for h100, every format can win"
+    compared = 0
     for a, b in zip(tiny_prof.layers, other.layers):
-        assert {f: e.to_dict() for f, e in a.sensitivity.items()} == \
-               {f: e.to_dict() for f, e in b.sensitivity.items()}, a.fqn
+        common = set(a.sensitivity) & set(b.sensitivity)
+        compared += len(common)
+        assert {f: a.sensitivity[f].to_dict() for f in common} == \
+               {f: b.sensitivity[f].to_dict() for f in common}, a.fqn
+    assert compared >= len(tiny_prof.layers) // 2
 
 
 def test_planted_fp16_overflow_is_flagged_on_that_layer_only():

@@ -279,3 +279,29 @@ def test_uniform_warm_starts_and_milp_are_enqueued(tmp_path, small_profile):
     assert fp32.loss_increase == 0 and fp32.grad_error == 0
     assert fp32.speedup.value == pytest.approx(1.0)
     assert torch.isfinite(torch.tensor([t.step_seconds for t in res.trials])).all()
+
+
+@pytest.mark.slow
+def test_a_measured_tune_reports_its_speedup_with_an_interval(tmp_path):
+    from autoprec.tuning import TimingConfig
+
+    out = tmp_path / "measured.yaml"
+    res = tune(small_gpt2_task(), formats=("fp32", "bf16"), n_trials=5, output=str(out),
+               progress=False, timing=TimingConfig(final_rounds=6, max_final_rounds=8))
+    res.save(out, plot=False)
+    prov = autoprec.load_policy(out).provenance
+    s = prov.speedup
+    assert s.rounds >= 6 and s.low <= s.value <= s.high and s.high < 1e3, s
+    assert s.value == pytest.approx(res.speedup.value, abs=1e-4)
+    timing = prov.extra["timing"]
+    assert timing["rounds"] == s.rounds and 0 <= timing["aa_noise"] < 1
+    assert len(timing["fp32_drift"]) == 2
+    # every finalist was re-timed against fp32 in the same rounds; the winner is one of them
+    assert res.best.number in res.selection.speedup
+    assert res.selection.aa is not None and res.selection.aa.rounds >= 6
+    over = res.improvement_over_warm_start
+    claimed = "improvement_over_warm_start" in prov.extra
+    assert claimed is (over is not None and over.low > 1.0)
+    show = subprocess.run([sys.executable, "-m", "autoprec.cli", "show", str(out)],
+                          capture_output=True, text=True, env=_env(), timeout=120)
+    assert show.returncode == 0 and f"speed-up vs fp32: {s}" in show.stdout, show.stdout

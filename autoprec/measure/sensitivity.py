@@ -369,6 +369,7 @@ def measure_sensitivity(
     include_children: bool = False,
     seed: int | None = None,
     progress: ProgressFn | None = None,
+    only: Mapping[str, Sequence[Format | str]] | None = None,
 ) -> dict[str, dict[Format, LayerSensitivity]]:
     """Measure every ``layer`` x ``format`` with only that layer switched; see the module
     docstring for what is measured and how.
@@ -381,7 +382,8 @@ def measure_sensitivity(
     measured for real (a second FP32 run): zero on a deterministic device, the run-to-run noise
     floor on one that is not. ``loss_scale`` is the fixed starting loss scale of fp16 runs
     (GradScaler's default). ``progress(done, total, label)`` is called after the reference
-    (``done=1``) and after each layer x format.
+    (``done=1``) and after each layer x format. ``only`` (layer -> formats) restricts the
+    formats measured for the layers it names (the profile skips formats that cannot win).
 
     Nested layers: when ``layers`` holds a module and some of its descendants (an attention
     module and its projections), the descendants stay FP32 while the parent is measured, so
@@ -413,23 +415,24 @@ def measure_sensitivity(
                   for p in model.get_submodule(child).parameters()}
         own[name] = numerics.index_of(p for p in model.get_submodule(name).parameters()
                                       if id(p) not in theirs)
-    total = 1 + len(names) * len(fmts)
+    todo = [(name, fmt) for name in names for fmt in fmts
+            if only is None or name not in only
+            or fmt in {Format.parse(f) for f in only[name]}]
+    total = 1 + len(todo)
     outputs, ranges = _reference(numerics, names, [f for f in (Format.FP16, Format.FP8)
                                                    if f in fmts], include_children)
     if progress is not None:
         progress(1, total, "fp32 reference")
-    results: dict[str, dict[Format, LayerSensitivity]] = {}
-    for n, name in enumerate(names):
-        results[name] = {}
-        for j, fmt in enumerate(fmts):
-            try:
-                results[name][fmt] = _measure_one(numerics, name, fmt, pinned[name], own[name],
-                                                  outputs[name], ranges[name].get(fmt),
-                                                  LossScaling(init_scale=loss_scale))
-            except Exception as e:
-                raise RuntimeError(f"Measuring layer `{name}` in {fmt} failed: {e}") from e
-            if progress is not None:
-                progress(2 + n * len(fmts) + j, total, f"{name or '<model>'} {fmt}")
+    results: dict[str, dict[Format, LayerSensitivity]] = {name: {} for name in names}
+    for done, (name, fmt) in enumerate(todo, start=2):
+        try:
+            results[name][fmt] = _measure_one(numerics, name, fmt, pinned[name], own[name],
+                                              outputs[name], ranges[name].get(fmt),
+                                              LossScaling(init_scale=loss_scale))
+        except Exception as e:
+            raise RuntimeError(f"Measuring layer `{name}` in {fmt} failed: {e}") from e
+        if progress is not None:
+            progress(done, total, f"{name or '<model>'} {fmt}")
     return results
 
 

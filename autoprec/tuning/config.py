@@ -35,10 +35,12 @@ class Grouping(str, enum.Enum):
 class TimingConfig:
     """How the search times policies (see :mod:`autoprec.measure.timer`)."""
 
-    # Repetitions per round (the minimum is kept).
+    # Repetitions per round of the A/A check and the final re-timing (the minimum is kept).
     repeats: int = 2
-    # Rounds per trial, the trial's policy against fp32, paired.
-    trial_rounds: int = 3
+    # Rounds per trial, the trial's policy against fp32, paired, one step each: a trial's
+    # time only guides the sampler; the final re-timing decides.
+    trial_rounds: int = 4
+    trial_repeats: int = 1
     # Extra rounds a trial gets when its result contradicts the profile's prediction.
     recheck_rounds: int = 3
     # Leading feasible policies re-timed at the end (besides the best warm start).
@@ -52,20 +54,24 @@ class TimingConfig:
     # A/A noise (a true tie measured this far from 1) above which the machine is too noisy to
     # decide a winner by timing.
     noise_limit: float = 0.10
+    # Finalists whose ratio to the leader is within this of 1, interval and all, are as fast
+    # as it for any purpose: the re-timing stops and the tie-break decides.
+    equivalence: float = 0.03
     # How far a measured step-time ratio may lie outside what the per-layer profile predicts,
     # beyond its own interval, before it is re-measured (the profile's own error: casts, the
     # optimizer and elementwise work it does not see).
-    model_tolerance: float = 0.25
+    model_tolerance: float = 0.15
 
     def __post_init__(self):
-        for name in ("repeats", "trial_rounds", "finalists", "final_rounds", "max_final_rounds"):
+        for name in ("repeats", "trial_rounds", "trial_repeats", "finalists", "final_rounds",
+                     "max_final_rounds"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TimingConfig.{name} must be a positive integer, got {value!r}.")
         if not isinstance(self.recheck_rounds, int) or self.recheck_rounds < 0:
             raise ValueError(f"TimingConfig.recheck_rounds must be an integer >= 0, got "
                              f"{self.recheck_rounds!r}.")
-        for name in ("final_seconds", "noise_limit", "model_tolerance"):
+        for name in ("final_seconds", "noise_limit", "model_tolerance", "equivalence"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 < value < math.inf):
                 raise ValueError(f"TimingConfig.{name} must be a positive number, got {value!r}.")

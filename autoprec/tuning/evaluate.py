@@ -15,7 +15,7 @@ from typing import Any
 from autoprec._util import move_to
 from autoprec.formats import Format
 from autoprec.measure.numerics import Deviation, Numerics, prepare_for_measurement
-from autoprec.measure.timer import Comparison, StepTimer, noise_of
+from autoprec.measure.timer import Comparison, StepTimer, noise_of, quantile
 from autoprec.policy import Interval, Policy, model_fingerprint
 from autoprec.profile import Profile
 from autoprec.task import Task, default_loss
@@ -61,6 +61,9 @@ class Evaluator:
                                  task.loss_fn or default_loss, seed=task.seed)
         self.steps: StepTimer | None = None
         self.aa: Interval | None = None
+        # each trial's fp32 step time / the calibrated one: the machine's noise during the
+        # search, as the trials' own fp32 anchors saw it
+        self.fp32_drift: list[float] = []
         if target is None:
             self.steps = StepTimer(copy.deepcopy(model), task.example_batch(),
                                    task.loss_fn or default_loss, task.make_optimizer,
@@ -82,6 +85,13 @@ class Evaluator:
     def noise(self) -> float | None:
         """The A/A noise measured before the search (None when priced)."""
         return None if self.aa is None else noise_of(self.aa)
+
+    def drift(self) -> tuple[float, float] | None:
+        """The 10% and 90% quantiles of the trials' fp32 step time over the calibrated one
+        (None before any measured trial)."""
+        if not self.fp32_drift:
+            return None
+        return quantile(self.fp32_drift, 0.1), quantile(self.fp32_drift, 0.9)
 
     # ---------------------------------------------------------------- numerics
     def deviation(self, policy: Policy) -> Deviation:
@@ -109,14 +119,16 @@ class Evaluator:
         tol = 1 + self.timing.model_tolerance
         return ratio.low / tol <= predicted <= ratio.high * tol
 
-    def comparison(self, policies: Mapping[Hashable, Policy], *, aa: bool = False) -> Comparison:
+    def comparison(self, policies: Mapping[Hashable, Policy], *, aa: bool = False,
+                   repeats: int | None = None) -> Comparison:
         """A timing comparison of ``policies`` against fp32 (key "fp32"); ``aa`` adds fp32
         again (key "fp32 again"), the A/A check."""
         runners = {"fp32": self.steps.runner(FP32)}
         if aa:
             runners["fp32 again"] = self.steps.runner(FP32)
         runners.update({k: self.steps.runner(p) for k, p in policies.items()})
-        return Comparison(runners, "fp32", repeats=self.timing.repeats, seed=self.task.seed)
+        return Comparison(runners, "fp32", repeats=repeats or self.timing.repeats,
+                          seed=self.task.seed)
 
     def time(self, policy: Policy) -> Timed:
         """One trial's step time: priced, or measured in a few rounds paired with fp32 and
@@ -128,11 +140,12 @@ class Evaluator:
         predicted = self.predicted_ratio(policy)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*can only emulate.*")
-            cmp = self.comparison({"trial": policy})
+            cmp = self.comparison({"trial": policy}, repeats=self.timing.trial_repeats)
             cmp.run(self.timing.trial_rounds)
             ratio = cmp.ratio("trial")
             if not self.consistent(ratio, predicted) and self.timing.recheck_rounds:
                 cmp.run(self.timing.recheck_rounds)
                 ratio = cmp.ratio("trial")
+        self.fp32_drift.append(cmp.seconds("fp32") / self.fp32_seconds)
         return Timed(ratio, ratio.value * self.fp32_seconds, predicted,
                      not self.consistent(ratio, predicted))

@@ -189,6 +189,8 @@ def provenance(task: Task, result: TuneResult, budget: Budget, target: str | Non
     if sel is not None and sel.noise is not None:
         extra["timing"] = {"rounds": sel.rounds, "aa_noise": round(sel.noise, 4),
                            "too_noisy": sel.too_noisy}
+        if sel.drift is not None:
+            extra["timing"]["fp32_drift"] = [round(x, 3) for x in sel.drift]
     if sel is not None and sel.over_warm_start is not None and sel.over_warm_start.low > 1.0:
         extra["improvement_over_warm_start"] = sel.over_warm_start.to_dict()
     # layers the policy puts in fp8 whose matmuls FP8 does not take: they run bf16

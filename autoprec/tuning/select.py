@@ -83,6 +83,8 @@ class Selection:
     notes: list[str] = field(default_factory=list)
     # too noisy to decide by timing
     too_noisy: bool = False
+    # the trials' fp32 step over the calibrated one during the search (10%, 90% quantiles)
+    drift: tuple[float, float] | None = None
 
 
 def precision_cost(policy: Policy, prof: Profile) -> float:
@@ -120,8 +122,9 @@ def select(ev: Evaluator, finalists: list[Finalist], warm: int | None, cfg: Timi
         cmp.run(cfg.final_rounds, warmup=True)
         started = time.perf_counter()
         while True:
-            state = _State(cmp, by_number, ev, warm)
-            done = (state.decided and not state.contradicting) or state.too_noisy(cfg)
+            state = _State(cmp, by_number, ev, warm, cfg)
+            done = ((state.decided or state.equivalent) and not state.contradicting) \
+                or state.too_noisy(cfg)
             spent = time.perf_counter() - started
             if done or cmp.n_rounds >= cfg.max_final_rounds or spent >= cfg.final_seconds:
                 break
@@ -139,7 +142,8 @@ def select(ev: Evaluator, finalists: list[Finalist], warm: int | None, cfg: Timi
 class _State:
     """Where the re-timing stands after some rounds."""
 
-    def __init__(self, cmp, by_number: dict[int, Finalist], ev: Evaluator, warm: int | None):
+    def __init__(self, cmp, by_number: dict[int, Finalist], ev: Evaluator, warm: int | None,
+                 cfg: TimingConfig):
         keys = list(by_number)
         self.speedup = {k: cmp.speedup(k) for k in keys}
         self.leader = max(keys, key=lambda k: self.speedup[k].value)
@@ -151,6 +155,10 @@ class _State:
                               if not ev.consistent(cmp.ratio(k), by_number[k].predicted)]
         self.decided = len(self.contenders) == 1 and (warm is None or warm == self.leader
                                                       or warm in self.beaten)
+        # the contenders are as fast as the leader within `equivalence`, with confidence
+        eq = 1 + cfg.equivalence
+        ratios = [cmp.ratio(k, self.leader) for k in self.contenders if k != self.leader]
+        self.equivalent = bool(ratios) and all(1 / eq <= r.low and r.high <= eq for r in ratios)
         self.aa = cmp.ratio("fp32 again")
 
     def too_noisy(self, cfg: TimingConfig) -> bool:
@@ -171,11 +179,16 @@ def _verdict(state: _State, cmp, by_number: dict[int, Finalist], ev: Evaluator,
                      f"{len(ranked)} that timing could not tell apart was kept. What helps: "
                      f"{NOISE_ADVICE}")
     elif len(ranked) > 1:
-        notes.append(f"{len(ranked)} policies were within timing noise of each other after "
+        same = (f" (all within {cfg.equivalence:.0%} of each other)" if state.equivalent
+                else "")
+        notes.append(f"{len(ranked)} policies were within timing noise of each other{same} after "
                      f"{cmp.n_rounds} rounds (trials {', '.join(map(str, state.contenders))}); "
                      f"kept trial {winner}: the profile predicts it "
                      f"{'faster' if _faster_predicted(ranked) else 'as fast'}"
                      f"{'' if _faster_predicted(ranked) else ', and it is the more precise'}")
+    if len(ranked) == 1 and not too_noisy and len(by_number) > 1:
+        notes.append(f"faster than every other finalist beyond timing noise after "
+                     f"{cmp.n_rounds} rounds (fp32 against itself: {state.aa})")
     if winner in state.contradicting:
         f = by_number[winner]
         notes.append(f"its measured step time ({cmp.ratio(winner)} of fp32) disagrees with the "

@@ -40,7 +40,7 @@ from autoprec.task import Task
 from autoprec.tuning.config import TuneConfig
 from autoprec.tuning.evaluate import Evaluator
 from autoprec.tuning.report import TrialResult, TuneResult, pareto, provenance
-from autoprec.tuning.select import Finalist, select
+from autoprec.tuning.select import NOISE_ADVICE, Finalist, select
 from autoprec.tuning.space import SearchSpace, assignment_policy
 from autoprec.tuning.storage import open_storage
 from autoprec.tuning.warmstart import warm_starts
@@ -80,6 +80,9 @@ def tune(task: Task, config: TuneConfig | None = None, *, prof: Profile | None =
     if ev.aa is not None:
         log(f"timing noise before the search: fp32 against itself {ev.aa} "
             f"(fp32 step {ev.fp32_seconds * 1e3:.0f} ms)")
+        if ev.noise > config.timing.noise_limit:
+            log(f"warning: this machine is noisy (a tie measured up to {ev.noise:.0%} off): "
+                f"timing may not be able to separate policies. What helps: {NOISE_ADVICE}")
     _enqueue_warm_starts(study, prof, space, config, log)
     _optimize(study, _Objective(ev, space, config, log), space, config, log)
     return _decide(study, task, ev, space, config, prof, log)
@@ -250,10 +253,16 @@ def _decide(study: optuna.Study, task: Task, ev: Evaluator, space: SearchSpace,
     warm = [t for t in feasible if t.origin.startswith("warm")]
     best_warm = min(warm, key=lambda t: t.step_seconds) if warm else None
     finalists = _finalists(feasible, best_warm, ev, space, config.timing.finalists)
+    drift = ev.drift()
+    if drift is not None and max(drift[1] - 1, 1 - drift[0]) > config.timing.noise_limit:
+        log(f"timing noise during the search: the trials' fp32 steps took {drift[0]:.2f}-"
+            f"{drift[1]:.2f}x the calibrated time (10-90%); trial speeds are rough, the final "
+            "re-timing decides")
     log(f"re-timing {len(finalists)} leading policies against fp32 until the verdict is "
         "significant")
     sel = select(ev, finalists, None if best_warm is None else best_warm.number,
                  config.timing, log=log)
+    sel.drift = drift
     by_number = {t.number: t for t in trials}
     best = dataclasses.replace(by_number[sel.winner], speedup=sel.speedup[sel.winner])
     policy = next(f.policy for f in finalists if f.number == sel.winner)
