@@ -70,10 +70,10 @@ __all__ = [
 _LAZY = {
     "capture": "autoprec.measure.capture", "Layer": "autoprec.measure.capture",
     "LayerGraph": "autoprec.measure.capture", "CaptureError": "autoprec.measure.capture",
-    "profile": "autoprec.profile", "Profile": "autoprec.profile",
+    "profile": "autoprec.profiling", "Profile": "autoprec.profiling",
     "tune": "autoprec.tuning", "TuneConfig": "autoprec.tuning",
     "TuneResult": "autoprec.tuning", "Grouping": "autoprec.tuning",
-    "validate": "autoprec.validate", "ValidationResult": "autoprec.validate",
+    "validate": "autoprec.validation", "ValidationResult": "autoprec.validation",
     "training_kit": "autoprec.runtime.integrations",
     "PolicyCallback": "autoprec.runtime.integrations",
 }

@@ -12,13 +12,16 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 __all__ = [
+    "ModelCall",
     "call_model",
+    "split_batch",
     "tensors",
     "floating",
     "move_to",
@@ -36,18 +39,25 @@ __all__ = [
 
 
 # ------------------------------------------------------------------------------ batches
+@dataclass(frozen=True)
+class ModelCall:
+    """The exact arguments a model is called with (what a task's loss function passes it)."""
+
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+
 def call_model(model: nn.Module, batch: Any) -> Any:
-    """``model(**batch)`` for a mapping, ``model(*batch)`` for a tuple or list, else
-    ``model(batch)``: the one convention for what a batch is."""
-    if isinstance(batch, Mapping):
-        return model(**batch)
-    if isinstance(batch, (list, tuple)):
-        return model(*batch)
-    return model(batch)
+    """``model(**batch)`` for a mapping, ``model(*batch)`` for a tuple or list, the arguments
+    of a :class:`ModelCall`, else ``model(batch)``: the one convention for what a batch is."""
+    args, kwargs = split_batch(batch)
+    return model(*args, **kwargs)
 
 
 def split_batch(batch: Any) -> tuple[tuple, dict]:
     """The positional and keyword arguments :func:`call_model` passes for ``batch``."""
+    if isinstance(batch, ModelCall):
+        return tuple(batch.args), dict(batch.kwargs)
     if isinstance(batch, Mapping):
         return (), dict(batch)
     if isinstance(batch, (list, tuple)):
@@ -77,6 +87,8 @@ def move_to(batch: Any, device: torch.device | str) -> Any:
     """``batch`` with every tensor in it moved to ``device`` (dicts, lists, tuples)."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device)
+    if isinstance(batch, ModelCall):
+        return ModelCall(move_to(tuple(batch.args), device), move_to(dict(batch.kwargs), device))
     if isinstance(batch, Mapping):
         moved = {k: move_to(v, device) for k, v in batch.items()}
         return type(batch)(moved) if isinstance(batch, dict) else moved

@@ -32,8 +32,10 @@ def _load_task(spec: str):
 
 
 def _cmd_profile(args) -> int:
-    from autoprec.profile import profile
+    from autoprec.profiling import profile
 
+    if args.output:
+        _writable_output(args.output)
     task = _load_task(args.task)
     prof = profile(task, formats=args.formats, target=args.target, n_batches=args.batches)
     print(prof.table())
@@ -45,10 +47,25 @@ def _cmd_profile(args) -> int:
     return 0
 
 
+def _writable_output(path: str) -> None:
+    """Refuse an output the tune could not write, before any work (and before the study file
+    beside it is created)."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"-o {path} is a directory; give the policy's file path, e.g. "
+                                f"{os.path.join(path, 'policy.yaml')}.")
+    folder = os.path.dirname(os.path.abspath(path))
+    probe = folder
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.access(probe, os.W_OK):
+        raise PermissionError(f"Cannot write {path}: {probe} is not writable. Choose another -o.")
+
+
 def _cmd_tune(args) -> int:
     from autoprec.policy import Budget
     from autoprec.tuning import TuneConfig, tune, validate_front
 
+    _writable_output(args.output)
     config = TuneConfig(formats=tuple(args.formats),
                         budget=Budget(args.max_loss_increase, args.max_grad_error),
                         n_trials=args.n_trials, timeout=args.timeout, storage=args.storage,
@@ -73,7 +90,7 @@ def _cmd_tune(args) -> int:
 
 def _cmd_validate(args) -> int:
     from autoprec.policy import load_policy
-    from autoprec.validate import validate
+    from autoprec.validation import validate
 
     policy = load_policy(args.policy)
     task = _load_task(args.task)
@@ -85,22 +102,25 @@ def _cmd_validate(args) -> int:
 
 def _cmd_show(args) -> int:
     from autoprec.policy import load_policy
+    from autoprec.profiling import Profile
 
+    # everything is read (and checked) before anything is printed
     policy = load_policy(args.policy)
-    print(f"policy {args.policy}")
-    if policy.model_name:
-        print(f"  model: {policy.model_name}  fingerprint {policy.fingerprint or '-'}")
-    print(f"  default: {policy.default}")
-    for pattern, fmt in policy.layers.items():
-        print(f"  {pattern}: {fmt}")
-    if policy.tuned:
-        print("provenance:")
-        print(_provenance_text(policy.provenance))
     prof_path = args.profile or _profile_path(args.policy)
-    if os.path.exists(prof_path):
-        print(_layer_reasons(policy, prof_path))
+    prof = Profile.load(prof_path) if os.path.exists(prof_path) else None
+    lines = [f"policy {args.policy}"]
+    if policy.model_name:
+        lines.append(f"  model: {policy.model_name}  fingerprint {policy.fingerprint or '-'}")
+    lines.append(f"  default: {policy.default}")
+    lines += [f"  {pattern}: {fmt}" for pattern, fmt in policy.layers.items()]
+    if policy.tuned:
+        lines += ["provenance:", _provenance_text(policy.provenance)]
+    if prof is not None:
+        lines.append(_layer_reasons(policy, prof, prof_path))
     else:
-        print(f"\n(no profile at {prof_path}: per-layer reasons need the profile `tune` writes)")
+        lines.append(f"\n(no profile at {prof_path}: per-layer reasons need the profile `tune` "
+                     "writes)")
+    print("\n".join(lines))
     return 0
 
 
@@ -139,12 +159,10 @@ def _provenance_text(prov) -> str:
     return "\n".join(lines)
 
 
-def _layer_reasons(policy, prof_path: str) -> str:
+def _layer_reasons(policy, prof, prof_path: str) -> str:
     from autoprec._util import text_table
     from autoprec.formats import Format
-    from autoprec.profile import Profile
 
-    prof = Profile.load(prof_path)
     budget = policy.provenance.budget
     limit = budget.max_loss_increase if budget is not None else 0.01
     rows = []
@@ -167,53 +185,80 @@ def _layer_reasons(policy, prof_path: str) -> str:
 
 def _cmd_diff(args) -> int:
     from autoprec.policy import load_policy
+    from autoprec.profiling import Profile
 
     a, b = load_policy(args.a), load_policy(args.b)
+    prof_path = next((p for p in (_profile_path(args.a), _profile_path(args.b))
+                      if os.path.exists(p)), None)
+    prof = Profile.load(prof_path) if prof_path is not None else None
     lines = []
-    differ = False
     if a.default != b.default:
         lines.append(f"default: {a.default} -> {b.default}")
     for pattern in dict.fromkeys([*a.layers, *b.layers]):
-        fa = a.layers.get(pattern)
-        fb = b.layers.get(pattern)
+        fa, fb = a.layers.get(pattern), b.layers.get(pattern)
         if fa != fb:
             lines.append(f"{pattern}: {fa.value if fa else '(default ' + a.default.value + ')'}"
                          f" -> {fb.value if fb else '(default ' + b.default.value + ')'}")
-    prof_path = _profile_path(args.a)
-    if not os.path.exists(prof_path):
-        prof_path = _profile_path(args.b)
-    if os.path.exists(prof_path):
-        from autoprec.profile import Profile
-
-        prof = Profile.load(prof_path)
+    differ = bool(lines)
+    if prof is not None:
         changed = [(lp.fqn, a.format_for(lp.fqn), b.format_for(lp.fqn)) for lp in prof.layers
                    if a.format_for(lp.fqn) is not b.format_for(lp.fqn)]
-        differ = bool(lines) or bool(changed)
+        differ = differ or bool(changed)
         lines.append(f"resolved per layer ({len(changed)} of {len(prof.layers)} differ):")
         lines += [f"  {f}: {x} -> {y}" for f, x, y in changed]
-    else:
-        differ = bool(lines)
     if not differ:
         lines.insert(0, "the two policies are the same")
     print("\n".join(lines))
     return 1 if differ else 0
 
 
-def main(argv=None) -> int:
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _nonneg_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _nonneg_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be greater than 0")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    from autoprec.costmodel import DEVICES
+
     ap = argparse.ArgumentParser(prog="autoprec", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     fmts = dict(nargs="+", default=["fp32", "bf16", "fp16", "fp8"],
+                choices=["fp32", "bf16", "fp16", "fp8"],
                 help="formats to consider (default: all four)")
-    target = dict(default=None, help="price speed with the cost model of this device instead of "
-                                     "measuring here: h100, h200, a100, cpu-amx")
+    target = dict(default=None, choices=list(DEVICES),
+                  help="price speed with the cost model of this device instead of measuring "
+                       f"here: {', '.join(DEVICES)}")
 
     p = sub.add_parser("profile", help="each layer's error and speed in each format")
     p.add_argument("task", help="path/file.py:function or package.module:function")
     p.add_argument("-o", "--output", help="write the profile as JSON")
     p.add_argument("--formats", **fmts)
     p.add_argument("--target", **target)
-    p.add_argument("--batches", type=int, default=2, help="calibration batches (default 2)")
+    p.add_argument("--batches", type=_positive_int, default=2,
+                   help="calibration batches (default 2)")
     p.set_defaults(fn=_cmd_profile)
 
     p = sub.add_parser("tune", help="search a per-layer policy and write it as YAML")
@@ -221,12 +266,14 @@ def main(argv=None) -> int:
     p.add_argument("-o", "--output", required=True, help="policy path, e.g. policies/NAME.yaml")
     p.add_argument("--formats", **fmts)
     p.add_argument("--target", **target)
-    p.add_argument("--max-loss-increase", type=float, default=0.01,
+    p.add_argument("--max-loss-increase", type=_nonneg_float, default=0.01,
                    help="relative loss change allowed vs FP32 (default 0.01 = 1%%)")
-    p.add_argument("--max-grad-error", type=float, default=0.25,
+    p.add_argument("--max-grad-error", type=_nonneg_float, default=0.25,
                    help="relative gradient error allowed vs FP32 (default 0.25)")
-    p.add_argument("--n-trials", type=int, default=40, help="total trials (default 40)")
-    p.add_argument("--timeout", type=float, default=None, help="seconds for this worker")
+    p.add_argument("--n-trials", type=_positive_int, default=40,
+                   help="distinct policies to measure, warm starts included (default 40)")
+    p.add_argument("--timeout", type=_positive_float, default=None,
+                   help="seconds for this worker")
     p.add_argument("--storage", default=None,
                    help="Optuna storage URL (sqlite:///, postgresql://, journal:PATH); "
                         "default: SQLite beside the output, so a rerun resumes")
@@ -242,8 +289,8 @@ def main(argv=None) -> int:
     p = sub.add_parser("validate", help="train with a policy and in FP32; compare loss curves")
     p.add_argument("policy")
     p.add_argument("--task", required=True)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--tolerance", type=float, default=None,
+    p.add_argument("--steps", type=_positive_int, default=100)
+    p.add_argument("--tolerance", type=_nonneg_float, default=None,
                    help="allowed loss gap beyond FP32's run-to-run noise (default: the "
                         "policy's max_loss_increase, else 0.01)")
     p.add_argument("--no-strict", action="store_true",
@@ -255,26 +302,55 @@ def main(argv=None) -> int:
     p.add_argument("--profile", default=None, help="profile JSON (default: beside the policy)")
     p.set_defaults(fn=_cmd_show)
 
-    p = sub.add_parser("diff", help="what differs between two policies")
+    p = sub.add_parser("diff", help="what differs between two policies (exit 0 same, 1 differ, "
+                                    "2 error)")
     p.add_argument("a")
     p.add_argument("b")
     p.set_defaults(fn=_cmd_diff)
+    return ap
 
-    args = ap.parse_args(argv)
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+def main(argv=None) -> int:
+    try:
+        args = _parser().parse_args(argv)  # imports torch: a Ctrl-C may come here already
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    from autoprec.policy import PolicyError
+    from autoprec.task import TaskError
+
     try:
         return args.fn(args)
     except KeyboardInterrupt:
-        print("interrupted: completed trials are kept in the study; rerun the same command to "
-              "resume", file=sys.stderr)
+        tail = (": completed trials are kept in the study; rerun the same command to resume"
+                if args.cmd == "tune" else "")
+        print(f"interrupted{tail}", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError, TypeError, AttributeError) as e:
-        from autoprec.policy import PolicyError
+    except (PolicyError, TaskError, FileNotFoundError, PermissionError, IsADirectoryError) as e:
+        print(f"autoprec: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        # errors of input (our own ValueErrors, a storage that will not open); a ValueError
+        # subclass from deep inside a library is a bug and keeps its traceback
+        if type(e) is not ValueError and type(e).__name__ != "StorageError":
+            raise
+        print(f"autoprec: error: {_one_line(e)}", file=sys.stderr)
+        return 2
 
-        if isinstance(e, PolicyError) or type(e) in (ValueError, FileNotFoundError):
-            print(f"autoprec: error: {e}", file=sys.stderr)
-            return 2
-        raise
+
+def run() -> None:
+    """The console script: :func:`main`, then exit at once. Everything is written and flushed
+    by then; skipping the interpreter's shutdown means no thread or connection pool left by a
+    library can keep the process alive, and a Ctrl-C cannot land in a finalizer."""
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -60,6 +60,13 @@ _FP8_KEYS = ("recipe",)
 _LOSS_SCALING_KEYS = ("init_scale", "growth_interval")
 
 
+class _NoAliasDumper(yaml.SafeDumper):
+    """Writes repeated values out in full: policy files have no anchors or aliases."""
+
+    def ignore_aliases(self, data):
+        return True
+
+
 class PolicyError(ValueError):
     """A policy file or Policy that cannot be used as written; the message says the fix."""
 
@@ -74,12 +81,16 @@ class LossScaling:
     growth_interval: int = 2000
 
     def __post_init__(self):
-        if not (self.init_scale > 0 and self.init_scale < float("inf")):
+        scale = self.init_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
+                or not 0 < scale < math.inf:
             raise PolicyError(f"loss_scaling.init_scale must be a positive finite number, "
-                              f"got {self.init_scale!r}.")
-        if int(self.growth_interval) != self.growth_interval or self.growth_interval < 1:
+                              f"got {scale!r}.")
+        growth = self.growth_interval
+        if isinstance(growth, bool) or not isinstance(growth, (int, float)) \
+                or int(growth) != growth or growth < 1:
             raise PolicyError(f"loss_scaling.growth_interval must be a positive integer, "
-                              f"got {self.growth_interval!r}.")
+                              f"got {growth!r}.")
 
 
 @dataclass(frozen=True)
@@ -317,14 +328,27 @@ class Policy:
         return Format.parse(fmt) in self.formats_used()
 
     def resolve(self, model: nn.Module) -> tuple[dict[str, Format], list[str]]:
-        """Map each module fqn a pattern names to its format, and list unused patterns."""
+        """Map each module (by its canonical fqn, as ``named_modules()`` lists it) that a
+        pattern names to its format, and list unused patterns. A module reachable at several
+        paths (shared, tied) is named by any of them; two of its paths named with different
+        formats are an error."""
+        canonical = {id(m): fqn for fqn, m in model.named_modules()}
         assigned: dict[str, Format] = {}
+        by: dict[str, str] = {}
         used: set[str] = set()
-        for fqn, _ in model.named_modules():
+        for fqn, module in model.named_modules(remove_duplicate=False):
             pattern = self.match(fqn)
-            if pattern is not None:
-                assigned[fqn] = self.layers[pattern]
-                used.add(pattern)
+            if pattern is None:
+                continue
+            used.add(pattern)
+            name, fmt = canonical[id(module)], self.layers[pattern]
+            if name in assigned and assigned[name] is not fmt:
+                raise PolicyError(
+                    f"`{fqn}` and `{by[name]}` are the same module, and the policy"
+                    f"{self._where(pattern)} gives them {fmt} and {assigned[name]}: give a "
+                    "shared module one format.")
+            if name not in assigned or fqn == name:
+                assigned[name], by[name] = fmt, fqn
         return assigned, [p for p in self.layers if p not in used]
 
     def check_model(self, model: nn.Module, *, strict: bool = True) -> dict[str, Format]:
@@ -335,22 +359,22 @@ class Policy:
             actual = model_fingerprint(model)
             if actual != self.fingerprint:
                 made_for = f" (made for {self.model_name})" if self.model_name else ""
-                problems.append(
+                problems.append((
                     f"Policy{self._where('model')}{made_for} has fingerprint "
                     f"{self.fingerprint[:19]}… but the model {type(model).__name__} has "
-                    f"{actual[:19]}…: its layers (names, kinds or weight shapes) differ. "
-                    "Re-tune for this model, or pass strict=False to apply it anyway.")
+                    f"{actual[:19]}…: its layers (names, kinds or weight shapes) differ.",
+                    "Re-tune for this model, or pass strict=False to apply it anyway."))
         assigned, unused = self.resolve(model)
         for pattern in unused:
             names = [n for n, _ in model.named_modules() if n][:6]
-            problems.append(
+            problems.append((
                 f"Layer pattern `{pattern}`{self._where(pattern)} matches no module of "
-                f"{type(model).__name__} (module names look like {', '.join(names)}, …). "
-                "Fix or delete the pattern, or pass strict=False to ignore it.")
-        for msg in problems:
+                f"{type(model).__name__} (module names look like {', '.join(names)}, …).",
+                "Fix or delete the pattern, or pass strict=False to ignore it."))
+        for msg, fix in problems:
             if strict:
-                raise PolicyError(msg)
-            warnings.warn(msg, stacklevel=3)
+                raise PolicyError(f"{msg} {fix}")
+            warnings.warn(f"{msg} Applied anyway (strict=False).", stacklevel=4)
         return assigned
 
     # ---------------------------------------------------------------- training helpers
@@ -398,8 +422,8 @@ class Policy:
 
     def to_yaml(self) -> str:
         header = "# autoprec precision policy (schema 1): `autoprec show` prints it as a table\n"
-        return header + yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False,
-                                       allow_unicode=True, width=100)
+        return header + yaml.dump(self.to_dict(), Dumper=_NoAliasDumper, sort_keys=False,
+                                  default_flow_style=False, allow_unicode=True, width=100)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the policy as YAML; ``load_policy(path)`` gives back an equal Policy."""
@@ -428,6 +452,10 @@ class Policy:
             raise PolicyError(f"Missing schema key `autoprec: {SCHEMA_VERSION}`{src}; a policy "
                               "file starts with it.")
         version = data["autoprec"]
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise PolicyError(f"Schema version `autoprec: {version!r}`{where('autoprec')} must be "
+                              f"the integer {SCHEMA_VERSION} (write `autoprec: {SCHEMA_VERSION}`, "
+                              "no quotes).")
         if version != SCHEMA_VERSION:
             raise PolicyError(f"Unknown policy schema version {version!r}{where('autoprec')}; "
                               f"this autoprec reads version {SCHEMA_VERSION}. Upgrade autoprec "
@@ -518,8 +546,37 @@ def _line_map(text: str) -> dict[str, int]:
     return lines
 
 
+class _PolicyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses duplicate keys (YAML would keep the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise PolicyError(f"Duplicate key {key!r} at lines {seen[key]} and {line}: a "
+                                  "policy names each key once; delete one of them.")
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def _check_no_aliases(text: str, path: str) -> None:
+    """Policy files need no YAML anchors or aliases; refusing them (before anything is built)
+    keeps a small file from expanding into gigabytes (an alias bomb)."""
+    try:
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+                line = event.start_mark.line + 1
+                raise PolicyError(f"{path} line {line} uses a YAML anchor or alias (& or *); "
+                                  "policy files do not: write the values out.")
+    except yaml.YAMLError:
+        return  # safe_load reports the syntax error with its line
+
+
 def load_policy(path: str | os.PathLike) -> Policy:
-    """Read a policy file (``yaml.safe_load`` only) and validate it against schema 1."""
+    """Read a policy file (``yaml.safe_load`` only, no anchors or aliases, no duplicate keys)
+    and validate it against schema 1."""
     path = os.fspath(path)
     try:
         with open(path, encoding="utf-8") as f:
@@ -527,14 +584,22 @@ def load_policy(path: str | os.PathLike) -> Policy:
     except FileNotFoundError:
         raise PolicyError(f"Policy file {path} does not exist; `autoprec tune TASK -o {path}` "
                           "writes one.") from None
+    except IsADirectoryError:
+        raise PolicyError(f"{path} is a directory, not a policy file.") from None
+    except UnicodeDecodeError as e:
+        raise PolicyError(f"{path} is not a policy file: byte {e.start} is not UTF-8 text (a "
+                          "policy is a YAML text file).") from None
+    _check_no_aliases(text, path)
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_PolicyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e)
         raise PolicyError(f"Malformed YAML in {path}{line}: {problem}. Fix the syntax "
                           "(indentation, quotes around globs with `*`).") from None
+    except PolicyError as e:
+        raise PolicyError(f"{path}: {e}") from None
     return Policy.from_dict(data, source=path, lines=_line_map(text))
 
 

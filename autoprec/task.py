@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec._util import call_model, move_to
+from autoprec._util import ModelCall, call_model, move_to, split_batch
 
-__all__ = ["Task", "load_task", "default_loss", "move_to", "optimizer_step"]
+__all__ = ["Task", "TaskError", "load_task", "default_loss", "move_to", "optimizer_step"]
 
 
 def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer,
@@ -135,33 +135,97 @@ class Task:
     def example_batch(self) -> Any:
         return move_to(self.batches[0], self.device)
 
+    def model_call(self, model: nn.Module, batch: Any) -> ModelCall:
+        """What the task's loss function calls ``model`` with on ``batch``: with a custom
+        ``loss_fn`` (``model(inputs)`` on ``(inputs, labels)`` batches, say), found by running
+        it until the model's forward begins; else what :func:`default_loss` passes."""
+        batch = move_to(batch, self.device)
+        if self.loss_fn is None:
+            return ModelCall(*split_batch(batch))
+        seen: list[ModelCall] = []
+
+        def hook(module, args, kwargs):
+            seen.append(ModelCall(tuple(args), dict(kwargs)))
+            raise _Called
+
+        handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            with torch.no_grad():
+                self.loss_fn(model, batch)
+        except _Called:
+            pass
+        finally:
+            handle.remove()
+        if not seen:
+            raise ValueError(f"The loss function of task {self.name!r} never called the model "
+                             "on a batch; it must run model(...) itself.")
+        return seen[0]
+
+
+class _Called(Exception):
+    """Stops a loss function once the model's forward has been entered."""
+
+
+class TaskError(ValueError):
+    """A task spec that cannot be loaded; the message names the file or module and the fix."""
+
 
 def load_task(spec: str) -> Task:
     """Load a Task from ``path/to/file.py:function`` or ``package.module:function``.
 
-    The function is called with no arguments and must return a :class:`Task`.
+    The function is called with no arguments and must return a :class:`Task`. Every way this
+    can fail is a :class:`TaskError` naming the file, module or function.
     """
-    target, sep, attr = spec.rpartition(":")
+    target, sep, attr = str(spec).rpartition(":")
     if not sep or not target or not attr:
-        raise ValueError(f"Task spec {spec!r} must look like `path/to/file.py:function` or "
-                         "`package.module:function`.")
+        raise TaskError(f"Task spec {spec!r} must look like `path/to/file.py:function` or "
+                        "`package.module:function`.")
+    module = _import_task_module(target, spec)
+    if not hasattr(module, attr):
+        public = [n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n))]
+        raise TaskError(f"{target} has no function {attr!r} (from task spec {spec!r}); "
+                        f"callables there: {', '.join(public[:10]) or 'none'}.")
+    fn = getattr(module, attr)
+    if not callable(fn):
+        raise TaskError(f"{target}:{attr} is a {type(fn).__name__}, not a function; a task spec "
+                        "names a function that takes no arguments and returns autoprec.Task.")
+    try:
+        task = fn()
+    except TypeError as e:
+        raise TaskError(f"Calling {spec} failed: {e}. A task function takes no arguments.") \
+            from None
+    if not isinstance(task, Task):
+        raise TaskError(f"{spec} returned {type(task).__name__}; a task function must return "
+                        "autoprec.Task.")
+    return task
+
+
+def _import_task_module(target: str, spec: str):
     if target.endswith(".py") or os.sep in target or "/" in target:
         path = os.path.abspath(target)
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"Task file {target} (from {spec!r}) does not exist.")
+        if not os.path.isfile(path):
+            raise TaskError(f"Task file {target} (from {spec!r}) does not exist.")
         name = "_autoprec_task_" + os.path.splitext(os.path.basename(path))[0]
         module_spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[name] = module  # dataclasses and pickling look the module up by name
-        module_spec.loader.exec_module(module)
+        where = f"task file {target}"
+        load = lambda: module_spec.loader.exec_module(module)  # noqa: E731
     else:
-        module = importlib.import_module(target)
-    if not hasattr(module, attr):
-        public = [n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n))]
-        raise AttributeError(f"{target} has no function {attr!r} (from task spec {spec!r}); "
-                             f"callables there: {', '.join(public[:10]) or 'none'}.")
-    task = getattr(module, attr)()
-    if not isinstance(task, Task):
-        raise TypeError(f"{spec} returned {type(task).__name__}; a task function must return "
-                        "autoprec.Task.")
-    return task
+        where = f"task module {target}"
+        module = None
+
+        def load():
+            nonlocal module
+            module = importlib.import_module(target)
+    try:
+        load()
+    except Exception as e:  # noqa: BLE001 - any failure to import is the spec's to report
+        raise TaskError(f"Could not import {where} (from {spec!r}): {type(e).__name__}: "
+                        f"{_first_line(e)}") from None
+    return module
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else ""

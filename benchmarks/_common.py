@@ -1,9 +1,11 @@
-"""Shared benchmark helpers: interleaved timing against an anchor measured in the same run."""
+"""Shared benchmark helpers: every variant timed in the same run as its anchor, with the tune's
+own protocol (autoprec.measure.timer): interleaved rounds in random order, the minimum of short
+repeats per round, the 20% quantile over rounds, and a paired-bootstrap 95% interval of each
+ratio. A ratio whose interval contains 1 is a tie."""
 
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -16,7 +18,10 @@ if ROOT not in sys.path:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from autoprec.formats import device_name  # noqa: E402  (after the path set-up above)
+from autoprec._util import text_table  # noqa: E402  (after the path set-up above)
+from autoprec.formats import device_name  # noqa: E402
+from autoprec.measure.timer import Clock, Comparison  # noqa: E402
+from autoprec.policy import Interval  # noqa: E402
 
 
 def device_line() -> str:
@@ -25,41 +30,25 @@ def device_line() -> str:
             f"{time.strftime('%Y-%m-%d %H:%M')}")
 
 
-def interleaved(fns: dict[str, Callable[[], None]], *, warmup: int = 3, rounds: int = 10,
-                sync: Callable[[], None] = lambda: None) -> dict[str, list[float]]:
-    """Time each callable ``rounds`` times, round-robin (A B C A B C ...), after ``warmup``
-    calls each, so drift in machine load hits every variant alike. Returns seconds per call."""
+def interleaved(fns: dict[str, Callable[[], object]], *, warmup: int = 3, rounds: int = 10,
+                repeats: int = 2, device: str = "cpu") -> Comparison:
+    """Time each callable in interleaved rounds (the first key is the reference) after
+    ``warmup`` untimed calls each; ratios between any two come from ``.ratio(a, b)``."""
+    clock = Clock(device)
     for fn in fns.values():
         for _ in range(warmup):
             fn()
-    sync()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times[name].append(time.perf_counter() - t0)
-    return times
+    cmp = Comparison({k: (lambda fn=fn: clock.time(fn)) for k, fn in fns.items()},
+                     next(iter(fns)), repeats=repeats, seed=0)
+    cmp.run(rounds)
+    return cmp
 
 
-def median(xs: list[float]) -> float:
-    return statistics.median(xs)
-
-
-def spread(xs: list[float]) -> float:
-    """Interquartile range over median: how noisy the measurement was."""
-    if len(xs) < 4:
-        return float("nan")
-    q = statistics.quantiles(xs, n=4)
-    return (q[2] - q[0]) / statistics.median(xs)
+def ratio_cell(r: Interval) -> str:
+    """``1.027 [0.998-1.051]``, and "tie" where the interval contains 1."""
+    tie = " (tie)" if r.low <= 1.0 <= r.high else ""
+    return f"{r.value:.3f} [{r.low:.3f}-{r.high:.3f}]{tie}"
 
 
 def print_table(rows: list[list[str]], header: list[str]) -> None:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    line = "  ".join(h.ljust(w) for h, w in zip(header, widths))
-    print(line)
-    print("-" * len(line))
-    for r in rows:
-        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    print(text_table(header, rows))

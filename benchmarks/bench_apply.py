@@ -6,6 +6,8 @@ variants timed round-robin in one run:
     all-fp32 policy  vs  no policy               (target ratio <= 1.03)
     all-bf16 policy  vs  torch.autocast(bf16)    (target ratio <= 1.05)
 
+each ratio with its 95% interval (the tune's own timing protocol, see benchmarks/_common.py)
+
 and the same two pairs under torch.compile (`--no-compile` skips them; compiling takes a few
 minutes on 2 cores).
 
@@ -19,7 +21,7 @@ import copy
 
 import _common  # noqa: F401  (sets up sys.path)
 import torch
-from _common import device_line, interleaved, median, print_table, spread
+from _common import device_line, interleaved, print_table, ratio_cell
 
 import autoprec
 from examples.data import byte_batches
@@ -72,13 +74,14 @@ def main():
         tag = "compiled" if compile_ else "eager"
         for name, anchor, limit in (("all-fp32 policy", "no policy (fp32)", 1.03),
                                     ("all-bf16 policy", "torch.autocast(bf16)", 1.05)):
-            ratio = median(times[name]) / median(times[anchor])
-            rows.append([tag, f"{name} / {anchor}", f"{ratio:.3f}", f"<= {limit}",
-                         "ok" if ratio <= limit else "OVER",
-                         f"{median(times[anchor]) * 1e3:.1f} ms",
-                         f"{spread(times[name]):.2f} / {spread(times[anchor]):.2f}"])
-    print_table(rows, ["mode", "ratio (policy / anchor)", "value", "target", "",
-                       "anchor step", "IQR/median"])
+            r = times.ratio(name, anchor)
+            verdict = "ok" if r.value <= limit else ("within noise" if r.low <= limit
+                                                     else "OVER")
+            rows.append([tag, f"{name} / {anchor}", ratio_cell(r), f"<= {limit}", verdict,
+                         f"{times.seconds(anchor) * 1e3:.1f} ms"])
+    print_table(rows, ["mode", "ratio (policy / anchor)", "value [95% interval]", "target", "",
+                       "anchor step"])
+    print(f"{args.rounds} interleaved rounds; each round keeps the faster of 2 steps per variant")
 
 
 if __name__ == "__main__":

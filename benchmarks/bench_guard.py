@@ -26,10 +26,11 @@ import warnings
 
 import _common  # noqa: F401  (sets up sys.path)
 import torch
-from _common import device_line, interleaved, median, print_table, spread
+from _common import device_line, interleaved, print_table, ratio_cell
 
 import autoprec
 from autoprec import Policy
+from autoprec.measure.timer import quantile, ratio_interval
 from examples.data import byte_batches
 from examples.gpt2_bytes import make_model
 
@@ -133,12 +134,16 @@ class _HookClock:
             setattr(cls, name, fn)
 
 
-def row(table, name, anchor, times, limit=None):
-    ratio = median(times[name]) / median(times[anchor])
-    verdict = "" if limit is None else ("ok" if ratio <= limit else "OVER")
-    return [table, f"{name} / {anchor}", f"{ratio:.3f}", f"<= {limit}" if limit else "-",
-            verdict, f"{median(times[anchor]) * 1e3:.1f} ms",
-            f"{spread(times[name]):.2f} / {spread(times[anchor]):.2f}"]
+def row(table, name, anchor, r, anchor_seconds, limit=None):
+    """A table row for the ratio ``r`` (an Interval) of ``name`` over ``anchor``."""
+    verdict = "" if limit is None else ("ok" if r.value <= limit else
+                                        "within noise" if r.low <= limit else "OVER")
+    return [table, f"{name} / {anchor}", ratio_cell(r), f"<= {limit}" if limit else "-",
+            verdict, f"{anchor_seconds * 1e3:.1f} ms"]
+
+
+def cmp_row(table, name, anchor, cmp, limit=None):
+    return row(table, name, anchor, cmp.ratio(name, anchor), cmp.seconds(anchor), limit)
 
 
 def main():
@@ -162,8 +167,8 @@ def main():
                          "policy": plain_step(unguarded, batch)},
                         warmup=3, rounds=args.rounds)
     assert guard.events == [], guard.events
-    rows.append(row(f"guard ({len(guard.watched)} layers)", "policy + guard", "policy", times,
-                    1.03))
+    rows.append(cmp_row(f"guard ({len(guard.watched)} layers)", "policy + guard", "policy",
+                        times, 1.03))
     # the same, measured from inside: time in the guard's hooks and step() per training step
     clocked = autoprec.apply(copy.deepcopy(base), GUARD_POLICY)
     with _HookClock() as clock:
@@ -175,16 +180,16 @@ def main():
             step()
         total = time.perf_counter() - t0
     share = clock.seconds / total
-    rows.append([f"guard ({len(guard.watched)} layers)", "time in guard hooks / step time",
-                 f"{1 + share:.3f}", "<= 1.03", "ok" if share <= 0.03 else "OVER",
-                 f"{total / n * 1e3:.1f} ms", f"{clock.seconds / n * 1e3:.2f} ms in guard"])
+    rows.append([f"guard ({len(guard.watched)} layers)", "1 + time in guard hooks / step time",
+                 f"{1 + share:.3f} ({clock.seconds / n * 1e3:.2f} ms per step)", "<= 1.03",
+                 "ok" if share <= 0.03 else "OVER", f"{total / n * 1e3:.1f} ms"])
 
     # 2. apply under each integration: an all-fp32 policy against none
     times = interleaved({"all-fp32 policy": plain_step(autoprec.apply(copy.deepcopy(base), FP32),
                                                        batch),
                          "no policy": plain_step(copy.deepcopy(base), batch)},
                         warmup=3, rounds=args.rounds)
-    rows.append(row("plain loop", "all-fp32 policy", "no policy", times, 1.03))
+    rows.append(cmp_row("plain loop", "all-fp32 policy", "no policy", times, 1.03))
 
     from accelerate import Accelerator
 
@@ -194,7 +199,7 @@ def main():
                                            autoprec.apply(copy.deepcopy(base), FP32), batch),
         "no policy": accelerate_step(accelerator, copy.deepcopy(base), batch)},
         warmup=3, rounds=args.rounds)
-    rows.append(row("Accelerate", "all-fp32 policy", "no policy", times, 1.03))
+    rows.append(cmp_row("Accelerate", "all-fp32 policy", "no policy", times, 1.03))
 
     dataset = [{k: v[i] for k, v in b.items()} for b in [batch] for i in range(16)]
     with tempfile.TemporaryDirectory() as tmp:
@@ -203,12 +208,15 @@ def main():
                 "no callback": trainer_run(copy.deepcopy(base), dataset, args.trainer_steps, tmp)}
         interleaved({name: train for name, (train, _) in runs.items()},
                     warmup=1, rounds=args.trainer_rounds)
-    # per-step times inside train() (the warm-up run's steps dropped)
+    # per-step times inside train() (the warm-up run's steps dropped), paired step by step:
+    # the two runs alternate, so step i of one ran next to step i of the other
     times = {name: steps[args.trainer_steps:] for name, (_, steps) in runs.items()}
-    rows.append(row("Trainer (per step)", "PolicyCallback(all-fp32)", "no callback", times, 1.03))
+    a, b = times["PolicyCallback(all-fp32)"], times["no callback"]
+    n = min(len(a), len(b))
+    rows.append(row("Trainer (per step)", "PolicyCallback(all-fp32)", "no callback",
+                    ratio_interval(a[:n], b[:n]), quantile(b[:n]), 1.03))
 
-    print_table(rows, ["setting", "ratio", "value", "target", "", "anchor time",
-                       "IQR/median"])
+    print_table(rows, ["setting", "ratio", "value [95% interval]", "target", "", "anchor time"])
 
 
 if __name__ == "__main__":

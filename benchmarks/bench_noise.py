@@ -10,6 +10,7 @@ Claims checked (printed, not asserted):
   policy's quiet re-timing.
 
     python benchmarks/bench_noise.py [--tunes 3] [--trials 40] [--rounds 16]
+        [--task examples/gpt2_bytes.py:task]
 
 Run it on an otherwise idle machine: the quiet tunes and the re-timing assume nothing else
 runs. It takes about 6 tunes x 4-5 minutes plus the re-timing.
@@ -32,8 +33,8 @@ from _common import device_line, print_table
 import autoprec
 from autoprec.measure.numerics import prepare_for_measurement
 from autoprec.measure.timer import Comparison, StepTimer
+from autoprec.task import load_task
 from autoprec.tuning import tune
-from examples.gpt2_bytes import task
 
 
 def _burn(seed: int, stop) -> None:
@@ -68,7 +69,7 @@ def _describe(policy: autoprec.Policy) -> str:
     return f"default {policy.default}" + (f"; {layers}" if layers else "")
 
 
-def run_tunes(n: int, trials: int, loaded: bool, folder: str) -> list[dict]:
+def run_tunes(task, n: int, trials: int, loaded: bool, folder: str) -> list[dict]:
     out = []
     for i in range(n):
         path = os.path.join(folder, f"{'loaded' if loaded else 'quiet'}-{i}.yaml")
@@ -77,9 +78,9 @@ def run_tunes(n: int, trials: int, loaded: bool, folder: str) -> list[dict]:
               flush=True)
         if loaded:
             with BackgroundLoad(seed=100 + i):
-                res = tune(task(), output=path, n_trials=trials, seed=i)
+                res = tune(task, output=path, n_trials=trials, seed=i)
         else:
-            res = tune(task(), output=path, n_trials=trials, seed=i)
+            res = tune(task, output=path, n_trials=trials, seed=i)
         res.save(path, plot=False)
         prov = res.policy.provenance
         out.append({"name": f"{'loaded' if loaded else 'quiet'} {i + 1}", "path": path,
@@ -90,9 +91,8 @@ def run_tunes(n: int, trials: int, loaded: bool, folder: str) -> list[dict]:
     return out
 
 
-def retime(runs: list[dict], rounds: int) -> dict[str, autoprec.policy.Interval]:
+def retime(t, runs: list[dict], rounds: int) -> dict[str, autoprec.policy.Interval]:
     """Every distinct winner against FP32, interleaved, on the quiet machine."""
-    t = task()
     model = prepare_for_measurement(t.build_model())
     timer = StepTimer(model, t.example_batch(), lambda m, b: m(**b).loss, t.make_optimizer,
                       device=t.device)
@@ -116,12 +116,14 @@ def main():
     ap.add_argument("--tunes", type=int, default=3)
     ap.add_argument("--trials", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=16)
+    ap.add_argument("--task", default="examples/gpt2_bytes.py:task")
     args = ap.parse_args()
     print(device_line(), flush=True)
+    task = load_task(args.task)
     folder = tempfile.mkdtemp(prefix="bench-noise-")
-    runs = run_tunes(args.tunes, args.trials, False, folder)
-    runs += run_tunes(args.tunes, args.trials, True, folder)
-    quiet = retime(runs, args.rounds)
+    runs = run_tunes(task, args.tunes, args.trials, False, folder)
+    runs += run_tunes(task, args.tunes, args.trials, True, folder)
+    quiet = retime(task, runs, args.rounds)
     best_quiet = max(quiet[r["key"]].value for r in runs if r["name"].startswith("quiet"))
     rows, within, covered = [], [], []
     for r in runs:

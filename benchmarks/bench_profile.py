@@ -13,7 +13,7 @@ import time
 import _common  # noqa: F401
 from _common import device_line, print_table
 
-from autoprec.profile import profile
+from autoprec.profiling import profile
 from examples.gpt2_bytes import task
 
 

@@ -6,10 +6,11 @@ Claims checked (printed, not asserted): on this CPU the tuned policy's step is >
 than FP32 with its held-out loss within 1% of FP32's (judged next to FP32's own run-to-run
 noise), and the tune itself takes <= 5 minutes on 2 cores.
 
-Step-time ratios come from round-robin timing of all variants (anchor in the same run); losses
-from the training runs. On CPUs without FP16 matmul units (this one: AMD EPYC, AVX512-BF16,
-no AVX512-FP16) an FP16 step is tens of times slower than FP32, so the fp16 row trains only
-`--fp16-steps` steps and reports no 300-step loss.
+Step-time ratios come from interleaved timing of all variants with the tune's own protocol
+(anchor in the same run, 95% intervals); losses from the training runs. On CPUs without FP16
+matmul units (this one: AMD EPYC, AVX512-BF16, no AVX512-FP16) an FP16 step is tens of times
+slower than FP32, so the fp16 row trains only `--fp16-steps` steps and reports no 300-step
+loss.
 
     python benchmarks/bench_tune.py [--steps 300] [--policy PATH to skip the tune]
 """
@@ -25,7 +26,7 @@ import time
 
 import _common  # noqa: F401
 import torch
-from _common import device_line, interleaved, median, print_table
+from _common import device_line, interleaved, print_table
 
 import autoprec
 from autoprec.task import optimizer_step
@@ -60,11 +61,11 @@ def timed_steps(policy_path: str | None):
 
     fns = {"fp32": make(), "autocast(bf16)": make(autocast=torch.bfloat16),
            "tuned policy": make(policy=policy_path)}
-    times = interleaved(fns, warmup=3, rounds=10)
-    fp16 = interleaved({"autocast(fp16)+GradScaler": make(autocast=torch.float16)}, warmup=1,
-                       rounds=2)
-    times.update(fp16)
-    return {k: median(v) for k, v in times.items()}
+    fast = interleaved(fns, warmup=3, rounds=12)
+    # fp16 has no kernels on this CPU (~30x slower): timed alone, twice, for its order only
+    slow = interleaved({"autocast(fp16)+GradScaler": make(autocast=torch.float16)}, warmup=1,
+                       rounds=2, repeats=1)
+    return fast, slow.seconds("autocast(fp16)+GradScaler")
 
 
 def main():
@@ -90,12 +91,15 @@ def main():
         res.save(policy_path)
         if res.profile is not None:
             res.profile.save(os.path.splitext(policy_path)[0] + ".profile.json")
+        over = res.improvement_over_warm_start
         print(f"\ntune: {tune_s:.0f} s with default settings (target <= 300 s); "
-              f"{len(res.trials)} trials; winner {res.best.speedup:.2f}x in the search; "
-              f"improvement over the best warm start {res.improvement_over_warm_start:.3f}x")
+              f"{len(res.trials)} trials; winner {res.speedup} fp32 as the tune re-timed it; "
+              + ("it is the best warm start" if over is None else
+                 f"over the best warm start {over}" + (" (a tie)" if over.low <= 1 else "")))
+        print(res.summary())
         print(open(policy_path).read())
 
-    step = timed_steps(policy_path)
+    step, fp16_seconds = timed_steps(policy_path)
     runs = {}
     for name, kw in (("fp32", {}), ("fp32 (other data order)", {"seed": 1}),
                      ("autocast(bf16)", {"autocast": "bf16"}),
@@ -114,12 +118,16 @@ def main():
     rows = []
     for name in ("fp32", "autocast(bf16)", "autocast(fp16)+GradScaler", "tuned policy"):
         loss = runs[name]
-        rows.append([name, f"{step[name] * 1e3:.0f}", f"{step['fp32'] / step[name]:.2f}x",
-                     f"{step['autocast(bf16)'] / step[name]:.2f}x",
-                     "-" if loss is None else f"{loss:.4f}",
+        if name in step.active:
+            ms, vs32 = step.seconds(name) * 1e3, str(step.speedup(name, "fp32"))
+            vs16 = str(step.speedup(name, "autocast(bf16)"))
+        else:  # timed alone: a ratio of two separate measurements, no interval
+            ms, vs32 = fp16_seconds * 1e3, f"{step.seconds('fp32') / fp16_seconds:.2f}x"
+            vs16 = f"{step.seconds('autocast(bf16)') / fp16_seconds:.2f}x"
+        rows.append([name, f"{ms:.0f}", vs32, vs16, "-" if loss is None else f"{loss:.4f}",
                      "-" if loss is None else f"{(loss - ref) / ref:+.2%}"])
     print()
-    print_table(rows, ["variant", "step ms", "speed vs fp32", "speed vs autocast(bf16)",
+    print_table(rows, ["variant", "step ms", "speed vs fp32 [95%]", "speed vs autocast(bf16)",
                        f"held-out loss @{args.steps}", "vs fp32"])
     print(f"FP32 run-to-run noise (data order): {noise:.2%}; fp16 trained {args.fp16_steps} steps "
           f"only (final train loss {fp16['losses'][-1]:.3f}): "

@@ -36,7 +36,7 @@ the exit status 1):
 2. Per-layer speed (``autoprec.measure.timing.measure_layers``, CUDA events on a GPU) of GPT-2's block 0
    layers and lm_head in fp32/bf16/fp16/fp8, as speed-ups over fp32, and fp8 over bf16: which
    layers are too small to gain from FP8; plus lone linear layers of growing size.
-3. Whole training step (forward, backward, grad clip, AdamW): median time (variants
+3. Whole training step (forward, backward, grad clip, AdamW): robust time (variants
    interleaved), peak memory (``torch.cuda.max_memory_allocated``) and the loss after a short
    training run from the same init on the same data, for FP32, autocast(bf16), uniform FP8
    (``Policy(default="fp8")``) and the tuned policy, as ratios vs FP32 and vs autocast(bf16);
@@ -62,7 +62,7 @@ import warnings
 
 import _common  # noqa: F401  (puts the repo root on sys.path, HF offline)
 import torch
-from _common import ROOT, device_line, interleaved, median, spread
+from _common import ROOT, device_line, interleaved
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -629,12 +629,12 @@ def section_step(cfg: Config, dev: torch.device, ctx: dict, *, outdir: str, stam
         steps[v.name] = _step_fn(model, opt, scaler, v, dev)
     model = opt = scaler = None
     times = interleaved({k: (lambda s=s: s(batch)) for k, s in steps.items()},
-                        warmup=cfg.warmup, rounds=cfg.step_rounds, sync=lambda: _sync(dev))
+                        warmup=cfg.warmup, rounds=cfg.step_rounds, device=dev.type)
     del steps
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    sec = {k: median(v) for k, v in times.items()}
+    sec = {k: times.seconds(k) for k in times.active}
 
     # -- training runs: same init, same batches (order A); fp32 again with order B for noise
     runs = [(v, 0) for v in variants] + [(variants[0], 1)]
@@ -691,7 +691,8 @@ def section_step(cfg: Config, dev: torch.device, ctx: dict, *, outdir: str, stam
         p32 = mem.get("fp32", (math.nan,))[0]
         pbf = mem.get("autocast(bf16)", (math.nan,))[0]
         train_l, ev, note = losses[v.name]
-        rows.append([v.name, f"{s * 1e3:.1f}", f"{spread(times[v.name]):.2f}", _x(ref_t / s),
+        sp = times.speedup(v.name, "fp32")
+        rows.append([v.name, f"{s * 1e3:.1f}", f"{sp.low:.2f}-{sp.high:.2f}", _x(ref_t / s),
                      _x(bf_t / s), _f(peak / 2**30, ".2f"), _f(act / 2**30, ".2f"),
                      _f(peak / p32, ".2f"), _f(peak / pbf, ".2f"), _f(train_l, ".4f"),
                      _f(ev, ".4f"), _f((ev - ref_l) / ref_l, "+.2%"),
@@ -700,15 +701,16 @@ def section_step(cfg: Config, dev: torch.device, ctx: dict, *, outdir: str, stam
     rows.append(["fp32 (order B)", "-", "-", "-", "-", "-", "-", "-", "-", _f(train_b, ".4f"),
                  _f(ev_b, ".4f"), _f((ev_b - ref_l) / ref_l, "+.2%"),
                  _f((ev_b - bf_l) / bf_l, "+.2%"), "-", note_b or "run-to-run noise"])
-    print(f"\nstep = forward + backward + clip + AdamW, median of {cfg.step_rounds} rounds "
-          f"(variants interleaved); speed-up = fp32 (or autocast) time / variant time.\n"
+    print(f"\nstep = forward + backward + clip + AdamW, {cfg.step_rounds} interleaved rounds, "
+          f"the tune's timing protocol (20% quantile of per-round minima); speed-up = fp32 (or "
+          f"autocast) time / variant time, with the 95% interval of the speed-up over fp32.\n"
           f"peak = torch.cuda.max_memory_allocated over one step (weights + grads + AdamW + "
           f"activations); act = peak minus what was resident before the step; mem ratios are "
           f"variant / fp32 and variant / autocast.\nloss after {n_steps} steps (lr {cfg.lr:g}, "
           f"warmup + cosine, same init and batches): train = mean of the last tenth, held-out = "
           f"{cfg.eval_batches} batches in the variant's precision; Δ = relative to fp32 / "
           f"autocast(bf16).")
-    _table(rows, ["variant", "step ms", "IQR/med", "vs fp32", "vs bf16", "peak GiB", "act GiB",
+    _table(rows, ["variant", "step ms", "95% int.", "vs fp32", "vs bf16", "peak GiB", "act GiB",
                   "mem/fp32", "mem/bf16", "train loss", "held-out", "Δ vs fp32", "Δ vs bf16",
                   "_scaled_mm/step", "note"])
     noise = abs(ev_b - ref_l) / ref_l if math.isfinite(ev_b) and ref_l else math.nan

@@ -5,7 +5,7 @@
 ``PolicyCallback(policy)`` goes in ``Trainer(callbacks=[...])``: it applies the policy when the
 Trainer is built, before the Trainer's Accelerator prepares the model, and steps the runtime
 guard after every optimizer step. ``bf16`` and ``fp16`` stay False: the policy decides the
-formats (see ``autoprec.integrations`` for fp16 layers on a GPU).
+formats (see ``autoprec.runtime.integrations`` for fp16 layers on a GPU).
 """
 
 from __future__ import annotations

@@ -47,3 +47,37 @@ def small_gpt2_task() -> autoprec.Task:
                          device="cpu",
                          train_batches=lambda n, seed: byte_batches(n, 4, 64, seed=seed),
                          eval_batches=byte_batches(2, 4, 64, seed=98, skip=3_000_000))
+
+
+def wide_gpt2_task() -> autoprec.Task:
+    """tiny_gpt2_task with the width changed (64 -> 128) under the same task name: an edited
+    model."""
+    task = tiny_gpt2_task()
+    task.model = lambda: make_model(n_layer=2, n_embd=128, n_head=2, seq_len=32)
+    return task
+
+
+def tuple_batches_task() -> autoprec.Task:
+    """The most common PyTorch loop: (inputs, labels) batches and a loss_fn that calls
+    model(inputs) itself."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    batches = [(torch.randn(16, 32), torch.randint(0, 8, (16,))) for _ in range(3)]
+
+    def loss_fn(m, batch):
+        inputs, labels = batch
+        return torch.nn.functional.cross_entropy(m(inputs), labels)
+
+    return autoprec.Task(model=model, batches=batches, loss_fn=loss_fn, name="tuples",
+                         device="cpu")
+
+
+def no_layer_task() -> autoprec.Task:
+    """A model with nothing to tune: no linear, conv, attention or matmul."""
+    model = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.ReLU())
+    return autoprec.Task(model=model, batches=[torch.randn(4, 8)] * 3,
+                         loss_fn=lambda m, b: m(b).square().mean(), name="no-layer",
+                         device="cpu")
+
+
+NOT_A_FUNCTION = 42

@@ -21,7 +21,7 @@ from autoprec.formats import Format
 from autoprec.measure.capture import capture
 from autoprec.measure.sensitivity import _ReferenceProbe, _RoundedCallCounter
 from autoprec.measure.timing import _fp8_note, _Inputs
-from autoprec.profile import LayerProfile
+from autoprec.profiling import LayerProfile
 from autoprec.runtime import calls
 
 

@@ -299,3 +299,27 @@ def test_a_module_that_computes_by_what_it_runs_is_watched_and_demoted():
     assert "1" not in guard.watched  # fp32 now: nothing left to watch
     assert [(e.fqn, e.old, e.new) for e in events] == [("1", Format.FP16, Format.FP32)], events
     assert torch.isfinite(model(x)).all()
+
+
+@pytest.mark.parametrize("culprit", ["lm_head", "transformer.h.0.attn.c_attn",
+                                     "transformer.h.0.mlp.c_fc"])
+def test_nan_out_of_an_fp32_layer_demotes_nobody_and_warns_naming_it(culprit, caplog):
+    """The last, the first or a middle layer, kept in fp32 by the policy, emits NaN. Its bf16
+    neighbours see non-finite inputs or gradients that are not their fault: nothing is
+    demoted, and a WARNING names where the NaN starts (nothing will fix itself)."""
+    model = tiny_gpt2().train()
+    # the layer's output turns NaN (a forward hook: GPT-2's lm_head shares its weight with the
+    # embedding, so a NaN weight would start at the embedding)
+    model.get_submodule(culprit).register_forward_hook(lambda m, a, out: out * float("nan"))
+    autoprec.apply(model, Policy(default="bf16", layers={culprit: "fp32"}), guard=True)
+    guard = get_guard(model)
+    batch = byte_batches(1, 4, 32, seed=1)[0]
+    with caplog.at_level("WARNING", logger="autoprec.runtime.guard"):
+        for _ in range(5):
+            loss = model(**batch).loss
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+            assert guard.step() == []
+    assert math.isnan(loss.item()) and guard.events == []
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and f"`{culprit}`" in warned[0] and "fp32" in warned[0], warned

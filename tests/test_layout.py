@@ -89,3 +89,17 @@ def test_applying_a_policy_loads_no_tuning_library():
                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", f"the production path imported {out.stdout.strip()}"
+
+
+def test_public_functions_are_not_shadowed_by_submodules():
+    # importing a submodule binds it as an attribute of its package: a module named like a
+    # public function (autoprec/profile.py next to autoprec.profile) would replace the function
+    import importlib
+
+    import autoprec
+
+    for name in _modules():
+        importlib.import_module(name)
+    for name in autoprec.__all__:
+        value = getattr(autoprec, name)
+        assert not isinstance(value, type(autoprec)), f"autoprec.{name} is a module"

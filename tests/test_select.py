@@ -10,7 +10,7 @@ from test_timer import BurstyMachine
 from autoprec import Policy
 from autoprec.measure.capture import Layer
 from autoprec.measure.timer import Comparison
-from autoprec.profile import LayerProfile, Profile
+from autoprec.profiling import LayerProfile, Profile
 from autoprec.tuning.config import TimingConfig
 from autoprec.tuning.select import Finalist, precision_cost, select
 

@@ -81,7 +81,7 @@ _GUARD_ATTR = "_autoprec_guard"
 _BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 # What the hooks record per watched layer: outputs, inputs (suspects only), the gradient at the
 # output, the gradients of the layer's own parameters.
-_KINDS = ("out", "in", "grad", "wgrad")
+_KINDS = ("out", "in", "grad", "ingrad", "wgrad")
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,8 @@ class GuardEvent:
     # What was measured, e.g. "26% of outputs overflow fp16 max 65504 (amax inf); 2 steps in
     # a row".
     reason: str
-    # "outputs", "gradients" (at the layer's output) or "weight gradients".
+    # "outputs", "gradients" (at the layer's output, beyond its format's range), "weight
+    # gradients", or "backward" (it sent non-finite gradients upstream).
     where: str
 
     def to_dict(self) -> dict[str, Any]:
@@ -204,6 +205,11 @@ def _read(tensors: list[torch.Tensor]) -> list[float]:
     return out
 
 
+def _is_ancestor(a: str, b: str) -> bool:
+    """Whether module ``a`` contains module ``b`` (fqns)."""
+    return a == "" or b.startswith(a + ".")
+
+
 def _amax(mn: float, mx: float) -> float:
     if math.isnan(mn) or math.isnan(mx):
         return math.nan
@@ -239,6 +245,10 @@ class _Watch:
                 x = _first_tensor(kwargs)
             if x is not None and x.is_floating_point():
                 _record(g._amax["in"], self.fqn, x.detach())
+                if g.config.check_gradients and x.requires_grad:
+                    # the gradient this layer's backward sends upstream (plus what other
+                    # readers of x add): finite means its backward did not make it non-finite
+                    x.register_hook(self.input_grad_hook)
             _record_fraction(g._frac["out"], self.fqn, d, self.limit)
         if g.config.check_gradients and out.requires_grad:
             out.register_hook(self.grad_hook)
@@ -251,6 +261,10 @@ class _Watch:
             _record_fraction(g._frac["grad"], self.fqn, grad, self.limit)
         return None
 
+    def input_grad_hook(self, grad):
+        _record(self.guard._amax["ingrad"], self.fqn, grad)
+        return None
+
     def weight_grad_hook(self, grad):
         g = self.guard
         _record(g._amax["wgrad"], self.fqn, grad)
@@ -259,10 +273,52 @@ class _Watch:
         return None
 
 
+class _Diagnosis:
+    """For one training forward, every module's first input and output, reduced on the device:
+    the first module (in the order modules finish) whose output is non-finite while its input
+    was finite is where non-finite values start."""
+
+    def __init__(self, model: nn.Module, *, under: str | None = None,
+                 skip: frozenset[str] = frozenset()):
+        """Every module, or (``under``) the strict descendants of one, less ``skip``."""
+        self.records: list[tuple[str, torch.Tensor | None, torch.Tensor]] = []
+        prefix = None if under is None else (f"{under}." if under else "")
+        self.handles = [m.register_forward_hook(partial(self.hook, fqn), with_kwargs=True)
+                        for fqn, m in model.named_modules()
+                        if fqn not in skip and (prefix is None or (fqn.startswith(prefix)
+                                                                   and fqn != under))]
+
+    def hook(self, fqn: str, module, args, kwargs, output):
+        if not torch.is_grad_enabled():
+            return None
+        out = _first_tensor(output)
+        if out is None or not out.is_floating_point() or out.numel() == 0:
+            return None
+        x = _first_tensor(args) if _first_tensor(args) is not None else _first_tensor(kwargs)
+        x_sum = x.detach().float().sum() if x is not None and x.is_floating_point() else None
+        self.records.append((fqn, x_sum, out.detach().float().sum()))
+        return None
+
+    def culprit(self) -> str | None:
+        values = _read([t for _, x, o in self.records for t in (o, x) if t is not None])
+        it = iter(values)
+        for fqn, x, _ in self.records:
+            out_ok = math.isfinite(next(it))
+            in_ok = True if x is None else math.isfinite(next(it))
+            if not out_ok and in_ok:
+                return fqn
+        return None
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
 @dataclass
 class _Failure:
     fqn: str
-    where: str  # "outputs" | "gradients" | "weight gradients"
+    where: str  # "outputs" | "gradients" | "weight gradients" | "backward"
     amax: float
     fraction: float | None
     scale: float | None = None
@@ -356,6 +412,13 @@ class Guard:
         self._step = 0
         self._counts: dict[str, int] = {}
         self._suspects: set[str] = set()
+        # the one-step watch of every module after an unexplained failure, and who was named
+        self._diagnosis: _Diagnosis | None = None
+        self._warned: set[str | None] = set()
+        # suspect -> probe of its unwatched descendants; this step's finds; the origin named
+        self._probes: dict[str, _Diagnosis] = {}
+        self._child_faults: dict[str, str] = {}
+        self._origin: str | None = None
         self._reset_records()
 
     # ---------------------------------------------------------------- attach / detach
@@ -436,6 +499,12 @@ class Guard:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self._diagnosis is not None:
+            self._diagnosis.close()
+            self._diagnosis = None
+        for probe in self._probes.values():
+            probe.close()
+        self._probes = {}
 
     def _reset_records(self) -> None:
         # fqn -> (min, max), or (sum, sum), as 0-d tensors on the device (see _record), folded
@@ -466,8 +535,11 @@ class Guard:
             self.detach()
             return []
         recorded, fractions = self._amax, self._frac
+        diagnosis, self._diagnosis = self._diagnosis, None
         self._reset_records()
         if not recorded["out"] and not recorded["grad"] and not recorded["wgrad"]:
+            if diagnosis is not None:
+                diagnosis.close()
             return []  # no training step since the last call
 
         # one host sync for everything recorded in this step
@@ -478,10 +550,15 @@ class Guard:
                 for k in _KINDS}
         frac = {k: {fqn: next(values) for fqn in fractions[k]} for k in _KINDS}
 
+        self._child_faults = {fqn: c for fqn, p in self._probes.items()
+                              if (c := p.culprit()) is not None}
+        self._origin = None
         failure, cleared = self._blame(amax, frac, scaler if scaler is not None else self.scaler)
         blamed = failure.fqn if failure is not None else None
         self._counts = {blamed: self._counts.get(blamed, 0) + 1} if blamed else {}
         self._suspects = cleared | ({blamed} if blamed else set())
+        self._probe_suspects()
+        self._explain(diagnosis, failed=failure is None and bool(cleared))
         if failure is None:
             return []
         count = self._counts[blamed]
@@ -502,31 +579,45 @@ class Guard:
             limit = math.inf if kind == "wgrad" else limits.get(fqn)
             return a is not None and limit is not None and _bad(a, limit)
 
-        # Outputs, in forward order: the first failing layer whose inputs were finite.
+        # Outputs, in the order layers finish: the first failing layer whose inputs were
+        # finite. One whose input was already non-finite is cleared, and so is every later
+        # failing layer downstream of the same fault, except its ancestors (an attention core
+        # computes the input of its own c_proj); a suspect whose unwatched descendant (a
+        # child the policy keeps in fp32) made the first non-finite values is cleared too.
         fwd_failed = False
+        last_cleared = None
         for fqn, a in amax["out"].items():
             if not bad("out", fqn):
                 continue
             fwd_failed = True
+            if last_cleared is not None and not _is_ancestor(fqn, last_cleared):
+                break
+            if fqn in self._child_faults:
+                cleared.add(fqn)
+                self._origin = self._child_faults[fqn]
+                break
             a_in = amax["in"].get(fqn)
             if a_in is not None and not math.isfinite(a_in):
                 cleared.add(fqn)  # its input was already non-finite: the fault is upstream
+                last_cleared = fqn
                 continue
             return _Failure(fqn, "outputs", a, frac["out"].get(fqn)), cleared
         if fwd_failed:
             return None, cleared  # only layers cleared of blame failed; nothing to demote
 
         # Gradients. A layer whose own weight gradient is non-finite while the gradient at its
-        # output is finite overflowed in its own backward: certain. Otherwise the first layer,
-        # in backward order, whose output gradient fails.
+        # output is finite overflowed in its own backward: certain. Otherwise, in backward
+        # order, the first layer whose output gradient fails: beyond its format's range but
+        # finite, its format is too narrow for it (its fault); non-finite, it arrived that way
+        # (not its fault): the layer whose backward ran just before, its own output gradient
+        # finite, made it so, unless its input gradient was seen finite.
         own = [f for f in amax["wgrad"] if bad("wgrad", f) and not bad("grad", f)]
-        first = next((f for f in amax["grad"] if bad("grad", f)), None)
         if own:
             failure = _Failure(own[0], "weight gradients", amax["wgrad"][own[0]],
                                frac["wgrad"].get(own[0]))
-        elif first is not None:
-            failure = _Failure(first, "gradients", amax["grad"][first], frac["grad"].get(first))
         else:
+            failure = self._backward_culprit(amax, frac, bad, cleared)
+        if failure is None:
             return None, cleared
         if scaler is not None and scaler.is_enabled():
             failure.scale = float(scaler.get_scale())
@@ -537,9 +628,75 @@ class Guard:
                 return None, cleared
         return failure, cleared
 
+    def _backward_culprit(self, amax, frac, bad, cleared: set[str]) -> _Failure | None:
+        order = list(amax["grad"])
+        for i, fqn in enumerate(order):
+            if not bad("grad", fqn):
+                continue
+            a = amax["grad"][fqn]
+            if i == 0 and not math.isfinite(a):
+                cleared.add(fqn)
+                return None  # non-finite from the loss, or layers the guard does not watch
+            if math.isfinite(a) or self._watched.get(fqn) is Format.FP16:
+                # beyond its format's range; or an fp16 layer, whose output (so the gradient
+                # computed for it) is FP16: overflowed there, after a finite gradient upstream
+                return _Failure(fqn, "gradients", a, frac["grad"].get(fqn))
+            # non-finite in a layer whose gradients have FP32's range: it arrived that way
+            cleared.add(fqn)
+            before = order[i - 1]
+            ingrad = amax["ingrad"].get(before)
+            if ingrad is not None and math.isfinite(ingrad):
+                cleared.add(before)
+                return None
+            return _Failure(before, "backward", amax["grad"][before], frac["grad"].get(before))
+        return None
+
+    def _probe_suspects(self) -> None:
+        """Watch, next step, the unwatched descendants of each suspect (children the policy
+        keeps in fp32): whether its failure is theirs."""
+        for probe in self._probes.values():
+            probe.close()
+        skip = frozenset(self._watched)
+        self._probes = {fqn: _Diagnosis(self.model, under=fqn, skip=skip)
+                        for fqn in self._suspects if self.model is not None}
+        self._probes = {f: p for f, p in self._probes.items() if p.handles}
+
+    def _explain(self, diagnosis: _Diagnosis | None, *, failed: bool) -> None:
+        """A step went non-finite and nothing the guard can demote caused it: name where the
+        non-finite values start (a WARNING: nothing will fix itself), from the suspects' probes
+        or, failing those, by watching every module once on the next step."""
+        culprit = self._origin
+        if diagnosis is not None:
+            culprit = culprit if culprit is not None else diagnosis.culprit()
+            diagnosis.close()
+        if not failed:
+            return
+        if culprit is None and diagnosis is None:
+            if self.model is not None:
+                self._diagnosis = _Diagnosis(self.model)
+            return
+        if culprit not in self._warned:
+            self._warned.add(culprit)
+            logger.warning("autoprec guard: step %d: %s", self._step, self._unexplained(culprit))
+
+    def _unexplained(self, culprit: str | None) -> str:
+        head = ("the training step is non-finite and no layer the guard can demote made it "
+                "so (nothing to demote)")
+        if culprit is None:
+            return (f"{head}: no module's output was non-finite, so the loss computation or "
+                    "the data is; check the batch and the loss function.")
+        module = self.model.get_submodule(culprit)
+        fmt = self.policy.format_for(culprit) if self.policy is not None else None
+        return (f"{head}: the first non-finite values come out of `{culprit or '(root)'}` "
+                f"({type(module).__name__}, {fmt} under the policy) while its inputs were "
+                "finite; check its weights and inputs.")
+
     def _describe(self, f: _Failure) -> str:
         """What was measured, e.g. "12% of outputs overflow fp16 max 65504 (amax inf)"."""
         fmt = self._watched.get(f.fqn, Format.FP32)
+        if f.where == "backward":
+            return ("the gradients its backward sent upstream were non-finite, the gradient "
+                    "reaching it was finite" + (f", loss scale {f.scale:g}" if f.scale else ""))
         share = None if f.fraction is None else f"{_pct(f.fraction)} of {f.where}"
         exact = fmt is Format.FP16 and f.where != "weight gradients"  # checked by aminmax
         if exact and math.isnan(f.amax):

@@ -49,7 +49,7 @@ class TimingConfig:
     # interval too narrow), then added four at a time.
     final_rounds: int = 10
     # The final re-timing stops at this many rounds or this many seconds, decided or not.
-    max_final_rounds: int = 30
+    max_final_rounds: int = 40
     final_seconds: float = 180.0
     # A/A noise (a true tie measured this far from 1) above which the machine is too noisy to
     # decide a winner by timing.

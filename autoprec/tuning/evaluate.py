@@ -17,7 +17,7 @@ from autoprec.formats import Format
 from autoprec.measure.numerics import Deviation, Numerics, prepare_for_measurement
 from autoprec.measure.timer import Comparison, StepTimer, noise_of, quantile
 from autoprec.policy import Interval, Policy, model_fingerprint
-from autoprec.profile import Profile
+from autoprec.profiling import Profile
 from autoprec.task import Task, default_loss
 from autoprec.tuning.config import TimingConfig
 from autoprec.tuning.space import expand

@@ -19,7 +19,7 @@ def validate_front(result: TuneResult, task: Task, *, steps: int, tolerance: flo
     """Validate the winner by training ``steps`` steps; when it fails, try the next-fastest
     policies on the Pareto front (at most ``max_candidates``), and as a last resort all-fp32.
     Returns the result with ``policy``, ``best`` and ``validation`` set to what passed."""
-    from autoprec.validate import validate
+    from autoprec.validation import validate
 
     units = result.units or {u: [u] for u in result.best.assignment}
     candidates = [result.best] + [t for t in result.pareto if t.number != result.best.number]

@@ -17,7 +17,7 @@ import torch
 from autoprec._util import atomic_write
 from autoprec.formats import Format
 from autoprec.policy import Budget, Interval, Policy, Provenance
-from autoprec.profile import Profile
+from autoprec.profiling import Profile
 from autoprec.task import Task
 from autoprec.tuning.select import Selection
 

@@ -12,8 +12,11 @@ never crown a winner on noise.
 3. **Decision**: among the finalists within noise of the leader, prefer the one the profile
    predicts faster, then the more precise one (less of its matmul work in low precision, then
    the smaller loss change), and say so.
-4. **Noise**: when the A/A check says the machine is too noisy to tell (``noise_limit``), the
-   verdict says so, with the measured spread and what helps, and claims nothing.
+4. **Noise**: noise never stops the re-timing early (more rounds narrow the intervals). When,
+   at the end, the A/A check says the machine was too noisy to tell (``noise_limit``), the
+   verdict says so, with the measured spread and what helps, claims nothing beyond the
+   intervals, and breaks ties by the measured point estimates rather than the profile (which
+   was measured on the same noisy machine).
 
 With a cost-model ``target`` the prices are exact: the cheapest feasible policy wins, ties go
 to the more precise one.
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 from autoprec.formats import Format
 from autoprec.measure.timer import noise_of
 from autoprec.policy import Interval, Policy
-from autoprec.profile import Profile
+from autoprec.profiling import Profile
 from autoprec.tuning.config import TimingConfig
 from autoprec.tuning.evaluate import Evaluator
 from autoprec.tuning.space import expand
@@ -123,8 +126,8 @@ def select(ev: Evaluator, finalists: list[Finalist], warm: int | None, cfg: Timi
         started = time.perf_counter()
         while True:
             state = _State(cmp, by_number, ev, warm, cfg)
-            done = ((state.decided or state.equivalent) and not state.contradicting) \
-                or state.too_noisy(cfg)
+            # a noisy machine is no reason to stop: more rounds are what narrows the intervals
+            done = (state.decided or state.equivalent) and not state.contradicting
             spent = time.perf_counter() - started
             if done or cmp.n_rounds >= cfg.max_final_rounds or spent >= cfg.final_seconds:
                 break
@@ -169,15 +172,22 @@ def _verdict(state: _State, cmp, by_number: dict[int, Finalist], ev: Evaluator,
              warm: int | None, cfg: TimingConfig) -> Selection:
     noise = noise_of(state.aa)
     too_noisy = state.too_noisy(cfg)
-    ranked = _prefer([by_number[k] for k in state.contenders], ev.prof)
+    contenders = [by_number[k] for k in state.contenders]
+    if too_noisy:
+        # the per-layer profile was measured on the same noisy machine: the timing of the
+        # policies themselves, many interleaved rounds, is the better evidence left
+        ranked = sorted(contenders, key=lambda f: (-state.speedup[f.number].value,
+                                                   precision_cost(f.policy, ev.prof)))
+    else:
+        ranked = _prefer(contenders, ev.prof)
     winner = ranked[0].number
     notes = []
     if too_noisy:
         notes.append(f"the machine was too noisy to decide by timing: fp32 measured against "
-                     f"itself came out at {state.aa} (a true tie measured up to {noise:.0%} "
-                     f"off); the policy the profile predicts fastest among the "
-                     f"{len(ranked)} that timing could not tell apart was kept. What helps: "
-                     f"{NOISE_ADVICE}")
+                     f"itself came out at {state.aa} after {cmp.n_rounds} rounds (a true tie "
+                     f"measured up to {noise:.0%} off); of the {len(ranked)} policies timing "
+                     "could not tell apart, the fastest as measured was kept (the per-layer "
+                     f"profile was measured on the same machine). What helps: {NOISE_ADVICE}")
     elif len(ranked) > 1:
         same = (f" (all within {cfg.equivalence:.0%} of each other)" if state.equivalent
                 else "")

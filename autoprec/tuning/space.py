@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from autoprec.formats import FORMAT_ORDER, Format
 from autoprec.policy import Policy
-from autoprec.profile import Profile
+from autoprec.profiling import Profile
 from autoprec.tuning.config import Grouping
 
 __all__ = ["group_layers", "SearchSpace", "assignment_policy", "expand"]
@@ -44,7 +44,7 @@ class SearchSpace:
     units: dict[str, list[str]]
     # unit -> format values offered (fp32 always)
     choices: dict[str, list[str]]
-    # format value -> units it was not offered for, and why (one line each)
+    # format value -> "unit: why" for each unit it was not offered for
     pruned: dict[str, list[str]] = field(default_factory=dict)
 
     @classmethod
@@ -62,13 +62,25 @@ class SearchSpace:
             for fmt in fmts:
                 if fmt is Format.FP32:
                     continue
-                t = sum(prof.seconds(f, fmt) for f in fqns)
-                if all(prof.allows(f, fmt) for f in fqns) and math.isfinite(t) and t < t32:
-                    allowed.append(fmt.value)
+                why = _not_offered(prof, fqns, fmt, t32)
+                if why:
+                    space.pruned.setdefault(fmt.value, []).append(f"{unit}: {why}")
                 else:
-                    space.pruned.setdefault(fmt.value, []).append(unit)
+                    allowed.append(fmt.value)
             space.choices[unit] = allowed
         return space
+
+    def pruned_summary(self) -> list[str]:
+        """One line per format that some units were not offered, with the reasons counted."""
+        out = []
+        for fmt, entries in self.pruned.items():
+            reasons: dict[str, int] = {}
+            for entry in entries:
+                why = entry.split(": ", 1)[1]
+                reasons[why] = reasons.get(why, 0) + 1
+            detail = "; ".join(f"{why} ({n})" for why, n in reasons.items())
+            out.append(f"not offered: {fmt} on {len(entries)} of {len(self.units)} units: {detail}")
+        return out
 
     @property
     def size(self) -> int:
@@ -78,6 +90,21 @@ class SearchSpace:
         """Every unit in ``fmt`` where it is offered, else fp32."""
         return {u: fmt.value if fmt.value in c else Format.FP32.value
                 for u, c in self.choices.items()}
+
+
+def _not_offered(prof: Profile, fqns: Sequence[str], fmt: Format, t32: float) -> str:
+    """Why ``fmt`` is not offered for a unit of these layers ("" when it is)."""
+    lps = [prof.layer(f) for f in fqns]
+    if any(fmt in lp.skipped for lp in lps):
+        return "cannot win here (numerics not measured)"
+    if fmt is Format.FP8 and any(lp.fp8_blocker for lp in lps):
+        return "FP8 does not take its matmuls"
+    if not all(prof.allows(f, fmt) for f in fqns):
+        return "non-finite"
+    t = sum(prof.seconds(f, fmt) for f in fqns)
+    if not (math.isfinite(t) and t < t32):
+        return "not faster than fp32 in the profile"
+    return ""
 
 
 def assignment_policy(units: Mapping[str, Sequence[str]], choice: Mapping[str, str], *,

@@ -18,12 +18,16 @@ stored in the study's user attributes, so a second worker skips profiling.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import math
 import os
 import re
+import signal
+import sys
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -32,10 +36,11 @@ from typing import Any
 import optuna
 
 from autoprec._util import log as _log
+from autoprec._util import tensors
 from autoprec.formats import Support, supported_formats
-from autoprec.policy import Interval, Policy
-from autoprec.profile import Profile
-from autoprec.profile import profile as run_profile
+from autoprec.policy import Interval, Policy, model_fingerprint
+from autoprec.profiling import Profile
+from autoprec.profiling import profile as run_profile
 from autoprec.task import Task
 from autoprec.tuning.config import TuneConfig
 from autoprec.tuning.evaluate import Evaluator
@@ -61,20 +66,25 @@ def tune(task: Task, config: TuneConfig | None = None, *, prof: Profile | None =
     ``max_grad_error`` for the budget). ``prof`` reuses a profile instead of measuring one.
     """
     config = (config or TuneConfig()).replace(**options)
+    with _Interrupts().installed() as interrupts:
+        return _tune(task, config, prof, progress, interrupts)
+
+
+def _tune(task: Task, config: TuneConfig, prof: Profile | None, progress: bool,
+          interrupts: _Interrupts) -> TuneResult:
     log = partial(_log, enabled=progress)
     if len(task.batches) < 2:
         raise ValueError("tune needs at least 2 calibration batches: some to profile, "
                          f"some held out to judge policies; the task has {len(task.batches)}.")
     _note_emulated(task, config, log)
     n_holdout = min(config.n_holdout, len(task.batches) - 1)
-    study = _open_study(task, config)
+    study = _open_study(task, config, log)
     prof = _stored_profile(study, task, config, prof, task.batches[:-n_holdout], progress)
     space = SearchSpace.build(prof, config.formats, config.grouping)
     log(f"search space: {len(space.units)} units over {len(prof.layers)} layers x "
         f"{len(config.formats)} formats")
-    for f, units in space.pruned.items():
-        log(f"not offered: {f} on {len(units)} of {len(space.units)} units (non-finite, no FP8 "
-            "kernel for the shape, or not faster than fp32 in the profile)")
+    for line in space.pruned_summary():
+        log(line)
     ev = Evaluator(task, task.batches[-n_holdout:], prof=prof, target=config.target,
                    timing=config.timing)
     if ev.aa is not None:
@@ -84,7 +94,7 @@ def tune(task: Task, config: TuneConfig | None = None, *, prof: Profile | None =
             log(f"warning: this machine is noisy (a tie measured up to {ev.noise:.0%} off): "
                 f"timing may not be able to separate policies. What helps: {NOISE_ADVICE}")
     _enqueue_warm_starts(study, prof, space, config, log)
-    _optimize(study, _Objective(ev, space, config, log), space, config, log)
+    _optimize(study, _Objective(ev, space, config, log), space, config, log, interrupts)
     return _decide(study, task, ev, space, config, prof, log)
 
 
@@ -100,20 +110,47 @@ def _note_emulated(task: Task, config: TuneConfig, log: Callable[[str], None]) -
 
 
 # ------------------------------------------------------------------------- study
-def _open_study(task: Task, config: TuneConfig) -> optuna.Study:
+def _identity(task: Task) -> dict[str, Any]:
+    """What a study's trials are only valid for: the model's layers and the batches' shapes."""
+    def shapes(batch: Any) -> list:
+        return [list(t.shape) for t in tensors(batch)]
+
+    return {"fingerprint": model_fingerprint(task.build_model()),
+            "batches": shapes(task.batches[0]),
+            "shape_batch": None if task.shape_batch is None else shapes(task.shape_batch)}
+
+
+def _open_study(task: Task, config: TuneConfig, log: Callable[[str], None]) -> optuna.Study:
+    """The study of this task, model, batch shapes and objective: resumed when it exists, else
+    new (saying so when the same task had a study for another model or objective)."""
     output = config.output or f"autoprec-{re.sub(r'[^A-Za-z0-9_.-]', '_', task.name)}.yaml"
     storage, url = open_storage(config.storage, os.path.splitext(output)[0] + ".study.db")
+    identity = _identity(task)
     name = config.study_name
     if name is None:
         key = json.dumps({"formats": [f.value for f in config.formats],
                           "budget": config.budget.to_dict(), "target": config.target,
-                          "groups": str(config.grouping)}, sort_keys=True)
+                          "groups": str(config.grouping), **identity}, sort_keys=True)
         name = f"{task.name}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+    others = [s.study_name for s in storage.get_all_studies()]
     sampler = optuna.samplers.TPESampler(seed=config.seed, multivariate=True,
                                          n_startup_trials=8)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(study_name=name, storage=storage, sampler=sampler,
                                 directions=["minimize", "minimize"], load_if_exists=True)
+    stored = study.user_attrs.get("identity")
+    if stored is None:
+        study.set_user_attr("identity", identity)
+        older = [o for o in others if o != name and o.startswith(f"{task.name}-")]
+        if older and config.study_name is None:
+            log(f"the model, its batch shapes or the objective differ from those of study "
+                f"{older[-1]} in {url}: starting a fresh study {name}")
+    elif stored != identity:
+        what = "model (its layers or weight shapes)" if stored.get("fingerprint") != \
+            identity["fingerprint"] else "batch shapes"
+        raise ValueError(f"Study {name} in {url} was made for another {what}; its trials do not "
+                         "apply to this one. Give this tune a new --study name, or a new -o path "
+                         "(the default study lives beside the policy).")
     study.set_user_attr("storage_url", url)
     return study
 
@@ -138,15 +175,27 @@ def _stored_profile(study: optuna.Study, task: Task, config: TuneConfig, prof: P
 
 def _enqueue_warm_starts(study: optuna.Study, prof: Profile, space: SearchSpace,
                          config: TuneConfig, log: Callable[[str], None]) -> None:
-    """All-fp32, each uniform format and the integer program's solutions, once per study."""
-    if study.user_attrs.get("warm_started"):
+    """All-fp32, each uniform format and the integer program's solutions, once per study; a
+    warm start whose trial failed (interrupted, killed) is queued again on a rerun."""
+    if not study.user_attrs.get("warm_started"):
+        study.set_user_attr("warm_started", True)
+        budgets = [b * config.budget.max_loss_increase for b in config.milp_budgets]
+        starts = warm_starts(prof, space, config.formats, budgets)
+        study.set_user_attr("warm_starts", json.dumps(starts))
+        for origin, choice in starts:
+            study.enqueue_trial(choice, user_attrs={"origin": origin})
+        log(f"enqueued {len(starts)} warm starts")
         return
-    study.set_user_attr("warm_started", True)
-    budgets = [b * config.budget.max_loss_increase for b in config.milp_budgets]
-    starts = warm_starts(prof, space, config.formats, budgets)
-    for origin, choice in starts:
+    live = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.WAITING,
+            optuna.trial.TrialState.RUNNING)
+    have = [t.params or t.system_attrs.get("fixed_params")
+            for t in study.get_trials(deepcopy=False, states=live)]
+    lost = [(o, c) for o, c in json.loads(study.user_attrs.get("warm_starts", "[]"))
+            if c not in have]
+    for origin, choice in lost:
         study.enqueue_trial(choice, user_attrs={"origin": origin})
-    log(f"enqueued {len(starts)} warm starts")
+    if lost:
+        log(f"queued {len(lost)} warm start(s) again: their trials did not complete")
 
 
 # ------------------------------------------------------------------------- trials
@@ -207,24 +256,93 @@ def _set_constraints(trial: optuna.Trial, cons) -> None:
         trial.set_constraint("grad_error", float(cons[1]))
 
 
+class _Stop:
+    """Stops the study once ``target`` distinct policies are complete (a repeated proposal
+    reuses its earlier measurement and does not count), after ``cap`` attempts in this run
+    (a sampler that keeps proposing measured policies), or on an interrupt."""
+
+    def __init__(self, target: int, cap: int, interrupts: _Interrupts):
+        self.target, self.cap, self.interrupts, self.attempts = target, cap, interrupts, 0
+
+    def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        self.attempts += 1
+        if (_distinct(study) >= self.target or self.attempts >= self.cap
+                or self.interrupts.count):
+            study.stop()
+
+
+def _distinct(study: optuna.Study) -> int:
+    """Distinct policies measured (two workers may measure one at the same time)."""
+    return len({tuple(sorted(t.params.items()))
+                for t in study.get_trials(deepcopy=False, states=_COMPLETE)})
+
+
 def _optimize(study: optuna.Study, objective: _Objective, space: SearchSpace,
-              config: TuneConfig, log: Callable[[str], None]) -> None:
+              config: TuneConfig, log: Callable[[str], None], interrupts: _Interrupts) -> None:
     n_trials = config.n_trials
     if space.size < n_trials:
         log(f"the search space holds only {space.size} policies: running {space.size} trials")
         n_trials = space.size
-    done = len(study.get_trials(deepcopy=False, states=_COMPLETE))
+    done = _distinct(study)
     remaining = max(0, n_trials - done)
     if done:
-        log(f"resuming study {study.study_name}: {done} trials complete, {remaining} to go")
+        log(f"resuming study {study.study_name}: {done} distinct policies measured, "
+            f"{remaining} to go")
     if not remaining:
         return
-    with warnings.catch_warnings():
+    stop = _Stop(n_trials, cap=3 * remaining + 8, interrupts=interrupts)
+    with warnings.catch_warnings(), interrupts.during(study):
         # said once above; every trial would repeat it
         warnings.filterwarnings("ignore", message=".*can only emulate.*")
-        study.optimize(objective, n_trials=remaining, timeout=config.timeout,
-                       catch=(RuntimeError,),
-                       callbacks=[optuna.study.MaxTrialsCallback(n_trials, states=_COMPLETE)])
+        study.optimize(objective, timeout=config.timeout, catch=(RuntimeError,),
+                       callbacks=[stop])
+    if interrupts.count:
+        raise KeyboardInterrupt(f"interrupted after {_distinct(study)} distinct policies")
+    if _distinct(study) < n_trials and stop.attempts >= stop.cap:
+        log(f"the sampler kept proposing policies it had measured: stopping at "
+            f"{_distinct(study)} distinct policies")
+
+
+class _Interrupts:
+    """Ctrl-C during the search finishes the running trial and stops the study cleanly (so no
+    trial is left half-written); a second Ctrl-C exits at once. Elsewhere (profiling, the
+    final re-timing) an interrupt stops at once: nothing in the study is at risk there."""
+
+    def __init__(self):
+        self.count = 0
+        self.study: optuna.Study | None = None
+
+    def _handler(self, signum, frame) -> None:
+        self.count += 1
+        if self.count > 1 or self.study is None:
+            if self.count > 1:
+                print("\ninterrupted again: exiting now", file=sys.stderr, flush=True)
+                os._exit(130)
+            raise KeyboardInterrupt
+        print("\ninterrupt: finishing the running trial, then stopping (Ctrl-C again to quit "
+              "at once)", file=sys.stderr, flush=True)
+        self.study.stop()
+
+    @contextlib.contextmanager
+    def installed(self):
+        """Handle SIGINT while tuning, in the main thread, unless someone else handles it."""
+        ours = (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+        if ours:
+            signal.signal(signal.SIGINT, self._handler)
+        try:
+            yield self
+        finally:
+            if ours:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    @contextlib.contextmanager
+    def during(self, study: optuna.Study):
+        self.study = study
+        try:
+            yield
+        finally:
+            self.study = None
 
 
 def _trial_result(t: optuna.trial.FrozenTrial, fp32_seconds: float) -> TrialResult:

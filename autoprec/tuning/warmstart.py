@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from autoprec.formats import Format
-from autoprec.profile import Profile
+from autoprec.profiling import Profile
 from autoprec.tuning.space import SearchSpace
 
 __all__ = ["warm_starts", "milp_assignments"]

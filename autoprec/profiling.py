@@ -272,7 +272,7 @@ def _device_name(device: torch.device) -> str:
 def profile(task, formats: Sequence[Format | str] = ("fp32", "bf16", "fp16", "fp8"), *,
             target: str | None = None, batches: Sequence[Any] | None = None,
             layers: Sequence[str] | None = None, n_batches: int = 1, progress: bool = True,
-            repeats: int = 5, budget_s: float = 5.0) -> Profile:
+            repeats: int = 8, budget_s: float = 5.0) -> Profile:
     """Measure every layer of ``task``'s model that computes, in every format.
 
     ``target=None`` times layers on the task's device; ``target="h100"`` (etc.) prices them
@@ -280,12 +280,21 @@ def profile(task, formats: Sequence[Format | str] = ("fp32", "bf16", "fp16", "fp
     task's first ``n_batches`` calibration batches. ``layers`` restricts the profile to these
     fqns. ``repeats`` and ``budget_s``: timing rounds per layer and seconds per layer x format.
     """
+    for name, value in (("n_batches", n_batches), ("repeats", repeats)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"profile({name}=...) must be a positive integer, got {value!r}.")
+    if target is not None:
+        from autoprec.costmodel import resolve_target
+
+        resolve_target(target)  # an unknown target fails here, before any measurement
     t_start = time.perf_counter()
     fmts = tuple(f for f in FORMAT_ORDER if f in {Format.parse(x) for x in formats})
     if Format.FP32 not in fmts:
         fmts = (Format.FP32, *fmts)
     model = task.build_model()
-    example = task.example_batch()
+    # what the loss function runs the model on: `(inputs, labels)` batches whose loss_fn calls
+    # model(inputs) are captured and timed as model(inputs)
+    example = task.model_call(model, task.example_batch())
     graph: LayerGraph = capture(model, example)
     chosen = _computing_layers(graph, layers)
     fqns = [L.fqn for L in chosen]
@@ -293,7 +302,7 @@ def profile(task, formats: Sequence[Format | str] = ("fp32", "bf16", "fp16", "fp
     # Speed first (measured, or priced at production shapes), then the numerics of only the
     # formats that can win: a format far slower than fp32 is never chosen for speed.
     if target is not None and task.shape_batch is not None:
-        chosen = _at_production_shapes(model, task.shape_batch, fqns)
+        chosen = _at_production_shapes(model, task.model_call(model, task.shape_batch), fqns)
     if target is None:
         log(f"timing {len(fqns)} layers x {len(fmts)} formats", progress)
         times = _own_times(measure_layers(model, example, fqns, fmts, repeats=repeats,

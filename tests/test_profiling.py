@@ -9,7 +9,7 @@ import pytest
 from tasks import overflow_gpt2_task, tiny_gpt2_task
 
 from autoprec import Format
-from autoprec.profile import Profile, profile
+from autoprec.profiling import Profile, profile
 
 
 @pytest.fixture(scope="module")
