@@ -70,7 +70,8 @@ def _cmd_tune(args) -> int:
                         budget=Budget(args.max_loss_increase, args.max_grad_error),
                         n_trials=args.n_trials, timeout=args.timeout, storage=args.storage,
                         study_name=args.study, target=args.target, seed=args.seed,
-                        grouping=args.groups, output=args.output)
+                        grouping=args.groups, output=args.output,
+                        couple=tuple(tuple(names) for names in args.couple))
     task = _load_task(args.task)
     result = tune(task, config)
     print(result.summary())
@@ -111,8 +112,10 @@ def _cmd_show(args) -> int:
     lines = [f"policy {args.policy}"]
     if policy.model_name:
         lines.append(f"  model: {policy.model_name}  fingerprint {policy.fingerprint or '-'}")
-    lines.append(f"  default: {policy.default}")
-    lines += [f"  {pattern}: {fmt}" for pattern, fmt in policy.layers.items()]
+    lines.append(f"  default: {policy.default.label}")
+    lines += [f"  {pattern}: {fmt.label}" for pattern, fmt in policy.layers.items()]
+    if any(f.is_fp8 for f in policy.formats_used()):
+        lines.append(f"  fp8: default recipe {policy.fp8_recipe}, engine {policy.fp8_engine}")
     if policy.tuned:
         lines += ["provenance:", _provenance_text(policy.provenance)]
     if prof is not None:
@@ -161,26 +164,25 @@ def _provenance_text(prov) -> str:
 
 def _layer_reasons(policy, prof, prof_path: str) -> str:
     from autoprec._util import text_table
-    from autoprec.formats import Format
 
     budget = policy.provenance.budget
     limit = budget.max_loss_increase if budget is not None else 0.01
     rows = []
+    mix: dict[str, float] = {}
     for lp in prof.layers:
         fmt = policy.format_for(lp.fqn)
-        if Format.FP8 not in prof.formats:
-            why = "fp8 not profiled"
-        else:
-            why = "" if fmt is Format.FP8 else prof.reason(lp.fqn, Format.FP8,
-                                                           max_loss_change=limit)
-        rows.append((lp.fqn, lp.layer.kind, fmt.value, f"{lp.layer.flops / 1e9:.3f}", why))
-    total = sum(lp.layer.flops for lp in prof.layers)
-    fp8 = sum(lp.layer.flops for lp in prof.layers if policy.format_for(lp.fqn) is Format.FP8)
+        why = prof.fp8_reason(lp.fqn, fmt, max_loss_change=limit)
+        rows.append((lp.fqn, lp.layer.kind, fmt.label, f"{lp.layer.flops / 1e9:.3f}", why))
+        mix[fmt.label] = mix.get(fmt.label, 0.0) + lp.layer.flops
+    total = max(sum(mix.values()), 1)
     where = f"cost model {prof.target}" if prof.target else f"measured on {prof.device}"
+    shares = ", ".join(f"{name} {flops / total:.1%}" for name, flops in
+                       sorted(mix.items(), key=lambda kv: -kv[1]))
     return (f"\nper layer (profile {prof_path}, {where}):\n"
-            + text_table(("layer", "kind", "format", "GFLOP", "why not fp8"), rows, indent="  ",
-                         rule=False)
-            + f"\n\nmatmul FLOPs in fp8: {fp8 / max(total, 1):.1%}")
+            + text_table(("layer", "kind", "format", "GFLOP", "why not fp8 / why this recipe"),
+                         rows, indent="  ", rule=False)
+            + "\n  (recipes: speed vs bf16 as profiled, loss change with the layer alone in it)"
+            + f"\n\nmatmul FLOPs by format: {shares}")
 
 
 def _cmd_diff(args) -> int:
@@ -193,23 +195,31 @@ def _cmd_diff(args) -> int:
     prof = Profile.load(prof_path) if prof_path is not None else None
     lines = []
     if a.default != b.default:
-        lines.append(f"default: {a.default} -> {b.default}")
+        lines.append(f"default: {a.default.label} -> {b.default.label}")
     for pattern in dict.fromkeys([*a.layers, *b.layers]):
         fa, fb = a.layers.get(pattern), b.layers.get(pattern)
         if fa != fb:
-            lines.append(f"{pattern}: {fa.value if fa else '(default ' + a.default.value + ')'}"
-                         f" -> {fb.value if fb else '(default ' + b.default.value + ')'}")
+            lines.append(f"{pattern}: {fa.label if fa else '(default ' + a.default.label + ')'}"
+                         f" -> {fb.label if fb else '(default ' + b.default.label + ')'}")
     differ = bool(lines)
     if prof is not None:
         changed = [(lp.fqn, a.format_for(lp.fqn), b.format_for(lp.fqn)) for lp in prof.layers
                    if a.format_for(lp.fqn) is not b.format_for(lp.fqn)]
         differ = differ or bool(changed)
         lines.append(f"resolved per layer ({len(changed)} of {len(prof.layers)} differ):")
-        lines += [f"  {f}: {x} -> {y}" for f, x, y in changed]
+        lines += [f"  {f}: {x.label} -> {y.label}" for f, x, y in changed]
     if not differ:
         lines.insert(0, "the two policies are the same")
     print("\n".join(lines))
     return 1 if differ else 0
+
+
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if len(names) < 2:
+        raise argparse.ArgumentTypeError(f"{text!r} names fewer than two layers; give sibling "
+                                         "names separated by commas, e.g. q_proj,k_proj,v_proj")
+    return names
 
 
 def _positive_int(text: str) -> int:
@@ -241,13 +251,15 @@ def _positive_float(text: str) -> float:
 
 def _parser() -> argparse.ArgumentParser:
     from autoprec.costmodel import DEVICES
+    from autoprec.formats import FP8_RECIPES
 
     ap = argparse.ArgumentParser(prog="autoprec", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     fmts = dict(nargs="+", default=["fp32", "bf16", "fp16", "fp8"],
-                choices=["fp32", "bf16", "fp16", "fp8"],
-                help="formats to consider (default: all four)")
+                choices=["fp32", "bf16", "fp16", "fp8", *(f"fp8:{r}" for r in FP8_RECIPES)],
+                help="formats to consider (default: all; fp8 means every FP8 recipe, "
+                     "fp8:<recipe> one of them)")
     target = dict(default=None, choices=list(DEVICES),
                   help="price speed with the cost model of this device instead of measuring "
                        f"here: {', '.join(DEVICES)}")
@@ -281,6 +293,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--groups", choices=["auto", "layer", "role"], default="auto",
                    help="one choice per layer, per role (transformer.h.*.mlp.c_fc) or auto")
+    p.add_argument("--couple", type=_names, action="append", default=[], metavar="A,B,...",
+                   help="sibling layers that share one choice because the model fuses them, "
+                        "e.g. --couple q_proj,k_proj,v_proj (repeatable)")
     p.add_argument("--validate-steps", type=int, default=0,
                    help="train this many steps to validate the winner; fall back along the "
                         "Pareto front if it fails")

@@ -1,13 +1,14 @@
-"""The precision policy: which format each layer computes in, as a YAML file (schema 1).
+"""The precision policy: which format each layer computes in, as a YAML file (schema 2).
 
 ```yaml
-autoprec: 1                     # schema version
+autoprec: 2                     # schema version (version 1 files read unchanged)
 model: {name: GPT2LMHeadModel, fingerprint: "sha256:..."}
 default: bf16                   # every layer not matched below
 layers:                         # fqn or glob -> format; the most specific match wins
   lm_head: fp32
-  "transformer.h.*.mlp.*": fp8
-fp8: {recipe: tensorwise}
+  "transformer.h.*.mlp.*": fp8              # the default recipe below
+  "model.layers.*.self_attn.k_proj": fp8:rowwise
+fp8: {recipe: tensorwise, engine: auto}     # what bare `fp8` means; who runs nn.Linear
 loss_scaling: {init_scale: 65536, growth_interval: 2000}
 tuned: {...}                    # provenance written by `tune`; informational
 ```
@@ -37,7 +38,7 @@ import yaml
 from torch import nn
 
 from autoprec._util import atomic_write
-from autoprec.formats import Format
+from autoprec.formats import FP8_RECIPES, Format
 
 __all__ = [
     "Policy",
@@ -51,12 +52,15 @@ __all__ = [
     "model_fingerprint",
 ]
 
-SCHEMA_VERSION = 1
-FP8_RECIPES = ("tensorwise",)
+# Version 2 added FP8 recipes per layer (`fp8:rowwise`) and `fp8: {engine: ...}`; version 1
+# files read unchanged (their `fp8` is tensorwise, the only recipe version 1 had).
+SCHEMA_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
+FP8_ENGINES = ("auto", "torchao", "autoprec")
 
 _TOP_KEYS = ("autoprec", "model", "default", "layers", "fp8", "loss_scaling", "tuned")
 _MODEL_KEYS = ("name", "fingerprint")
-_FP8_KEYS = ("recipe",)
+_FP8_KEYS = ("recipe", "engine")
 _LOSS_SCALING_KEYS = ("init_scale", "growth_interval")
 
 
@@ -262,8 +266,13 @@ class Policy:
     model_name: str | None = None
     # "sha256:<hex>" of the model's layer list, see model_fingerprint(); None = not checked.
     fingerprint: str | None = None
-    # FP8 scaling recipe; only "tensorwise" (dynamic per-tensor scales) exists so far.
+    # The FP8 recipe a bare `fp8` means (torchao's names: tensorwise, rowwise,
+    # rowwise_with_gw_hp); a layer may name its own (`fp8:rowwise`).
     fp8_recipe: str = "tensorwise"
+    # Who runs fp8 nn.Linear layers: torchao's Float8Linear ("torchao"), autoprec's own FP8
+    # matmul ("autoprec"), or torchao where it is installed ("auto"). The same numbers either
+    # way; everything that is not an nn.Linear always runs on autoprec's.
+    fp8_engine: str = "auto"
     # GradScaler settings for policies with fp16 layers.
     loss_scaling: LossScaling = field(default_factory=LossScaling)
     # Provenance written by tune (device, torch version, objective, metrics); free-form.
@@ -274,19 +283,24 @@ class Policy:
     lines: Mapping[str, int] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "default",
-                           Format.parse(self.default, where=f"for `default`{self._where('default')}"))
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise PolicyError(f"Unknown fp8 recipe {self.fp8_recipe!r}{self._where('fp8')}; "
+                              f"expected one of {', '.join(FP8_RECIPES)}.")
+        if self.fp8_engine not in FP8_ENGINES:
+            raise PolicyError(f"Unknown fp8 engine {self.fp8_engine!r}{self._where('fp8')}; "
+                              f"expected one of {', '.join(FP8_ENGINES)}.")
+        recipe = self.fp8_recipe
+        object.__setattr__(self, "default", Format.parse(
+            self.default, where=f"for `default`{self._where('default')}", fp8_recipe=recipe))
         layers = {}
         for pattern, fmt in dict(self.layers).items():
             if not isinstance(pattern, str) or not pattern.strip():
                 raise PolicyError(f"Layer pattern {pattern!r}{self._where(pattern)} must be a "
                                   "non-empty string (a module fqn such as `lm_head` or a glob "
                                   "such as `transformer.h.*.mlp.*`).")
-            layers[pattern] = Format.parse(fmt, where=f"for layer `{pattern}`{self._where(pattern)}")
+            layers[pattern] = Format.parse(fmt, fp8_recipe=recipe,
+                                           where=f"for layer `{pattern}`{self._where(pattern)}")
         object.__setattr__(self, "layers", layers)
-        if self.fp8_recipe not in FP8_RECIPES:
-            raise PolicyError(f"Unknown fp8 recipe {self.fp8_recipe!r}{self._where('fp8')}; "
-                              f"expected one of {', '.join(FP8_RECIPES)}.")
         if isinstance(self.loss_scaling, Mapping):
             object.__setattr__(self, "loss_scaling", LossScaling(**self.loss_scaling))
         if self.fingerprint is not None and not str(self.fingerprint).startswith("sha256:"):
@@ -325,7 +339,7 @@ class Policy:
         return {self.default, *self.layers.values()}
 
     def uses(self, fmt: Format | str) -> bool:
-        return Format.parse(fmt) in self.formats_used()
+        return Format.parse(fmt, fp8_recipe=self.fp8_recipe) in self.formats_used()
 
     def resolve(self, model: nn.Module) -> tuple[dict[str, Format], list[str]]:
         """Map each module (by its canonical fqn, as ``named_modules()`` lists it) that a
@@ -387,17 +401,25 @@ class Policy:
             growth_interval=int(self.loss_scaling.growth_interval),
             enabled=self.uses(Format.FP16))
 
-    def module_filter_fn(self) -> Callable[[nn.Module, str], bool]:
+    def module_filter_fn(self, recipe: str | None = None) -> Callable[[nn.Module, str], bool]:
         """A torchao-style ``(module, fqn) -> bool`` that selects exactly this policy's fp8
-        ``nn.Linear`` layers (for ``convert_to_float8_training(module_filter_fn=...)``)."""
+        ``nn.Linear`` layers, or those of one ``recipe`` (for
+        ``convert_to_float8_training(module_filter_fn=..., config=Float8LinearConfig
+        .from_recipe_name(recipe))``): the layers ``apply`` gives torchao. A Linear whose
+        in/out features are not multiples of 16 is left out: the FP8 kernel cannot take it
+        (torchao's own auto filter skips it too), so it runs in bf16."""
         def keep(module: nn.Module, fqn: str) -> bool:
-            return isinstance(module, nn.Linear) and self.format_for(fqn) is Format.FP8
+            if not isinstance(module, nn.Linear) or module.in_features % 16 or \
+                    module.out_features % 16:
+                return False
+            fmt = self.format_for(fqn)
+            return fmt.is_fp8 and (recipe is None or fmt.recipe == recipe)
         return keep
 
     def with_layers(self, updates: Mapping[str, Format | str], **changes) -> Policy:
         """A copy with ``updates`` added to (or overriding) the layer map."""
         layers = dict(self.layers)
-        layers.update({k: Format.parse(v) for k, v in updates.items()})
+        layers.update({k: Format.parse(v, fp8_recipe=self.fp8_recipe) for k, v in updates.items()})
         return dataclasses.replace(self, layers=layers, **changes)
 
     # ---------------------------------------------------------------- YAML
@@ -410,9 +432,9 @@ class Policy:
             if self.fingerprint is not None:
                 model["fingerprint"] = self.fingerprint
             out["model"] = model
-        out["default"] = self.default.value
-        out["layers"] = {p: f.value for p, f in self.layers.items()}
-        out["fp8"] = {"recipe": self.fp8_recipe}
+        out["default"] = self._spell(self.default)
+        out["layers"] = {p: self._spell(f) for p, f in self.layers.items()}
+        out["fp8"] = {"recipe": self.fp8_recipe, "engine": self.fp8_engine}
         ls = self.loss_scaling
         out["loss_scaling"] = {"init_scale": ls.init_scale,
                                "growth_interval": int(ls.growth_interval)}
@@ -420,8 +442,16 @@ class Policy:
             out["tuned"] = _plain(self.tuned)
         return out
 
+    def _spell(self, fmt: Format) -> str:
+        """How the file writes ``fmt``: ``fp8`` for the policy's default recipe, ``fp8:<recipe>``
+        for the others, so the file reads back the same whatever its default recipe."""
+        if fmt.is_fp8:
+            return "fp8" if fmt.recipe == self.fp8_recipe else f"fp8:{fmt.recipe}"
+        return fmt.value
+
     def to_yaml(self) -> str:
-        header = "# autoprec precision policy (schema 1): `autoprec show` prints it as a table\n"
+        header = (f"# autoprec precision policy (schema {SCHEMA_VERSION}): `autoprec show` prints "
+                  "it as a table\n")
         return header + yaml.dump(self.to_dict(), Dumper=_NoAliasDumper, sort_keys=False,
                                   default_flow_style=False, allow_unicode=True, width=100)
 
@@ -437,7 +467,7 @@ class Policy:
     @classmethod
     def from_dict(cls, data: Any, *, source: str | None = None,
                   lines: Mapping[str, int] | None = None) -> Policy:
-        """Validate a parsed YAML mapping (schema 1) and build the Policy."""
+        """Validate a parsed YAML mapping (schema 1 or 2) and build the Policy."""
         lines = dict(lines or {})
         src = f" in {source}" if source else ""
 
@@ -456,10 +486,11 @@ class Policy:
             raise PolicyError(f"Schema version `autoprec: {version!r}`{where('autoprec')} must be "
                               f"the integer {SCHEMA_VERSION} (write `autoprec: {SCHEMA_VERSION}`, "
                               "no quotes).")
-        if version != SCHEMA_VERSION:
+        if version not in _READABLE_VERSIONS:
             raise PolicyError(f"Unknown policy schema version {version!r}{where('autoprec')}; "
-                              f"this autoprec reads version {SCHEMA_VERSION}. Upgrade autoprec "
-                              "or regenerate the policy.")
+                              f"this autoprec reads versions "
+                              f"{', '.join(map(str, _READABLE_VERSIONS))}. Upgrade autoprec or "
+                              "regenerate the policy.")
         _reject_unknown(data, _TOP_KEYS, "top level", where)
         model = data.get("model") or {}
         _require_mapping(model, "model", where)
@@ -477,7 +508,7 @@ class Policy:
             _require_mapping(tuned, "tuned", where)
         if "default" not in data:
             raise PolicyError(f"Missing `default:`{src}: the format of every layer not listed "
-                              "under `layers` (one of fp32, bf16, fp16, fp8).")
+                              "under `layers` (fp32, bf16, fp16, fp8 or fp8:<recipe>).")
         try:
             loss_scaling = LossScaling(**ls)
         except TypeError as e:
@@ -487,7 +518,8 @@ class Policy:
         try:
             return cls(default=data["default"], layers=dict(layers),
                        model_name=model.get("name"), fingerprint=model.get("fingerprint"),
-                       fp8_recipe=fp8.get("recipe", "tensorwise"), loss_scaling=loss_scaling,
+                       fp8_recipe=fp8.get("recipe", "tensorwise"),
+                       fp8_engine=fp8.get("engine", "auto"), loss_scaling=loss_scaling,
                        tuned=tuned, source=source, lines=lines)
         except ValueError as e:
             raise PolicyError(str(e)) from None
@@ -576,7 +608,7 @@ def _check_no_aliases(text: str, path: str) -> None:
 
 def load_policy(path: str | os.PathLike) -> Policy:
     """Read a policy file (``yaml.safe_load`` only, no anchors or aliases, no duplicate keys)
-    and validate it against schema 1."""
+    and validate it against the policy schema (version 1 or 2)."""
     path = os.fspath(path)
     try:
         with open(path, encoding="utf-8") as f:

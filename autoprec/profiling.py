@@ -22,7 +22,7 @@ import torch
 
 from autoprec._util import ProgressBar, check_schema, log, read_json, text_table, write_json
 from autoprec.costmodel import estimate_layer, estimate_step
-from autoprec.formats import FORMAT_ORDER, Format, device_name
+from autoprec.formats import FORMAT_ORDER, Format, device_name, expand_formats
 from autoprec.measure.capture import Layer, LayerGraph, capture
 from autoprec.measure.sensitivity import LayerSensitivity, measure_sensitivity
 from autoprec.measure.timing import LayerTime, measure_layers
@@ -138,7 +138,7 @@ class Profile:
         if fmt is Format.FP32:
             return True
         lp = self.layer(fqn)
-        if fmt in lp.skipped or (fmt is Format.FP8 and lp.fp8_blocker):
+        if fmt in lp.skipped or (fmt.is_fp8 and lp.fp8_blocker):
             return False
         err = lp.sensitivity.get(fmt)
         return err is not None and err.finite and math.isfinite(self.seconds(fqn, fmt))
@@ -159,23 +159,24 @@ class Profile:
     def reason(self, fqn: str, fmt: Format, *, max_loss_change: float = 0.01) -> str:
         """The measured reason this layer is not in ``fmt`` (for `autoprec show`)."""
         lp = self.layer(fqn)
-        if fmt is Format.FP8 and lp.fp8_blocker:
+        if fmt.is_fp8 and lp.fp8_blocker:
             return lp.fp8_blocker
         if fmt in lp.skipped:
             return lp.skipped[fmt]
         err = lp.sensitivity.get(fmt)
+        name = fmt.label
         if err is not None and not err.finite:
-            return f"{fmt} non-finite (loss or gradients overflowed)"
+            return f"{name} non-finite (loss or gradients overflowed)"
         lc = self.loss_change(fqn, fmt)
         if math.isfinite(lc) and lc > max_loss_change:
-            return f"{fmt} alone changes the loss by {lc:+.2%} (> {max_loss_change:.2%})"
+            return f"{name} alone changes the loss by {lc:+.2%} (> {max_loss_change:.2%})"
         t = lp.times.get(fmt)
         t16 = lp.times.get(Format.BF16)
         if t is not None and t.emulated:
-            return f"{fmt} only emulated on {self.device}: never faster than fp32 here"
-        if t is not None and t16 is not None and fmt is Format.FP8 and t.seconds >= t16.seconds:
-            return (f"fp8 not faster than bf16 here ({t.seconds * 1e6:.0f} vs "
-                    f"{t16.seconds * 1e6:.0f} us): too small to gain")
+            return f"{name} only emulated on {self.device}: never faster than fp32 here"
+        if t is not None and t16 is not None and fmt.is_fp8 and t.seconds >= t16.seconds:
+            return (f"{name} not faster than bf16 here ({_us(t.seconds)} vs "
+                    f"{_us(t16.seconds)}): too small to gain")
         parts = []
         if math.isfinite(lc):
             parts.append(f"loss {lc:+.3%}")
@@ -184,7 +185,33 @@ class Profile:
             parts.append(f"grad err {ge:.3g}")
         if t is not None:
             parts.append(f"{t.seconds * 1e6:.0f} us")
-        return f"{fmt}: " + ", ".join(parts) + " (the search preferred another format overall)"
+        return f"{name}: " + ", ".join(parts) + " (the search preferred another format overall)"
+
+    def fp8_reason(self, fqn: str, chosen: Format, *, max_loss_change: float = 0.01) -> str:
+        """For ``autoprec show``: why this layer is in ``chosen`` and, for a layer not in fp8,
+        why not in its fastest profiled FP8 recipe; for an fp8 layer, each profiled recipe's
+        speed against bf16 and its loss change, the chosen one first."""
+        recipes = [f for f in self.formats if f.is_fp8]
+        if not recipes:
+            return "fp8 not profiled"
+        if not chosen.is_fp8:
+            fastest = min(recipes, key=lambda f: _or_inf(self.seconds(fqn, f)))
+            return self.reason(fqn, fastest, max_loss_change=max_loss_change)
+        order = [chosen, *(f for f in recipes if f is not chosen)]
+        return "; ".join(("chosen: " if f is chosen else "") + self._recipe_summary(fqn, f)
+                         for f in order)
+
+    def _recipe_summary(self, fqn: str, fmt: Format) -> str:
+        lp = self.layer(fqn)
+        why = lp.fp8_blocker or lp.skipped.get(fmt, "")
+        if why:
+            return f"{fmt.recipe} skipped ({why.removeprefix(fmt.label + ' ')})"
+        t, t16 = lp.times.get(fmt), lp.times.get(Format.BF16)
+        speed = (f"{t16.seconds / t.seconds:.2f}x bf16" if t is not None and t16 is not None
+                 and t.seconds > 0 else "speed ?")
+        lc = self.loss_change(fqn, fmt)
+        loss = "non-finite" if math.isinf(lc) else f"loss {lc:+.3%}"
+        return f"{fmt.recipe} {speed}, {loss}"
 
     # ------------------------------------------------------------ output
     def table(self) -> str:
@@ -288,7 +315,7 @@ def profile(task, formats: Sequence[Format | str] = ("fp32", "bf16", "fp16", "fp
 
         resolve_target(target)  # an unknown target fails here, before any measurement
     t_start = time.perf_counter()
-    fmts = tuple(f for f in FORMAT_ORDER if f in {Format.parse(x) for x in formats})
+    fmts = expand_formats(formats, where="in profile(formats=...)")
     if Format.FP32 not in fmts:
         fmts = (Format.FP32, *fmts)
     model = task.build_model()
@@ -325,6 +352,14 @@ def profile(task, formats: Sequence[Format | str] = ("fp32", "bf16", "fp16", "fp
                    elapsed=time.perf_counter() - t_start)
 
 
+def _or_inf(x: float) -> float:
+    return x if math.isfinite(x) else math.inf
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:.0f} us" if seconds >= 1e-5 else f"{seconds * 1e6:.1f} us"
+
+
 # A format this many times slower than fp32 on a layer cannot win on this device.
 _CANNOT_WIN = 2.0
 
@@ -332,15 +367,16 @@ _CANNOT_WIN = 2.0
 def _cannot_win(layer: Layer, times: Mapping[Format, LayerTime],
                 fmts: Sequence[Format]) -> dict[Format, str]:
     """Formats not worth measuring the numerics of for ``layer``, and why: fp8 the kernel does
-    not take (it would run bf16), a format the device only emulates, or one at least twice as
-    slow as fp32 here."""
+    not take (it would run bf16), a format the device only emulates, one at least twice as
+    slow as fp32 here, or an fp8 recipe no faster than bf16 (which is as fast and more
+    precise)."""
     out = {}
-    t32 = times.get(Format.FP32)
+    t32, t16 = times.get(Format.FP32), times.get(Format.BF16)
     for fmt in fmts:
         t = times.get(fmt)
         if fmt is Format.FP32 or t is None:
             continue
-        blocker = LayerProfile(layer).fp8_blocker if fmt is Format.FP8 else ""
+        blocker = LayerProfile(layer).fp8_blocker if fmt.is_fp8 else ""
         if blocker:
             out[fmt] = blocker
         elif t.emulated:
@@ -348,6 +384,9 @@ def _cannot_win(layer: Layer, times: Mapping[Format, LayerTime],
         elif t32 is not None and t32.ok and (not t.ok or t.seconds >= _CANNOT_WIN * t32.seconds):
             what = "failed" if not t.ok else f"{t.seconds / t32.seconds:.1f}x the fp32 time"
             out[fmt] = f"{fmt} cannot win here ({what}); numerics not measured"
+        elif fmt.is_fp8 and t16 is not None and t16.ok and t.seconds >= t16.seconds:
+            out[fmt] = (f"{fmt} not faster than bf16 here ({_us(t.seconds)} vs "
+                        f"{_us(t16.seconds)}): bf16 is as fast and more precise")
     return out
 
 

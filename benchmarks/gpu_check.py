@@ -8,6 +8,7 @@ For the runner, from the repository root of a checkout on the GPU machine:
     # optuna + scipy (+ pyyaml, which autoprec always needs). `autoprec` itself is imported
     # from the checkout: no install is needed, `pip install -e . --no-deps` also works.
     pip install optuna scipy pyyaml
+    pip install torchao      # optional: section 4's torchao engine (a release built for its torch)
     #   no network there? build wheels on a machine with one and carry them over:
     #   pip download optuna scipy pyyaml -d wheels/      (here)
     #   pip install --no-index --find-links wheels/ optuna scipy pyyaml     (there)
@@ -41,6 +42,12 @@ the exit status 1):
    training run from the same init on the same data, for FP32, autocast(bf16), uniform FP8
    (``Policy(default="fp8")``) and the tuned policy, as ratios vs FP32 and vs autocast(bf16);
    a second FP32 run with another batch order gives the run-to-run noise of the loss.
+4. FP8 recipes and engines: lone ``nn.Linear`` layers at Llama-3-8B training shapes (16K
+   tokens; q/o, k/v, the GQA footgun N=512, MLP up/down), forward + backward in bf16 and in
+   each recipe (tensorwise, rowwise, rowwise_with_gw_hp) on each engine (autoprec's own
+   ``_scaled_mm`` path and torchao's ``Float8Linear``, when torchao is installed), interleaved:
+   measured speed-up over bf16 with its 95% interval next to the h100/h200 cost model's price,
+   and the two engines' outputs against each other (they compute the same recipe).
 """
 
 from __future__ import annotations
@@ -83,6 +90,8 @@ class Config:
     numeric_shapes: list
     # (M, K, N) of lone nn.Linear layers for the FP8 crossover
     linear_sweep: list
+    # (M, K, N) of lone nn.Linear layers for the recipe x engine section
+    recipe_shapes: list
     warmup: int
     repeats: int
     layer_budget_s: float
@@ -102,6 +111,8 @@ class Config:
                                    (8192, 768, 256), (4096, 4096, 4096), (8, 12, 1024, 64)],
                    linear_sweep=[(8192, 768, 768), (8192, 768, 3072), (8192, 4096, 4096),
                                  (16384, 8192, 8192)],
+                   recipe_shapes=[(16384, 4096, 4096), (16384, 4096, 1024), (16384, 4096, 512),
+                                  (16384, 4096, 14336), (16384, 14336, 4096), (1024, 1024, 1024)],
                    warmup=3, repeats=10, layer_budget_s=20.0, step_rounds=10, steps=150,
                    trials=12, tune_timeout=150.0, budget_s=450.0)
 
@@ -110,6 +121,7 @@ class Config:
         return cls(dry_run=True, device="cpu", n_layer=2, n_embd=64, n_head=2, batch=2, seq=64,
                    numeric_shapes=[(32, 64, 48), (64, 128, 64), (2, 2, 32, 16)],
                    linear_sweep=[(64, 64, 64), (128, 128, 128)],
+                   recipe_shapes=[(64, 64, 64), (128, 64, 32)],
                    warmup=1, repeats=3, layer_budget_s=5.0, step_rounds=4, steps=6,
                    trials=4, tune_timeout=60.0, budget_s=150.0)
 
@@ -723,6 +735,77 @@ def section_step(cfg: Config, dev: torch.device, ctx: dict, *, outdir: str, stam
 
 
 # ============================================================================ main
+# ============================================================================ 4. recipes x engines
+def _linear_step(model, x, g):
+    def step():
+        for p in model.parameters():
+            p.grad = None
+        x.grad = None
+        y = model(x)
+        y.backward(g.to(y.dtype))
+    return step
+
+
+def section_recipes(cfg: Config, dev: torch.device, ctx: dict) -> None:
+    from _common import ratio_cell
+
+    from autoprec import Policy, apply, remove
+    from autoprec.costmodel import linear_seconds
+    from autoprec.formats import FP8_RECIPES
+    from autoprec.runtime.engines import torchao_available
+
+    engines = ["autoprec"] + (["torchao"] if torchao_available() else [])
+    target = "h200" if dev.type == "cuda" and "H200" in torch.cuda.get_device_name(dev) \
+        else "h100"
+    _section(f"4. FP8 recipes x engines: lone nn.Linear, forward + backward, vs bf16 "
+             f"(priced: {target} cost model)")
+    if len(engines) == 1:
+        print("torchao is not installed: only autoprec's engine (pip install 'autoprec[torchao]')")
+    if dev.type == "cpu":
+        print("* CPU dry run: every fp8 here is emulated; the measured ratios are not speed.")
+    header = ["shape (MxKxN)", "recipe", *[f"{e} measured" for e in engines], "priced",
+              "engines differ"]
+    rows, summary = [], []
+    for m, k, n in cfg.recipe_shapes:
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(k, n, bias=False).to(dev)
+        x = torch.randn(m, k, device=dev).to(torch.bfloat16).requires_grad_()
+        g = torch.randn(m, n, device=dev)
+        fns, models, outs = {}, {}, {}
+        base = torch.nn.Sequential(copy.deepcopy(lin))
+        apply(base, Policy(default="bf16"))
+        fns["bf16"] = _linear_step(base, x, g)
+        for recipe in FP8_RECIPES:
+            for engine in engines:
+                model = torch.nn.Sequential(copy.deepcopy(lin))
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    apply(model, Policy(default=f"fp8:{recipe}", fp8_engine=engine))
+                models[(recipe, engine)] = model
+                fns[f"{recipe}/{engine}"] = _linear_step(model, x, g)
+                with torch.no_grad():
+                    outs[(recipe, engine)] = model(x).float()
+        cmp = interleaved(fns, warmup=cfg.warmup, rounds=cfg.repeats, device=dev.type)
+        for recipe in FP8_RECIPES:
+            cells = [ratio_cell(cmp.ratio("bf16", f"{recipe}/{e}")) for e in engines]
+            priced = (linear_seconds(m, k, n, "bf16", target)
+                      / linear_seconds(m, k, n, f"fp8:{recipe}", target))
+            diff = (_rel(outs[(recipe, "autoprec")], outs[(recipe, "torchao")])
+                    if "torchao" in engines else math.nan)
+            rows.append([f"{m}x{k}x{n}", recipe, *cells, f"{priced:.2f}", _f(diff)])
+            best = cmp.ratio("bf16", f"{recipe}/{engines[-1]}")
+            summary.append(f"{m}x{k}x{n} {recipe} {best.value:.2f}/{priced:.2f}")
+        for model in models.values():
+            remove(model)
+        del lin, x, g, fns, models, outs, base
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    _table(rows, header)
+    print("measured: bf16 time / fp8 time with its 95% interval (>1: fp8 faster); priced: the "
+          "cost model's ratio; engines differ: relative difference of the two engines' outputs")
+    ctx["recipes"] = summary
+
+
 def _check_deps(skip_tune: bool) -> None:
     missing = []
     for mod in ("yaml", "transformers") + (() if skip_tune else ("optuna", "scipy")):
@@ -749,8 +832,8 @@ def _parse(argv=None):
     ap.add_argument("--dry-run", action="store_true",
                     help="the same code path on CPU at tiny sizes (tests the script)")
     ap.add_argument("--skip-tune", action="store_true", help="no optuna: leave out the tuned row")
-    ap.add_argument("--sections", default="numerics,layers,step",
-                    help="comma-separated subset of numerics,layers,step")
+    ap.add_argument("--sections", default="numerics,layers,step,recipes",
+                    help="comma-separated subset of numerics,layers,step,recipes")
     ap.add_argument("--output-dir", default=None, help="default: $OUT, else benchmarks/results")
     for name, typ in (("layers", int), ("width", int), ("heads", int), ("batch", int),
                       ("seq", int), ("steps", int), ("trials", int), ("budget-s", float)):
@@ -806,7 +889,8 @@ def main(argv=None) -> int:
         for name, fn in (("numerics", lambda: section_numerics(cfg, dev, ctx)),
                          ("layers", lambda: section_layers(cfg, dev, ctx)),
                          ("step", lambda: section_step(cfg, dev, ctx, outdir=outdir, stamp=stamp,
-                                                       clock=clock, skip_tune=args.skip_tune))):
+                                                       clock=clock, skip_tune=args.skip_tune)),
+                         ("recipes", lambda: section_recipes(cfg, dev, ctx))):
             if name not in sections:
                 continue
             t0 = time.perf_counter()
@@ -837,6 +921,8 @@ def main(argv=None) -> int:
                 f"{k} {_x(v)}" for k, v in ctx["step_bf16"].items()))
             print("held-out loss: " + ", ".join(f"{k} {_f(v, '.4f')}" for k, v in
                                                 ctx["loss"].items()))
+        if "recipes" in ctx:
+            print("fp8 recipes vs bf16 (measured / priced): " + "; ".join(ctx["recipes"]))
         print(f"failed sections: {', '.join(ctx['failed']) or 'none'}; "
               f"total {clock.elapsed():.0f} s")
         print("files: " + ", ".join(ctx["files"]))

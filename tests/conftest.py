@@ -57,6 +57,25 @@ def minilm_batch():
     return minilm.snippet_batches(1, batch_size=4, seq_len=32, seed=0)[0]
 
 
+def tiny_llama(n_layer: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+               intermediate: int = 128):
+    """HF Llama (grouped-query attention, SwiGLU, RMSNorm, rotary) at a test size, with the
+    byte vocabulary of examples.data, so byte_batches feed it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=n_layer, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, max_position_embeddings=128,
+                         attn_implementation="eager", use_cache=False)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture
+def llama():
+    return tiny_llama()
+
+
 @pytest.fixture
 def cnn_model():
     torch.manual_seed(0)

@@ -38,7 +38,7 @@ def test_tune_show_diff(tmp_path):
     body = show.stdout.split("why not fp8", 1)[1].strip().splitlines()
     layer_rows = [line for line in body if line.strip().startswith(("transformer", "lm_head"))]
     assert layer_rows and all(len(line.split()) > 3 for line in layer_rows), layer_rows
-    assert "matmul FLOPs in fp8" in show.stdout
+    assert "matmul FLOPs by format: bf16" in show.stdout
 
     other = tmp_path / "policies" / "all_fp32.yaml"
     Policy(default="fp32").save(other)

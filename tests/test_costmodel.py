@@ -148,3 +148,54 @@ def test_model_prices_a_captured_gpt2_attention(gpt2, gpt2_batch):
             assert lt.ok and lt.seconds > 0, (target, fmt, lt)
     assert estimate_step(g.layers, {}, "h100", edges=g.edges, default="bf16") > 0
 
+
+
+# ------------------------------------------------------------ FP8 recipes against torchao
+# (M, K, N) of linears as in Llama-3-8B training at 16K tokens per step (k/v projections:
+# N = 8 KV heads x 128 = 1024), the GQA k/v footgun of torchtitan#1207 (N = 512), and square
+# shapes from 1024 to 8192
+GRID = [(16384, 4096, 4096), (16384, 4096, 1024), (16384, 4096, 512), (16384, 4096, 14336),
+        (16384, 14336, 4096), (32768, 4096, 1024), (4096, 4096, 1024), (1024, 1024, 1024),
+        (2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192)]
+
+
+def _speedup(m, k, n, recipe, target="h100"):
+    from autoprec.costmodel import linear_seconds
+
+    return linear_seconds(m, k, n, "bf16", target) / linear_seconds(m, k, n, f"fp8:{recipe}",
+                                                                    target)
+
+
+def _torchao_speedup(m, k, n, recipe):
+    """torchao's own float8 roofline speed-up over BF16 for one linear, forward + backward, as
+    its benchmarks/float8/float8_roofline.py computes it (casts not fused with a previous op)."""
+    roofline = pytest.importorskip("torchao.testing.training.roofline_utils")
+    import torch
+
+    gpu = "NVIDIA H100"
+    bf16 = roofline.get_gemm_time_sympy(m, k, n, torch.bfloat16, None, None, gpu)
+    fp8 = roofline.get_gemm_time_sympy(m, k, n, torch.float8_e4m3fn, recipe, None, gpu)
+    specs = roofline.get_specs(gpu)
+    casts = sum(sum(roofline.get_tensor_memory_traffic_ovhd_s(specs, d0, d1, role, recipe, None))
+                for d0, d1, role in ((m, k, "input"), (k, n, "weight"), (m, n, "grad_output")))
+    return float(bf16 / (fp8 + casts))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_model_fp8_recipes_within_15_percent_of_torchaos_roofline(recipe):
+    for shape in GRID:
+        ours, theirs = _speedup(*shape, recipe), _torchao_speedup(*shape, recipe)
+        assert abs(ours / theirs - 1) <= 0.15, \
+            f"{recipe} {shape}: ours {ours:.2f}x, torchao's roofline {theirs:.2f}x"
+
+
+def test_model_puts_the_footgun_shapes_on_the_losing_side():
+    """torchtitan#1207 / ao#2410: a GQA k/v projection (16384x4096x512) in fp8 runs ~40% slower
+    than bf16; 1024^3 is launch- and cast-bound. A large MLP projection wins."""
+    for recipe in ("tensorwise", "rowwise"):
+        assert _speedup(16384, 4096, 512, recipe) < 0.85, recipe
+        assert _speedup(1024, 1024, 1024, recipe) < 0.5, recipe
+        assert _speedup(16384, 4096, 14336, recipe) > 1.3, recipe
+    # rowwise pays for its scales: never faster than tensorwise where the GEMM dominates
+    for shape in [(16384, 4096, 4096), (16384, 4096, 14336), (8192, 8192, 8192)]:
+        assert _speedup(*shape, "rowwise") < _speedup(*shape, "tensorwise"), shape

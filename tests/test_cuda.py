@@ -12,7 +12,8 @@ Two kinds of tests:
   FP32 output. The results must equal the emulation's, forward and backward.
 - GPU-only (skipped with a reason without CUDA): the real kernel agrees with the emulation to
   accumulation rounding, fp8 counts as native on sm_89+, an fp8 policy on GPT-2 runs the kernel,
-  odd shapes fall back to bf16.
+  odd shapes fall back to bf16; on sm_90+ the rowwise recipes run the kernel and agree with
+  their emulation, and torchao's engine agrees with autoprec's.
 """
 
 from __future__ import annotations
@@ -240,10 +241,11 @@ def test_gpt2_under_fp8_policy_runs_scaled_mm_in_valid_layouts(monkeypatch):
     batch = byte_batches(1, 2, 32, seed=0)[0]  # M = 64 tokens
     losses = {}
     for native in (False, True):
-        monkeypatch.setattr(fp8_module, "fp8_is_native", lambda device, native=native: native)
+        monkeypatch.setattr(fp8_module, "fp8_is_native", lambda device, fmt=None, native=native: native)
         model = tiny_gpt2(seq_len=32).train()
         with pytest.warns(UserWarning, match="can only emulate"):
-            autoprec.apply(model, Policy(default="fp8"))
+            # autoprec's engine everywhere (lm_head included): its kernel calls are the subject
+            autoprec.apply(model, Policy(default="fp8", fp8_engine="autoprec"))
         rec = ScaledMMRecorder()
         with rec:
             loss = model(**batch).loss
@@ -265,7 +267,7 @@ def test_gpt2_under_fp8_policy_runs_scaled_mm_in_valid_layouts(monkeypatch):
 def test_one_layer_policy_runs_exactly_its_three_kernels(monkeypatch):
     from examples.data import byte_batches
 
-    monkeypatch.setattr(fp8_module, "fp8_is_native", lambda device: True)
+    monkeypatch.setattr(fp8_module, "fp8_is_native", lambda device, fmt=None: True)
     batch = byte_batches(1, 2, 32, seed=0)[0]
     model = tiny_gpt2(seq_len=32).train()
     with pytest.warns(UserWarning, match="can only emulate"):
@@ -408,3 +410,53 @@ def test_cuda_measure_layers_times_fp8_as_native():
     native = torch.cuda.get_device_capability() >= (8, 9)
     assert t[Format.FP8].emulated is not native
     assert all(x.ok and x.seconds > 0 for x in t.values())
+
+
+needs_sm90 = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)),
+    reason="needs a CUDA GPU of compute capability >= 9.0 (Hopper) for rowwise FP8 kernels")
+
+
+@needs_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
+def test_cuda_rowwise_recipes_run_the_kernel_and_agree_with_emulation(recipe):
+    torch.manual_seed(0)
+    a = torch.randn(4, 128, 768, device="cuda")
+    b = torch.randn(256, 768, device="cuda") / 768 ** 0.5
+    g = torch.randn(4, 128, 256, device="cuda").to(torch.bfloat16)
+    results = {}
+    for native in (False, True):
+        x, w = a.clone().requires_grad_(), b.clone().requires_grad_()
+        rec = ScaledMMRecorder()
+        with rec:
+            out = fp8_linear(x, w, native=native, recipe=recipe)
+            out.backward(g)
+        torch.cuda.synchronize()
+        assert bool(rec.calls) == native
+        results[native] = (out.detach(), x.grad, w.grad)
+    assert supported_formats("cuda")[Format.fp8(recipe)] is Support.NATIVE
+    for i, name in enumerate(("out", "dgrad", "wgrad")):
+        diff = _rel(results[True][i], results[False][i])
+        assert diff < 1e-2, f"{recipe} {name}: real vs emulated {diff:.3g}"
+
+
+@needs_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_cuda_torchao_engine_agrees_with_autoprecs(recipe):
+    pytest.importorskip("torchao")
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(768, 256, bias=False).cuda()
+    x = torch.randn(4, 128, 768, device="cuda").to(torch.bfloat16)
+    outs = {}
+    for engine in ("autoprec", "torchao"):
+        model = torch.nn.Sequential(lin)
+        autoprec.apply(model, Policy(default=f"fp8:{recipe}", fp8_engine=engine))
+        assert (type(model[0]).__name__ == "Float8Linear") == (engine == "torchao")
+        with torch.no_grad():
+            outs[engine] = model(x).float()
+        autoprec.remove(model)
+    exact = x.double() @ lin.weight.double().t()
+    diff, err = _rel(outs["torchao"], outs["autoprec"]), _rel(outs["autoprec"], exact)
+    assert diff < 0.25 * err, f"{recipe}: engines differ by {diff:.3g}, FP8 error {err:.3g}"

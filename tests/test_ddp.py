@@ -1,4 +1,5 @@
-"""DDP: two processes on gloo train GPT-2 with a policy applied and agree on gradients."""
+"""DDP: two processes on gloo train GPT-2 (autoprec's FP8) and Llama (torchao's Float8Linear
+for its fp8 nn.Linear layers) with a policy applied, and agree on gradients."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ import torch.multiprocessing as mp
 import autoprec
 from autoprec import Policy
 
-POLICY = Policy(default="bf16", layers={"transformer.h.*.mlp.*": "fp8", "lm_head": "fp32"})
+POLICIES = {
+    "gpt2": Policy(default="bf16", layers={"transformer.h.*.mlp.*": "fp8", "lm_head": "fp32"}),
+    "llama": Policy(default="bf16", layers={"model.layers.*.mlp.*": "fp8:rowwise",
+                                            "model.layers.*.self_attn.*": "fp8",
+                                            "lm_head": "fp32"}),
+}
 STEPS = 5
 
 
@@ -25,16 +31,16 @@ def _shards():
     return [[{k: v[r * 4:(r + 1) * 4] for k, v in b.items()} for b in batches] for r in (0, 1)]
 
 
-def _model():
-    from conftest import tiny_gpt2
+def _model(which: str):
+    from conftest import tiny_gpt2, tiny_llama
 
     warnings.filterwarnings("ignore", message=".*can only emulate.*")
-    model = tiny_gpt2().train()
-    autoprec.apply(model, POLICY)
+    model = (tiny_gpt2() if which == "gpt2" else tiny_llama()).train()
+    autoprec.apply(model, POLICIES[which])
     return model
 
 
-def _worker(rank, world, port, out_dir):
+def _worker(rank, world, port, out_dir, which):
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -42,7 +48,7 @@ def _worker(rank, world, port, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        model = torch.nn.parallel.DistributedDataParallel(_model())
+        model = torch.nn.parallel.DistributedDataParallel(_model(which))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         grads = []
         first = None
@@ -71,8 +77,11 @@ def _free_port():
 
 
 @pytest.mark.slow
-def test_ddp_two_processes_agree_on_gradients(tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+@pytest.mark.parametrize("which", ["gpt2", "llama"])
+def test_ddp_two_processes_agree_on_gradients(tmp_path, which):
+    if which == "llama":
+        pytest.importorskip("torchao", reason="the torchao extra: pip install -e '.[torchao]'")
+    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path), which), nprocs=2, join=True)
     r0 = torch.load(tmp_path / "r0.pt", weights_only=True)
     r1 = torch.load(tmp_path / "r1.pt", weights_only=True)
     # after all-reduce both ranks hold the same gradients, step after step
@@ -82,7 +91,9 @@ def test_ddp_two_processes_agree_on_gradients(tmp_path):
 
     # and those gradients are the average of each shard's gradient under the policy,
     # computed here in one process
-    model = _model()
+    model = _model(which)
+    if which == "llama":
+        assert type(model.model.layers[0].mlp.up_proj).__name__ == "Float8Linear"
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     shards = _shards()
     for step in range(STEPS):

@@ -29,7 +29,7 @@ def _rows(text: str, section: str, header_start: str) -> list[list[str]]:
     i = next(i for i, ln in enumerate(lines) if ln.startswith(header_start))
     rows = []
     for ln in lines[i + 2:]:
-        if not ln.strip() or ln.startswith(("verdict", "(", "[", "fp8 note", "fp32 run",
+        if not ln.strip() or ln.startswith(("verdict", "(", "[", "fp8 note", "fp32 run", "measured",
                                             "Lone", "step =", "==")):
             break
         rows.append(re.split(r"\s{2,}", ln.strip()))
@@ -77,7 +77,7 @@ def test_dry_run_prints_every_section_with_finite_numbers(tmp_path):
         assert r[6].endswith("*") and "emulated" in r[-1], r  # fp8 flagged as emulated on CPU
 
     # 3. whole step: the four variants and the noise run, finite times and losses
-    assert "tune took" in out and "tuned policy:" in out and "autoprec: 1" in out
+    assert "tune took" in out and "tuned policy:" in out and "autoprec: 2" in out
     rows = _rows(out, "== 3. Whole training step", "variant")
     names = [r[0] for r in rows]
     assert names == ["fp32", "autocast(bf16)", "fp8 uniform", "tuned policy", "fp32 (order B)"]
@@ -88,6 +88,16 @@ def test_dry_run_prints_every_section_with_finite_numbers(tmp_path):
         assert r[13] == "0", r  # no real FP8 kernel on CPU: emulated
     assert rows[0][3] == "1.00x" and rows[1][4] == "1.00x"
     assert math.isfinite(_num(rows[4][10]))
+
+    # 4. recipes x engines: every recipe on both engines (torchao is in the test extra), the
+    # engines agreeing on the output, the cost model's price beside each
+    rows = _rows(out, "== 4. FP8 recipes x engines", "shape")
+    assert [(r[0], r[1]) for r in rows] == [
+        (s, r) for s in ("64x64x64", "128x64x32")
+        for r in ("tensorwise", "rowwise", "rowwise_with_gw_hp")]
+    for r in rows:
+        assert all(0 < _num(c) < 1 for c in r[2:5]), r  # emulated on CPU: slower than bf16
+        assert _num(r[5]) < 1e-3, r
 
     assert "failed sections: none" in out
     # the same text in the file under $OUT, with the tuned policy and tune's log beside it

@@ -4,6 +4,7 @@ plain models, and the torchao-style module filter on MiniLM's module tree."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -290,18 +291,21 @@ def test_module_filter_fn_selects_exactly_the_policys_fp8_linears(minilm_model, 
     expected = ({f"bert.encoder.layer.{i}.intermediate.dense" for i in range(6)}
                 | {f"bert.encoder.layer.1.{n}" for n in (
                     "attention.self.query", "attention.self.value", "attention.output.dense",
-                    "output.dense")}
-                | {"classifier"})
+                    "output.dense")})
     assert selected == expected
-    # and these are the Linears the policy resolves to fp8, by the policy's own rules
+    # and these are the Linears the policy resolves to fp8, by the policy's own rules, less
+    # the classifier: its N=4 output is a shape the FP8 kernel cannot take (bf16 instead)
     linears = {fqn for fqn, m in minilm_model.named_modules() if isinstance(m, nn.Linear)}
-    assert selected == {f for f in linears if policy.format_for(f) is Format.FP8}
+    assert selected == {f for f in linears if policy.format_for(f) is Format.FP8} - {"classifier"}
     assert not any(keep(m, f) for f, m in minilm_model.named_modules()
                    if not isinstance(m, nn.Linear))  # fp8 parents are not Linears
-    # applied, exactly the selected layers cast to FP8 (the classifier's N=4 output is a shape
-    # the FP8 kernel cannot take: it runs bf16, and torchao would skip it on the same rule)
-    model = autoprec.apply(minilm_model, policy)
-    with ComputeProbe(model) as probe:
-        model(**minilm_batch)
-    cast = {f for f in probe.fp8_casts if f in linears}
-    assert cast == selected - {"classifier"}
+    # applied (on either engine), exactly the selected layers cast to FP8
+    for engine in ("autoprec", "torchao"):
+        model = autoprec.apply(minilm_model, dataclasses.replace(policy, fp8_engine=engine))
+        with ComputeProbe(model) as probe:
+            model(**minilm_batch)
+        cast = {f for f in probe.fp8_casts if f in linears}
+        assert cast == selected, engine
+        swapped = {f for f, m in model.named_modules() if type(m).__name__ == "Float8Linear"}
+        assert swapped == (selected if engine == "torchao" else set())
+        autoprec.remove(model)

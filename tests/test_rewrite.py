@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import ComputeProbe, tiny_gpt2
+from conftest import ComputeProbe, tiny_gpt2, tiny_llama
 from torch import nn
 
 import autoprec
@@ -98,7 +98,9 @@ def test_fp32_policy_is_eager_exactly_and_remove_restores():
 def test_regions_nest_innermost_wins_and_redundant_ones_are_skipped():
     torch.manual_seed(0)
     m = Inline()
-    policy = Policy(default="fp8", layers={"block": "fp32", "block.2": "bf16", "proj": "fp8"})
+    # autoprec's own FP8 engine: with torchao's, the nn.Linear `proj` gets a region of its own
+    policy = Policy(default="fp8", layers={"block": "fp32", "block.2": "bf16", "proj": "fp8"},
+                    fp8_engine="autoprec")
     autoprec.apply(m, policy)
     # `proj` inherits fp8 from the root: no region of its own
     assert autoprec.applied_formats(m) == {"": Format.FP8, "block": Format.FP32,
@@ -184,7 +186,7 @@ def test_minilm_each_layer_computes_in_its_format(minilm_model, minilm_batch):
         "bert.encoder.layer.*.attention.self": "bf16",
         "bert.encoder.layer.0.output.dense": "fp16",
         "classifier": "fp8",            # N = 4 labels: the FP8 kernel can't take it -> bf16
-    })
+    }, fp8_engine="autoprec")  # the router's work is observed (torchao's: tests/test_engines.py)
     autoprec.apply(minilm_model, policy)
     assert not fp8_shape_supported(minilm_batch["labels"].numel(), 384, 4)[0]
     probe, checked = check_observed(
@@ -277,12 +279,26 @@ def test_fp16_layers_train_with_the_policys_grad_scaler():
     assert losses[-1] < losses[0]
 
 
+# model, policy, the layer whose weight gradient is compared
+COMPILE_CASES = {
+    "gpt2 bf16": (tiny_gpt2, Policy(default="bf16", layers={"lm_head": "fp32"}),
+                  "transformer.h.0.mlp.c_fc"),
+    "gpt2 fp8": (tiny_gpt2, Policy(default="fp8", layers={"lm_head": "fp32"}),
+                 "transformer.h.0.mlp.c_fc"),
+    # the MLP's nn.Linear layers on torchao's Float8Linear
+    "llama fp8 torchao": (tiny_llama, Policy(default="bf16", layers={"model.layers.*.mlp.*": "fp8"},
+                                             fp8_engine="torchao"), "model.layers.0.mlp.up_proj"),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
-def test_compiled_model_matches_eager(fmt, gpt2_batch):
+@pytest.mark.parametrize("case", list(COMPILE_CASES))
+def test_compiled_model_matches_eager(case, gpt2_batch):
+    make, policy, layer = COMPILE_CASES[case]
+    if "torchao" in case:
+        pytest.importorskip("torchao", reason="the torchao extra: pip install -e '.[torchao]'")
     torch._dynamo.reset()
-    eager = tiny_gpt2().train()
-    policy = Policy(default=fmt, layers={"lm_head": "fp32"})
+    eager = make().train()
     autoprec.apply(eager, policy)
     compiled_src = copy.deepcopy(eager)
     compiled = torch.compile(compiled_src)
@@ -291,11 +307,11 @@ def test_compiled_model_matches_eager(fmt, gpt2_batch):
     lc = compiled(**gpt2_batch).loss
     lc.backward()
     assert torch.allclose(le, lc, rtol=2e-3), (le.item(), lc.item())
-    ge = eager.transformer.h[0].mlp.c_fc.weight.grad
-    gc = compiled_src.transformer.h[0].mlp.c_fc.weight.grad
+    ge = eager.get_submodule(layer).weight.grad
+    gc = compiled_src.get_submodule(layer).weight.grad
     rel = ((ge - gc).norm() / ge.norm()).item()
-    assert rel < 0.05, f"compiled vs eager c_fc gradient differ by {rel:.3g}"
+    assert rel < 0.05, f"compiled vs eager {layer} gradient differ by {rel:.3g}"
     # the compiled model really runs in the format: it differs from an fp32 run
-    plain = tiny_gpt2().train()
+    plain = make().train()
     lf = plain(**gpt2_batch).loss
     assert lf.item() != lc.item()

@@ -32,10 +32,12 @@ Linear or Conv1D that is its input, its output and its output gradient. A layer 
 without its listed descendants counts only its own calls (see ``_RoundedCallCounter``).
 
 - overflow: ``|x| > max`` of the format (inf counts), before any loss scaling; FP8 scales
-  every tensor by ``fp8_max / amax`` (the tensorwise recipe of :mod:`autoprec.runtime.fp8`), so it
-  cannot overflow and reports 0;
+  by ``fp8_max / amax`` (per tensor, or per row for the rowwise recipes, as
+  :mod:`autoprec.runtime.fp8` does), so it cannot overflow and reports 0;
 - underflow: non-zero values whose magnitude (after that scaling for fp8) is below the
-  format's smallest subnormal: E4M3 for fp8 activations, E5M2 for fp8 gradients. This is the
+  format's smallest subnormal: E4M3 for fp8 activations, and for gradients E5M2 (tensorwise)
+  or E4M3 (rowwise recipes). A rowwise scale follows each row's own amax, so a row of small
+  values underflows less than under one scale for the whole tensor. This is the
   statistic of "Mixed Precision Training" (Micikevicius et al. 2018), where 67% of SSD's
   activation gradients were below FP16's 2**-24. (Values in [min/2, min) round up to the
   smallest subnormal rather than to zero; they are counted, as in the paper.)
@@ -59,11 +61,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from autoprec._util import ProgressFn, check_keys, floating, move_to
-from autoprec.formats import FP8_E4M3, FP8_E5M2, Format
+from autoprec.formats import FP8_E4M3, FP8_E5M2, FP8_FORMATS, Format
 from autoprec.measure.numerics import Deviation, Numerics, prepare_for_measurement
 from autoprec.policy import LossScaling, Policy
 from autoprec.runtime import calls, rewrite
-from autoprec.runtime.fp8 import tensorwise_scale
+from autoprec.runtime.fp8 import rowwise_scale, tensorwise_scale
 from autoprec.task import Task, default_loss
 
 __all__ = [
@@ -78,7 +80,7 @@ __all__ = [
 DEFAULT_N_BATCHES = 1
 
 # Formats whose exponent range is narrower than FP32's, so range statistics mean something.
-_RANGE_FORMATS = (Format.FP16, Format.FP8)
+_RANGE_FORMATS = (Format.FP16, *FP8_FORMATS)
 
 # ------------------------------------------------------------------------------ result
 @dataclass(frozen=True)
@@ -102,14 +104,16 @@ class LayerSensitivity:
     output_sqnr_db: float
     # Fraction of the activation elements the format rounds (non-parameter operands and
     # outputs of the layer's matmul-like calls: a Linear's input and output) whose FP32 value
-    # is above the format's max; fp8 scales per tensor, so 0. None for fp32/bf16.
+    # is above the format's max; fp8 scales to its amax, so 0. None for fp32/bf16.
     act_overflow: float | None
     # Fraction of those elements that are non-zero but below the format's smallest subnormal
-    # (after per-tensor scaling for fp8). None for fp32/bf16.
+    # (after the recipe's scaling for fp8: per tensor, or per row along the last dimension for
+    # the rowwise recipes). None for fp32/bf16.
     act_underflow: float | None
     # As act_overflow, for the gradients arriving at those outputs, before loss scaling.
     grad_overflow: float | None
-    # As act_underflow, for those gradients (E5M2 with its own scale for fp8).
+    # As act_underflow, for those gradients (fp8: E5M2 with its own scale for tensorwise, E4M3
+    # per row for the rowwise recipes).
     grad_underflow: float | None
     # True when the loss, every parameter gradient and the layer's output were finite on
     # every batch. Non-finite runs are recorded, never raised.
@@ -203,8 +207,9 @@ class _RangeCounter:
 
     def __init__(self, fmt: Format, kind: str):
         self.fmt = fmt
-        # Which FP8 encoding the recipe uses for this kind of tensor.
-        self.fp8_dtype = FP8_E5M2 if kind == "grad" else FP8_E4M3
+        # Which FP8 encoding the recipe uses for this kind of tensor: tensorwise keeps E5M2's
+        # range for gradients, the rowwise recipes use E4M3 everywhere.
+        self.fp8_dtype = FP8_E5M2 if kind == "grad" and fmt is Format.FP8 else FP8_E4M3
         self.over: torch.Tensor | int = 0
         self.under: torch.Tensor | int = 0
         self.total = 0
@@ -212,9 +217,12 @@ class _RangeCounter:
     def add(self, x: torch.Tensor) -> None:
         a = x.detach().abs().to(torch.float32)
         nonzero = a > 0
-        if self.fmt is Format.FP8:
-            # The recipe's own scale: the same amax, clamp and rounding as autoprec.runtime.fp8.
-            scaled = a * tensorwise_scale(x, self.fp8_dtype)
+        if self.fmt.is_fp8:
+            # The recipe's own scale: the same amax, clamp and rounding as autoprec.runtime.fp8
+            # (rows along the last dimension: the contracted one of the forward's operands).
+            rowwise = self.fmt is not Format.FP8 and x.dim() > 0
+            scaled = a * (rowwise_scale(x, self.fp8_dtype, -1) if rowwise
+                          else tensorwise_scale(x, self.fp8_dtype))
             fi = torch.finfo(self.fp8_dtype)
             tiny = float(fi.smallest_normal * fi.eps)
             self.under = self.under + ((scaled < tiny) & nonzero).sum()
@@ -277,7 +285,7 @@ class _ReferenceProbe:
     def count_call(self, operands: list[torch.Tensor], out: torch.Tensor,
                    fp8: bool) -> None:
         for fmt, counter in self.act.items():
-            if fmt is Format.FP8 and not fp8:
+            if fmt.is_fp8 and not fp8:
                 continue  # the router leaves it in bf16: nothing is rounded to FP8
             for t in (*operands, out):
                 counter.add(t)
@@ -286,7 +294,7 @@ class _ReferenceProbe:
 
     def _grad_hook(self, grad, fp8: bool):
         for fmt, counter in self.grad.items():
-            if fmt is Format.FP8 and not fp8:
+            if fmt.is_fp8 and not fp8:
                 continue
             counter.add(grad)
 
@@ -419,8 +427,8 @@ def measure_sensitivity(
             if only is None or name not in only
             or fmt in {Format.parse(f) for f in only[name]}]
     total = 1 + len(todo)
-    outputs, ranges = _reference(numerics, names, [f for f in (Format.FP16, Format.FP8)
-                                                   if f in fmts], include_children)
+    outputs, ranges = _reference(numerics, names, [f for f in _RANGE_FORMATS if f in fmts],
+                                 include_children)
     if progress is not None:
         progress(1, total, "fp32 reference")
     results: dict[str, dict[Format, LayerSensitivity]] = {name: {} for name in names}
@@ -528,9 +536,13 @@ def _measure_one(numerics: Numerics, name: str, fmt: Format, pinned: list[str],
                  own: list[int], ref_outputs: list, ranges: tuple | None,
                  loss_scaling: LossScaling) -> LayerSensitivity:
     keep_fp32 = {child: Format.FP32 for child in pinned}
-    policy = (Policy(default=fmt, layers=keep_fp32, loss_scaling=loss_scaling) if name == ""
+    # FP8 numerics on autoprec's own engine whatever is installed: torchao's computes the same
+    # recipes to BF16 rounding (tests/test_engines.py), and a profile must not depend on an
+    # optional extra (nor swap the module the output probe watches)
+    policy = (Policy(default=fmt, layers=keep_fp32, loss_scaling=loss_scaling,
+                     fp8_engine="autoprec") if name == ""
               else Policy(default=Format.FP32, layers={name: fmt, **keep_fp32},
-                          loss_scaling=loss_scaling))
+                          loss_scaling=loss_scaling, fp8_engine="autoprec"))
     probe = _OutputProbe(numerics.model.get_submodule(name))
     sqnr = _SQNR(name, fmt, ref_outputs)
     try:

@@ -212,6 +212,17 @@ def _fp8_note(module: nn.Module, inputs: _Inputs) -> str:
             f"({probe.blocked[0]})")
 
 
+class _Holder(nn.Module):
+    """A module with the timed layer as its only child, ``layer``."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, *args, **kwargs):
+        return self.layer(*args, **kwargs)
+
+
 class _FormatRun:
     """One repetition of a module's forward + backward in one format, as a timer candidate:
     the region installed, the gradients cleared, the time taken, the region removed. A format
@@ -219,7 +230,10 @@ class _FormatRun:
 
     def __init__(self, module: nn.Module, inputs: _Inputs, fmt: Format, clock: Clock,
                  grads: Callable[[int, torch.Tensor], torch.Tensor]):
-        self.module, self.inputs, self.fmt, self.clock = module, inputs, fmt, clock
+        # timed as the child of a holder, so that an engine that swaps the module (torchao's
+        # Float8Linear for an fp8 nn.Linear) is what gets timed, and the module is put back
+        self.module = _Holder(module)
+        self.inputs, self.fmt, self.clock = inputs, fmt, clock
         self.grads = grads
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.leaves = inputs.leaves()
@@ -383,7 +397,7 @@ def _measure_module(fqn: str, module: nn.Module, inputs: _Inputs | None, fmts: l
     timing, runs, notes = _time_module(module, inputs, timed, clock, warmup=warmup,
                                        rounds=rounds, budget_s=budget_s, seed=seed)
     fp8_note = ""
-    if Format.FP8 in runnable:
+    if any(f.is_fp8 for f in runnable):
         try:
             fp8_note = _fp8_note(module, inputs)
         except Exception:  # noqa: BLE001 - the fp8 run itself reports the error
@@ -392,7 +406,7 @@ def _measure_module(fqn: str, module: nn.Module, inputs: _Inputs | None, fmts: l
     fp32_s = timing.seconds(Format.FP32) * inputs.calls if fp32_ok else None
     out: dict[Format, LayerTime] = {}
     for fmt in fmts:
-        note = [n for n in (notes.get(fmt, ""), fp8_note if fmt is Format.FP8 else "") if n]
+        note = [n for n in (notes.get(fmt, ""), fp8_note if fmt.is_fp8 else "") if n]
         if inputs.calls > 1:
             note.append(f"called {inputs.calls}x per forward: one call timed, times "
                         f"{inputs.calls}")

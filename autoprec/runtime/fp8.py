@@ -1,6 +1,12 @@
 """FP8 matmul with an explicit backward: real ``torch._scaled_mm`` on CUDA sm_89+, exact emulation elsewhere.
 
-Recipe ("tensorwise", as torchao float8 and Transformer Engine's current scaling):
+Three recipes, with torchao's names (``Float8LinearConfig.from_recipe_name``):
+
+``rowwise``: every operand, gradients included, in E4M3 with one scale per row along the
+contracted dimension (so each GEMM of forward, dgrad and wgrad re-quantizes its operands along
+its own contraction), scales rounded down to powers of two, BF16 output; native on sm_90+.
+``rowwise_with_gw_hp``: the same, with the weight-gradient GEMM in BF16.
+``tensorwise`` (as torchao float8's default and Transformer Engine's current scaling):
 
 - forward operands in E4M3, each with its own dynamic per-tensor scale ``448 / amax``;
 - the incoming gradient in E5M2 with its own scale ``57344 / amax``, for both the dgrad
@@ -28,13 +34,14 @@ from __future__ import annotations
 
 import torch
 
-from autoprec.formats import FP8_E4M3, FP8_E5M2, fp8_is_native
+from autoprec.formats import FP8_E4M3, FP8_E5M2, Format, fp8_is_native
 from autoprec.runtime.calls import fp8_shape_supported, product_of
 
 __all__ = [
     "fp8_matmul",
     "fp8_linear",
     "tensorwise_scale",
+    "rowwise_scale",
     "quantize",
     "dequantize",
 ]
@@ -63,6 +70,15 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.to(torch.float32) / scale
 
 
+def rowwise_scale(x: torch.Tensor, fp8_dtype: torch.dtype, dim: int) -> torch.Tensor:
+    """FP32 ``fp8_max / amax(x)`` along ``dim`` (kept, so it broadcasts against ``x``), rounded
+    down to a power of two as torchao's rowwise recipes do. No autograd."""
+    with torch.no_grad():
+        amax = x.detach().abs().amax(dim=dim, keepdim=True).to(torch.float32)
+        scale = torch.finfo(fp8_dtype).max / amax.clamp(min=_AMAX_EPS)
+        return torch.exp2(torch.floor(torch.log2(scale)))
+
+
 def _col_major(x: torch.Tensor) -> torch.Tensor:
     return x.t().contiguous().t()
 
@@ -76,18 +92,43 @@ def _scaled_mm_2d(qa, sa, qb, sb, out_dtype, bias=None) -> torch.Tensor:
 
 def _mm(qa, sa, qb, sb, *, native: bool, out_dtype: torch.dtype) -> torch.Tensor:
     """FP8 product of quantized operands ``qa [..., M, K]`` and ``qb [..., K, N]`` (batch dims
-    already broadcast to each other or ``qb`` 2-D), accumulated in FP32."""
+    already broadcast to each other or ``qb`` 2-D), accumulated in FP32. Scales are scalars
+    (tensorwise) or broadcast along rows (``sa [..., M, 1]``, ``sb [..., 1, N]``)."""
     if not native:
         return torch.matmul(dequantize(qa, sa), dequantize(qb, sb)).to(out_dtype)
+    # rowwise _scaled_mm returns BF16 only
+    kernel_out = out_dtype if sa.dim() == 0 else torch.bfloat16
     if qb.dim() == 2:
         lead = qa.shape[:-1]
-        out = _scaled_mm_2d(qa.reshape(-1, qa.shape[-1]), sa, qb, sb, out_dtype)
-        return out.reshape(*lead, qb.shape[-1])
+        sa2 = sa if sa.dim() == 0 else sa.reshape(-1, 1)
+        out = _scaled_mm_2d(qa.reshape(-1, qa.shape[-1]), sa2, qb, sb, kernel_out)
+        return out.reshape(*lead, qb.shape[-1]).to(out_dtype)
     # Batched activation x activation products (attention scores): one kernel per matrix.
     a3 = qa.reshape(-1, *qa.shape[-2:])
     b3 = qb.reshape(-1, *qb.shape[-2:])
-    outs = [_scaled_mm_2d(a3[i], sa, b3[i], sb, out_dtype) for i in range(a3.shape[0])]
-    return torch.stack(outs).reshape(*qa.shape[:-1], qb.shape[-1])
+    n = a3.shape[0]
+
+    sa3, sb3 = _per_matrix(sa, qa.shape, n), _per_matrix(sb, qb.shape, n)
+    outs = [_scaled_mm_2d(a3[i], sa3[i], b3[i], sb3[i], kernel_out) for i in range(n)]
+    return torch.stack(outs).reshape(*qa.shape[:-1], qb.shape[-1]).to(out_dtype)
+
+
+def _per_matrix(scale: torch.Tensor, shape: torch.Size, n: int) -> list[torch.Tensor]:
+    """The scale of each of the ``n`` matrices of a batched operand of ``shape``."""
+    if scale.dim() == 0:
+        return [scale] * n
+    return list(scale.expand(*shape[:-2], *scale.shape[-2:]).reshape(n, *scale.shape[-2:]))
+
+
+def _input_grads(ctx, grad_out: torch.Tensor, grad_a, grad_b) -> tuple:
+    """(grad_a, grad_b, grad_bias) in the dtypes of the forward's inputs."""
+    _, _, bias_shape = ctx.shapes
+    a_dtype, b_dtype, bias_dtype = ctx.dtypes
+    grad_bias = None
+    if bias_shape is not None and ctx.needs_input_grad[2]:
+        grad_bias = grad_out.to(torch.float32).sum_to_size(bias_shape).to(bias_dtype)
+    return (None if grad_a is None else grad_a.to(a_dtype),
+            None if grad_b is None else grad_b.to(b_dtype), grad_bias)
 
 
 class _FP8Matmul(torch.autograd.Function):
@@ -118,9 +159,8 @@ class _FP8Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         qa, sa, qb, sb = ctx.saved_tensors
-        a_shape, b_shape, bias_shape = ctx.shapes
-        a_dtype, b_dtype, bias_dtype = ctx.dtypes
-        grad_a = grad_b = grad_bias = None
+        a_shape, b_shape, _ = ctx.shapes
+        grad_a = grad_b = None
         with torch.autocast(grad_out.device.type, enabled=False):
             sg = tensorwise_scale(grad_out, FP8_E5M2)
             qg = quantize(grad_out, sg, FP8_E5M2)
@@ -142,13 +182,57 @@ class _FP8Matmul(torch.autograd.Function):
                 if ctx.needs_input_grad[1]:
                     grad_b = _mm(qa_b.transpose(-1, -2), sa, qg, sg, native=ctx.native,
                                  out_dtype=torch.float32).sum_to_size(b_shape)
-            if bias_shape is not None and ctx.needs_input_grad[2]:
-                grad_bias = grad_out.to(torch.float32).sum_to_size(bias_shape).to(bias_dtype)
-        if grad_a is not None:
-            grad_a = grad_a.to(a_dtype)
-        if grad_b is not None:
-            grad_b = grad_b.to(b_dtype)
-        return grad_a, grad_b, grad_bias, None
+        return (*_input_grads(ctx, grad_out, grad_a, grad_b), None)
+
+
+class _FP8RowwiseMatmul(torch.autograd.Function):
+    """``a @ b (+ bias)`` with the rowwise recipes: each GEMM's operands quantized to E4M3 along
+    its own contracted dimension; ``gw_hp`` runs the weight-gradient GEMM in BF16."""
+
+    @staticmethod
+    def forward(ctx, a, b, bias, native, gw_hp):
+        with torch.autocast(a.device.type, enabled=False):
+            a32, b32 = a.detach().to(torch.float32), b.detach().to(torch.float32)
+            if b.dim() > 2:
+                batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+                a32, b32 = a32.expand(*batch, *a.shape[-2:]), b32.expand(*batch, *b.shape[-2:])
+            out = _rowwise_product(a32, b32, native)
+            if bias is not None:
+                out = out + bias.to(torch.float32)
+            out = out.to(torch.bfloat16)
+        ctx.save_for_backward(a32, b32)
+        ctx.native, ctx.gw_hp = native, gw_hp
+        ctx.shapes = (a.shape, b.shape, None if bias is None else bias.shape)
+        ctx.dtypes = (a.dtype, b.dtype, None if bias is None else bias.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        a32, b32 = ctx.saved_tensors
+        a_shape, b_shape, _ = ctx.shapes
+        grad_a = grad_b = None
+        with torch.autocast(grad_out.device.type, enabled=False):
+            g = grad_out.to(torch.float32)
+            if len(b_shape) == 2:  # leading dims of a fold into M, as in the forward
+                g, a32 = g.reshape(-1, g.shape[-1]), a32.reshape(-1, a32.shape[-1])
+            if ctx.needs_input_grad[0]:  # dgrad: g @ b^T, contracted over N
+                grad_a = _rowwise_product(g, b32.transpose(-1, -2), ctx.native)
+                grad_a = grad_a.reshape(a_shape) if len(b_shape) == 2 else \
+                    grad_a.sum_to_size(a_shape)
+            if ctx.needs_input_grad[1]:  # wgrad: a^T @ g, contracted over M
+                at = a32.transpose(-1, -2)
+                grad_b = (torch.matmul(at.to(torch.bfloat16), g.to(torch.bfloat16)).float()
+                          if ctx.gw_hp else _rowwise_product(at, g, ctx.native))
+                grad_b = grad_b.sum_to_size(b_shape)
+        return (*_input_grads(ctx, grad_out, grad_a, grad_b), None, None)
+
+
+def _rowwise_product(a: torch.Tensor, b: torch.Tensor, native: bool) -> torch.Tensor:
+    """``a [..., M, K] @ b [..., K, N]`` in FP32 from E4M3 operands scaled along K: per row of
+    ``a``, per column of ``b``."""
+    sa, sb = rowwise_scale(a, FP8_E4M3, -1), rowwise_scale(b, FP8_E4M3, -2)
+    return _mm(quantize(a, sa, FP8_E4M3), sa, quantize(b, sb, FP8_E4M3), sb, native=native,
+               out_dtype=torch.float32)
 
 
 def _bf16_matmul(a, b, bias):
@@ -160,14 +244,16 @@ def _bf16_matmul(a, b, bias):
 
 
 def fp8_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
-               native: bool | None = None) -> torch.Tensor:
-    """``a @ b + bias`` (``torch.matmul`` broadcasting, both operands at least 2-D) in FP8.
+               native: bool | None = None, recipe: str = "tensorwise") -> torch.Tensor:
+    """``a @ b + bias`` (``torch.matmul`` broadcasting, both operands at least 2-D) in FP8
+    with ``recipe`` (tensorwise, rowwise, rowwise_with_gw_hp; see the module docstring).
 
-    ``native=None`` picks ``torch._scaled_mm`` on CUDA sm_89+ and the emulation elsewhere;
-    ``native=True`` forces the kernel (on CPU it runs, slowly: useful to test the layout).
-    Shapes the kernel cannot take compute in BF16, on every device (see module docstring).
+    ``native=None`` picks ``torch._scaled_mm`` where the device has kernels for the recipe and
+    the emulation elsewhere; ``native=True`` forces the kernel (on CPU it runs, slowly: useful
+    to test the layout). Shapes the kernel cannot take compute in BF16, on every device.
     Returns BF16.
     """
+    fmt = Format.fp8(recipe)
     if a.dim() < 2 or b.dim() < 2:
         raise ValueError(f"fp8_matmul needs operands of at least 2 dimensions, got "
                          f"{tuple(a.shape)} and {tuple(b.shape)}; 1-D products stay in bf16.")
@@ -175,11 +261,13 @@ def fp8_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = Non
     if not fp8_shape_supported(p.m, p.k, p.n)[0]:
         return _bf16_matmul(a, b, bias)
     if native is None:
-        native = fp8_is_native(a.device)
-    return _FP8Matmul.apply(a, b, bias, native)
+        native = fp8_is_native(a.device, fmt)
+    if fmt.recipe == "tensorwise":
+        return _FP8Matmul.apply(a, b, bias, native)
+    return _FP8RowwiseMatmul.apply(a, b, bias, native, fmt.recipe == "rowwise_with_gw_hp")
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-               native: bool | None = None) -> torch.Tensor:
+               native: bool | None = None, recipe: str = "tensorwise") -> torch.Tensor:
     """``F.linear`` in FP8: ``x @ weight.T + bias``."""
-    return fp8_matmul(x, weight.t(), bias, native=native)
+    return fp8_matmul(x, weight.t(), bias, native=native, recipe=recipe)

@@ -69,7 +69,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from autoprec._util import atomic_write, tensors
-from autoprec.formats import Format
+from autoprec.formats import FP8_FORMATS, Format
 from autoprec.policy import Policy
 from autoprec.runtime import calls, rewrite
 
@@ -93,7 +93,7 @@ class GuardConfig:
     # Watch dL/d(output) of each watched layer as well as its outputs.
     check_gradients: bool = True
     # Layers whose policy format is one of these are watched.
-    formats: tuple[Format, ...] = (Format.FP16, Format.FP8, Format.BF16)
+    formats: tuple[Format, ...] = (Format.FP16, *FP8_FORMATS, Format.BF16)
     # With an enabled GradScaler, non-finite gradients count against a layer only once the
     # scaler's scale is at or below this (above it, backing off the scale is the remedy).
     min_loss_scale: float = 1.0
@@ -106,7 +106,11 @@ class GuardConfig:
                 f"GuardConfig.patience must be an integer >= 2, got {self.patience!r}: a "
                 "layer's first failing step makes it a suspect, and only the next one checks "
                 "whether its inputs were already non-finite (the fault upstream, not its own).")
-        formats = tuple(Format.parse(f, where="in GuardConfig.formats") for f in self.formats)
+        # a bare "fp8" means every FP8 recipe
+        formats = tuple(dict.fromkeys(
+            g for f in self.formats
+            for g in (FP8_FORMATS if isinstance(f, str) and f.strip().lower() == "fp8"
+                      else (Format.parse(f, where="in GuardConfig.formats"),))))
         if Format.FP32 in formats:
             raise ValueError("GuardConfig.formats cannot include fp32: an fp32 layer has no "
                              "safer format to be demoted to. Use a subset of fp16, fp8, bf16.")

@@ -38,6 +38,7 @@ This module knows nothing of guards; :func:`autoprec.apply` attaches one on top.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 import threading
@@ -51,13 +52,14 @@ from torch.utils._pytree import tree_map
 
 from autoprec.formats import Format, Support, supported_formats
 from autoprec.policy import Policy, load_policy
-from autoprec.runtime import calls
+from autoprec.runtime import calls, engines
 from autoprec.runtime.fp8 import fp8_matmul
 
 __all__ = ["apply", "remove", "applied_formats", "applied_policy", "regions", "Region",
            "current_format"]
 
 _REGIONS_ATTR = "_autoprec_regions"
+_SWAPS_ATTR = "_autoprec_swaps"
 _POLICY_ATTR = "_autoprec_policy"
 _tls = threading.local()
 
@@ -81,11 +83,12 @@ class _FP8Router(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if current_format() is Format.FP8:
+        fmt = current_format()
+        if fmt is not None and fmt.is_fp8:
             call = calls.lookup(func)
             form = calls.matmul_form(call, args, kwargs) if call is not None else None
             if form is not None:
-                return fp8_matmul(*form)
+                return fp8_matmul(*form, recipe=fmt.recipe)
         return func(*args, **kwargs)
 
 
@@ -109,6 +112,20 @@ def _autocast(device_type: str, fmt: Format):
     return torch.autocast(device_type, dtype=fmt.autocast_dtype)
 
 
+def _tokens_fit_fp8(args: tuple, kwargs: dict) -> bool:
+    """Whether a linear's input has a token count (M, its leading dims) the FP8 kernel takes."""
+    x = args[0] if args else next(iter(kwargs.values()), None)
+    if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] == 0:
+        return False
+    return (x.numel() // x.shape[-1]) % calls.KERNEL_MULTIPLE == 0
+
+
+def _to_bf16(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.to(torch.bfloat16)
+    return value
+
+
 def _upcast(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.dtype in (torch.bfloat16, torch.float16):
         return value.float()
@@ -123,7 +140,7 @@ class Region:
     """
 
     def __init__(self, module: nn.Module, orig, fmt: Format, fqn: str, *, cast_out: bool,
-                 had_own: bool):
+                 had_own: bool, engine: str = "autoprec"):
         self.orig = orig
         # Callers that read `inspect.signature(model.forward)` (HF Trainer drops batch keys the
         # forward does not name) must see the original signature, not (*args, **kwargs).
@@ -139,44 +156,62 @@ class Region:
         self.cast_out = cast_out
         # Whether the module had an instance forward of its own before (restored by remove).
         self.had_own = had_own
+        # "torchao": the module is torchao's Float8Linear and computes its FP8 itself; inside it
+        # nothing is routed (the stack says bf16, the autocast dtype around it)
+        self.engine = engine
 
     def __call__(self, *args, **kwargs):
         fmt = self.format
-        region = _autocast(_device_type(args, kwargs, self.module), fmt)
+        run = self.orig
+        torchao = self.engine == "torchao"
+        if torchao and not _tokens_fit_fp8(args, kwargs):
+            # a token count the kernel cannot take (M not a multiple of 16): a plain bf16
+            # linear, as autoprec's own engine runs such a shape
+            torchao, fmt = False, Format.BF16
+            run = functools.partial(nn.Linear.forward, self.module)
+        if torchao:
+            # torchao's Float8Linear computes its own FP8 from a BF16 input (what it gets
+            # under CUDA autocast or FSDP2's bf16 parameters) and returns BF16, with autocast
+            # off so that its emulated matmuls stay exact; nothing in it is routed again
+            args, kwargs = tree_map(_to_bf16, args), tree_map(_to_bf16, kwargs)
+        elif fmt is Format.FP32:
+            args, kwargs = tree_map(_upcast, args), tree_map(_upcast, kwargs)
+        region = _autocast(_device_type(args, kwargs, self.module),
+                           Format.FP32 if torchao else fmt)
         stack = _stack()
-        stack.append(fmt)
+        stack.append(Format.BF16 if torchao else fmt)
         try:
-            if fmt is Format.FP32:
-                args, kwargs = tree_map(_upcast, args), tree_map(_upcast, kwargs)
-                with region:
-                    return self.orig(*args, **kwargs)
             with region:
-                if fmt is Format.FP8:
+                if fmt.is_fp8 and not torchao:
                     with _FP8Router():
-                        out = self.orig(*args, **kwargs)
+                        out = run(*args, **kwargs)
                 else:
-                    out = self.orig(*args, **kwargs)
+                    out = run(*args, **kwargs)
         finally:
             stack.pop()
         return tree_map(_upcast, out) if self.cast_out else out
 
     def __repr__(self):
-        return f"<autoprec region {self.format.value} around {self.fqn or 'root'}>"
+        engine = " (torchao)" if self.engine == "torchao" else ""
+        return f"<autoprec region {self.format.value}{engine} around {self.fqn or 'root'}>"
 
 
-def _install(module: nn.Module, fmt: Format, fqn: str, cast_out: bool) -> Region:
+def _install(module: nn.Module, fmt: Format, fqn: str, cast_out: bool,
+             engine: str = "autoprec") -> Region:
     had_own = "forward" in module.__dict__
     orig = module.__dict__["forward"] if had_own else module.forward
-    region = Region(module, orig, fmt, fqn, cast_out=cast_out, had_own=had_own)
+    region = Region(module, orig, fmt, fqn, cast_out=cast_out, had_own=had_own, engine=engine)
     module.forward = region
     return region
 
 
 def _warn_emulated_fp8(model: nn.Module, policy: Policy, assigned: dict[str, Format]) -> None:
-    if policy.default is not Format.FP8 and Format.FP8 not in assigned.values():
+    fp8 = [f for f in {policy.default, *assigned.values()} if f.is_fp8]
+    if not fp8:
         return
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    if device.type != "meta" and supported_formats(device)[Format.FP8] is not Support.NATIVE:
+    support = supported_formats(device) if device.type != "meta" else {}
+    if device.type != "meta" and any(support[f] is not Support.NATIVE for f in fp8):
         warnings.warn(
             f"Policy{' ' + policy.source if policy.source else ''} puts layers in fp8, "
             f"which {device} can only emulate: numerics are exact FP8, but those layers run "
@@ -200,18 +235,28 @@ def apply(model: nn.Module, policy: Policy | str | os.PathLike, *,
     assigned = policy.check_model(model, strict=strict)
     _remove_regions(model)
     _warn_emulated_fp8(model, policy, assigned)
+    # fp8 nn.Linear layers go to torchao where the engine says so (modules swapped, the same
+    # parameters); each gets a region of its own, in which nothing is routed again
+    torchao = {fqn: policy.format_for(fqn) for fqn, module in model.named_modules()
+               if fqn and engines.engine_for(module, policy.format_for(fqn),
+                                             policy.fp8_engine) == "torchao"}
+    swaps = engines.swap_to_torchao(model, torchao)
     installed: list[Region] = []
     # Parents before children, so each region knows the format it would inherit.
     for fqn, module in model.named_modules():
         own = assigned.get(fqn, policy.default if fqn == "" else None)
+        if fqn in torchao:
+            own = torchao[fqn]
         if own is None:
             continue
         inherited = None if fqn == "" else policy.format_for(fqn.rpartition(".")[0])
-        if own is inherited:
+        if own is inherited and fqn not in torchao:
             continue  # same format as the enclosing region: a region would only cost time
         installed.append(_install(module, own, fqn, cast_out=inherited is Format.FP32
-                                  and own is not Format.FP32))
+                                  and own is not Format.FP32,
+                                  engine="torchao" if fqn in torchao else "autoprec"))
     model.__dict__[_REGIONS_ATTR] = installed
+    model.__dict__[_SWAPS_ATTR] = swaps
     model.__dict__[_POLICY_ATTR] = policy
     return model
 
@@ -227,8 +272,9 @@ def _remove_regions(model: nn.Module) -> nn.Module:
             region.module.forward = region.orig
         else:
             region.module.__dict__.pop("forward", None)
-    model.__dict__.pop(_REGIONS_ATTR, None)
-    model.__dict__.pop(_POLICY_ATTR, None)
+    engines.restore(model.__dict__.get(_SWAPS_ATTR) or [])
+    for key in (_REGIONS_ATTR, _SWAPS_ATTR, _POLICY_ATTR):
+        model.__dict__.pop(key, None)
     return model
 
 

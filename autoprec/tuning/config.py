@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from autoprec.formats import FORMAT_ORDER, Format
+from autoprec.formats import FORMAT_ORDER, Format, expand_formats
 from autoprec.policy import Budget
 
 __all__ = ["TuneConfig", "TimingConfig", "Grouping"]
@@ -81,7 +81,8 @@ class TimingConfig:
 class TuneConfig:
     """Everything :func:`autoprec.tune` needs besides the task."""
 
-    # Formats the search may use; fp32 is always added (the reference and the fallback).
+    # Formats the search may use; fp32 is always added (the reference and the fallback). A
+    # bare "fp8" means every FP8 recipe; "fp8:rowwise" (etc.) names one.
     formats: tuple[Format, ...] = FORMAT_ORDER
     # How far the winner may move training from FP32.
     budget: Budget = field(default_factory=Budget)
@@ -99,6 +100,9 @@ class TuneConfig:
     seed: int = 0
     # Search units: a Grouping, or unit name -> layer fqns.
     grouping: Grouping | Mapping[str, Sequence[str]] = Grouping.AUTO
+    # Sets of sibling layer names that share one choice (the model fuses them), e.g.
+    # (("q_proj", "k_proj", "v_proj"),); see autoprec.tuning.space.group_layers.
+    couple: tuple[tuple[str, ...], ...] = ()
     # The policy path; the default study lives beside it (`<stem>.study.db`).
     output: str | None = None
     # Error budgets of the integer-program warm starts, as fractions of max_loss_increase.
@@ -108,12 +112,18 @@ class TuneConfig:
     timing: TimingConfig = field(default_factory=TimingConfig)
 
     def __post_init__(self):
-        fmts = [Format.parse(f, where="in TuneConfig.formats") for f in self.formats]
+        fmts = expand_formats(self.formats, where="in TuneConfig.formats")
         if not fmts:
             raise ValueError("TuneConfig.formats is empty; give at least one of "
                              f"{', '.join(f.value for f in Format)}.")
         fmts = [f for f in FORMAT_ORDER if f in set(fmts) | {Format.FP32}]
         object.__setattr__(self, "formats", tuple(fmts))
+        couple = tuple(tuple(names) for names in self.couple)
+        if any(isinstance(names, str) or len(names) < 2 for names in self.couple) or \
+                any(not isinstance(n, str) or not n for names in couple for n in names):
+            raise ValueError(f"TuneConfig.couple must be sets of at least two sibling layer "
+                             f"names, e.g. (('q_proj', 'k_proj', 'v_proj'),); got {self.couple!r}.")
+        object.__setattr__(self, "couple", couple)
         if isinstance(self.budget, Mapping):
             object.__setattr__(self, "budget", Budget(**self.budget))
         if isinstance(self.timing, Mapping):

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from autoprec._util import atomic_write
-from autoprec.formats import Format
 from autoprec.policy import Budget, Interval, Policy, Provenance
 from autoprec.profiling import Profile
 from autoprec.task import Task
@@ -195,7 +194,7 @@ def provenance(task: Task, result: TuneResult, budget: Budget, target: str | Non
         extra["improvement_over_warm_start"] = sel.over_warm_start.to_dict()
     # layers the policy puts in fp8 whose matmuls FP8 does not take: they run bf16
     blocked = {lp.fqn: lp.fp8_blocker for lp in prof.layers
-               if lp.fp8_blocker and result.policy.format_for(lp.fqn) is Format.FP8}
+               if lp.fp8_blocker and result.policy.format_for(lp.fqn).is_fp8}
     if blocked:
         extra["fp8_runs_bf16"] = blocked
     speedup = result.speedup

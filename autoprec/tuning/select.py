@@ -44,8 +44,10 @@ NOISE_ADVICE = ("run the tune on a quiet machine (no other jobs on its cores), p
                 "cores of its own (taskset) with OMP_NUM_THREADS set to their number, or price "
                 "speed with a cost model (--target) instead of measuring it")
 
-# Low-precision weight of each format: how much of a matmul's precision it gives up.
-_PRECISION_RANK = {Format.FP32: 0, Format.FP16: 1, Format.BF16: 1, Format.FP8: 2}
+# Low-precision weight of each format: how much of a matmul's precision it gives up (the
+# rowwise recipes scale each row to its own range, and gw_hp keeps the weight gradient in BF16).
+_PRECISION_RANK = {Format.FP32: 0, Format.FP16: 1, Format.BF16: 1, Format.FP8_ROWWISE_GW_HP: 1.5,
+                   Format.FP8_ROWWISE: 1.75, Format.FP8: 2}
 
 
 @dataclass

@@ -16,24 +16,44 @@ __all__ = ["group_layers", "SearchSpace", "assignment_policy", "expand"]
 
 
 def group_layers(fqns: Sequence[str], grouping: Grouping | str | Mapping[str, Sequence[str]]
-                 = Grouping.AUTO, *, max_units: int = 16) -> dict[str, list[str]]:
+                 = Grouping.AUTO, *, max_units: int = 16,
+                 couple: Sequence[Sequence[str]] = ()) -> dict[str, list[str]]:
     """Search units: unit name -> the layer fqns it sets.
 
     ``Grouping.LAYER``: one unit per layer. ``Grouping.ROLE``: same-role layers share one
     unit, named by their glob (numeric path components become ``*``:
     ``transformer.h.*.mlp.c_fc``). ``Grouping.AUTO``: per layer while there are at most
     ``max_units`` layers, grouped beyond. A mapping (unit name -> fqns) is used as given.
+
+    ``couple``: sets of sibling names that must share one choice, because the model fuses
+    them (``("q_proj", "k_proj", "v_proj")``: the projections of one attention, fused into one
+    GEMM by a QKV kernel). Units whose last name is in one set and whose parent is the same
+    merge into one unit, named ``parent.{q_proj,k_proj,v_proj}``. All experts of an MoE layer
+    are coupled by role grouping (``experts.*.w1`` is one unit) or an explicit mapping.
     """
     if isinstance(grouping, Mapping):
         return {k: list(v) for k, v in grouping.items()}
     grouping = Grouping(grouping)
     by_role = grouping is Grouping.ROLE or (grouping is Grouping.AUTO and len(fqns) > max_units)
     if not by_role:
-        return {f: [f] for f in fqns}
+        return _couple({f: [f] for f in fqns}, couple)
     out: dict[str, list[str]] = {}
     for f in fqns:
         key = ".".join("*" if part.isdigit() else part for part in f.split("."))
         out.setdefault(key, []).append(f)
+    return _couple(out, couple)
+
+
+def _couple(units: dict[str, list[str]], couple: Sequence[Sequence[str]]) -> dict[str, list[str]]:
+    """Merge units that are coupled siblings (see :func:`group_layers`), in first-seen order."""
+    sets = [tuple(dict.fromkeys(names)) for names in couple]
+    out: dict[str, list[str]] = {}
+    for unit, fqns in units.items():
+        parent, _, leaf = unit.rpartition(".")
+        names = next((s for s in sets if leaf in s), None)
+        key = unit if names is None else \
+            (f"{parent}." if parent else "") + "{" + ",".join(names) + "}"
+        out.setdefault(key, []).extend(fqns)
     return out
 
 
@@ -49,12 +69,13 @@ class SearchSpace:
 
     @classmethod
     def build(cls, prof: Profile, fmts: Sequence[Format],
-              grouping: Grouping | Mapping[str, Sequence[str]]) -> SearchSpace:
+              grouping: Grouping | Mapping[str, Sequence[str]],
+              couple: Sequence[Sequence[str]] = ()) -> SearchSpace:
         """A format is offered for a unit when its numerics stayed finite, its matmuls can
         really run in it, and it is faster than fp32 on the unit's layers as profiled: a format
         slower than fp32 is dominated (fp32 has zero error), so offering it would only spend
         trials (fp16 on CPUs without FP16 matmul units, emulated fp8)."""
-        units = group_layers([lp.fqn for lp in prof.layers], grouping)
+        units = group_layers([lp.fqn for lp in prof.layers], grouping, couple=couple)
         space = cls(units=units, choices={})
         for unit, fqns in units.items():
             allowed = [Format.FP32.value]
@@ -97,7 +118,7 @@ def _not_offered(prof: Profile, fqns: Sequence[str], fmt: Format, t32: float) ->
     lps = [prof.layer(f) for f in fqns]
     if any(fmt in lp.skipped for lp in lps):
         return "cannot win here (numerics not measured)"
-    if fmt is Format.FP8 and any(lp.fp8_blocker for lp in lps):
+    if fmt.is_fp8 and any(lp.fp8_blocker for lp in lps):
         return "FP8 does not take its matmuls"
     if not all(prof.allows(f, fmt) for f in fqns):
         return "non-finite"

@@ -80,7 +80,7 @@ def _tune(task: Task, config: TuneConfig, prof: Profile | None, progress: bool,
     n_holdout = min(config.n_holdout, len(task.batches) - 1)
     study = _open_study(task, config, log)
     prof = _stored_profile(study, task, config, prof, task.batches[:-n_holdout], progress)
-    space = SearchSpace.build(prof, config.formats, config.grouping)
+    space = SearchSpace.build(prof, config.formats, config.grouping, config.couple)
     log(f"search space: {len(space.units)} units over {len(prof.layers)} layers x "
         f"{len(config.formats)} formats")
     for line in space.pruned_summary():
@@ -128,9 +128,12 @@ def _open_study(task: Task, config: TuneConfig, log: Callable[[str], None]) -> o
     identity = _identity(task)
     name = config.study_name
     if name is None:
-        key = json.dumps({"formats": [f.value for f in config.formats],
-                          "budget": config.budget.to_dict(), "target": config.target,
-                          "groups": str(config.grouping), **identity}, sort_keys=True)
+        key = {"formats": [f.value for f in config.formats],
+               "budget": config.budget.to_dict(), "target": config.target,
+               "groups": str(config.grouping), **identity}
+        if config.couple:
+            key["couple"] = [list(c) for c in config.couple]
+        key = json.dumps(key, sort_keys=True)
         name = f"{task.name}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
     others = [s.study_name for s in storage.get_all_studies()]
     sampler = optuna.samplers.TPESampler(seed=config.seed, multivariate=True,

@@ -1,0 +1,124 @@
+"""Who runs an fp8 layer: torchao's float8 training for ``nn.Linear`` when it is installed,
+autoprec's own FP8 matmul (:mod:`autoprec.runtime.fp8`) for everything else.
+
+The engine is a detail of ``apply``, never of the policy's meaning: both engines compute the
+same recipes (torchao's names), and ``tests/test_engines.py`` checks they agree to FP8
+rounding. torchao brings its kernels, compile-fused casts and FSDP2 float8 all-gather on a
+GPU; where the device has no FP8 kernels it runs with ``emulate=True``.
+
+torchao swaps modules (``nn.Linear`` -> ``Float8Linear``, sharing the same weight and bias
+``Parameter`` objects, so names, ``state_dict`` and optimizer state are unchanged); autoprec
+records each swap and puts the original module back on ``remove``. Nothing here imports
+torchao until a policy puts an ``nn.Linear`` in fp8 with the engine ``auto`` or ``torchao``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import io
+import logging
+import warnings
+from dataclasses import dataclass
+
+from torch import nn
+
+from autoprec.formats import Format, Support, supported_formats
+from autoprec.runtime.calls import KERNEL_MULTIPLE
+
+__all__ = ["Swap", "torchao_available", "engine_for", "swap_to_torchao", "restore"]
+
+
+@functools.lru_cache(maxsize=1)
+def torchao_available() -> bool:
+    """Whether torchao's float8 training imports here (its missing CUDA extensions on a CPU
+    machine only warn; that noise is kept out of our output)."""
+    try:
+        with _quiet():
+            import torchao.float8  # noqa: F401
+        return True
+    except Exception:  # noqa: BLE001 - any import failure means: not available
+        return False
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Hold back what importing torchao prints on a machine without its CUDA extensions."""
+    levels = {}
+    for name in ("torchao", "torch"):
+        log = logging.getLogger(name)
+        levels[name] = log.level
+        log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+
+
+def engine_for(module: nn.Module, fmt: Format, engine: str) -> str:
+    """The engine that runs ``module`` in ``fmt``: "torchao" for an ``nn.Linear`` in fp8 when
+    the policy's engine allows it and torchao is installed, else "autoprec". A Linear whose
+    K or N is not a multiple of 16 stays on autoprec's engine, which runs it in bf16 (the
+    kernel cannot take it; torchao's own filter skips it on the same rule). Asking for
+    "torchao" where it is not installed is an error that says how to get it."""
+    if not fmt.is_fp8 or not isinstance(module, nn.Linear) or engine == "autoprec":
+        return "autoprec"
+    if module.in_features % KERNEL_MULTIPLE or module.out_features % KERNEL_MULTIPLE:
+        return "autoprec"
+    if torchao_available():
+        return "torchao"
+    if engine == "torchao":
+        raise RuntimeError("The policy asks for the torchao engine (fp8: {engine: torchao}) but "
+                           "torchao is not installed: pip install 'autoprec[torchao]', or set "
+                           "the engine to auto or autoprec.")
+    return "autoprec"
+
+
+@dataclass
+class Swap:
+    """One module torchao replaced: where it lives and what to put back."""
+
+    parent: nn.Module
+    name: str
+    original: nn.Module
+    replacement: nn.Module
+
+
+def swap_to_torchao(model: nn.Module, targets: dict[str, Format]) -> list[Swap]:
+    """Convert the ``nn.Linear`` modules named in ``targets`` (fqn -> fp8 format) to torchao's
+    ``Float8Linear`` with each one's recipe (``emulate=True`` where the device has no kernels
+    for it). Returns the swaps, for :func:`restore`."""
+    if not targets:
+        return []
+    with _quiet():
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    swaps: list[Swap] = []
+    modules = dict(model.named_modules())
+    for fmt in dict.fromkeys(targets.values()):
+        names = {fqn for fqn, f in targets.items() if f is fmt}
+        device = next((p.device for p in modules[next(iter(names))].parameters()), None)
+        native = device is not None and device.type != "meta" and \
+            supported_formats(device)[fmt] is Support.NATIVE
+        config = Float8LinearConfig.from_recipe_name(fmt.recipe)
+        if not native:
+            config = dataclasses.replace(config, emulate=True)
+        before = {fqn: modules[fqn] for fqn in names}
+        with _quiet():
+            convert_to_float8_training(model, config=config,
+                                       module_filter_fn=lambda m, fqn, names=names: fqn in names)
+        after = dict(model.named_modules())
+        for fqn, original in before.items():
+            parent_name, _, child = fqn.rpartition(".")
+            swaps.append(Swap(model.get_submodule(parent_name), child, original, after[fqn]))
+        modules = after
+    return swaps
+
+
+def restore(swaps: list[Swap]) -> None:
+    """Put back the modules torchao replaced (in reverse order)."""
+    for swap in reversed(swaps):
+        setattr(swap.parent, swap.name, swap.original)
