@@ -183,10 +183,11 @@ def _weight_operand(layer: Any, batch: int) -> bool:
 
 
 def _gemm(m: int, k: int, n: int, in_bytes: int, out_bytes: int, flops: float,
-          spec: DeviceSpec) -> float:
-    """One (M, K) x (K, N) GEMM: max(compute, memory, one kernel), torchao's roofline form."""
-    compute = 2.0 * m * k * n / (flops * spec.efficiency)
-    memory = ((m * k + k * n) * in_bytes + m * n * out_bytes) / \
+          spec: DeviceSpec, batch: int = 1) -> float:
+    """One kernel of ``batch`` (M, K) x (K, N) GEMMs: max(compute, memory, one launch),
+    torchao's roofline form."""
+    compute = 2.0 * batch * m * k * n / (flops * spec.efficiency)
+    memory = batch * ((m * k + k * n) * in_bytes + m * n * out_bytes) / \
         (spec.bandwidth * spec.bandwidth_efficiency)
     return max(compute, memory, spec.launch_s)
 
@@ -203,11 +204,10 @@ def _gemms(b: int, m: int, k: int, n: int, fmt: Format, spec: DeviceSpec) -> flo
     for gemm, (x, y, z) in shapes.items():
         f = run[gemm]
         in_b, out_b = _OPERAND_BYTES[f], _OUTPUT_BYTES[f]
-        if f.is_fp8 and b > 1:
+        if f.is_fp8 and b > 1:  # one _scaled_mm per matrix
             total += b * _gemm(x, y, z, in_b, out_b, spec.matmul_flops[f], spec)
-        else:  # one batched kernel: b times the work
-            total += max(_gemm(x, y, z, in_b, out_b, spec.matmul_flops[f], spec) * b,
-                         spec.launch_s)
+        else:  # one batched kernel
+            total += _gemm(x, y, z, in_b, out_b, spec.matmul_flops[f], spec, batch=b)
     return total
 
 
@@ -338,7 +338,8 @@ class _Linear:
         return _FP32 * (self.m * self.k + self.k * self.n + self.m * self.n)
 
 
-def estimate_layer(layer: Any, fmt: Format | str, target: str | DeviceSpec) -> LayerTime:
+def estimate_layer(layer: Any, fmt: Format | str, target: str | DeviceSpec, *,
+                   boundary_casts: bool = True) -> LayerTime:
     """Roofline estimate of forward + backward seconds of ``layer`` in ``fmt`` on ``target``.
 
     ``layer`` is an :class:`autoprec.measure.capture.Layer` or anything with ``fqn``, ``kind``,
@@ -348,7 +349,9 @@ def estimate_layer(layer: Any, fmt: Format | str, target: str | DeviceSpec) -> L
     memory), plus casts in and out of the format (and FP8's amax reductions and transposed
     copies) and a fixed cost per kernel. FP8 products the kernel cannot take run, and are
     priced, as bf16 (see ``note``). An emulated format costs its emulation and never less than
-    fp32 or bf16.
+    fp32 or bf16. ``boundary_casts=False`` leaves out the casts of the layer's activations in
+    from and out to FP32: the layer as part of a graph whose edges price those casts
+    (:func:`estimate_step` with ``edges``), as the profile prices it.
     """
     fmt = Format.parse(fmt, where=f"for layer `{getattr(layer, 'fqn', '?')}`")
     key, spec = resolve_target(target)
@@ -356,7 +359,8 @@ def estimate_layer(layer: Any, fmt: Format | str, target: str | DeviceSpec) -> L
     if spec.support[fmt] is Support.UNSUPPORTED:
         return LayerTime(fqn=fqn, format=fmt, seconds=math.inf, raw_seconds=math.inf, spread=0.0,
                          source=f"{MODEL_PREFIX}{key}", error=f"{key} cannot run {fmt}")
-    (raw, seconds), emulated, notes = _estimate(layer, fmt, spec, key)
+    (raw, seconds), emulated, notes = _estimate(layer, fmt, spec, key,
+                                                boundary_casts=boundary_casts)
     return LayerTime(fqn=fqn, format=fmt, seconds=seconds, raw_seconds=raw, spread=0.0,
                      emulated=emulated, source=f"{MODEL_PREFIX}{key}", note="; ".join(notes))
 

@@ -335,8 +335,13 @@ def profile(task, formats: Sequence[Format | str] = ("fp32", "bf16", "fp16", "fp
         times = _own_times(measure_layers(model, example, fqns, fmts, repeats=repeats,
                                           budget_s=budget_s), fqns)
     else:
-        times = {L.fqn: {fmt: estimate_layer(L, fmt, target) for fmt in fmts} for L in chosen}
+        # without the casts in and out of each layer: the search prices the step with the
+        # graph's edges, where a cast is paid only between layers of different dtypes
+        times = {L.fqn: {fmt: estimate_layer(L, fmt, target, boundary_casts=False)
+                         for fmt in fmts} for L in chosen}
     skipped = {L.fqn: _cannot_win(L, times.get(L.fqn, {}), fmts) for L in chosen}
+    # the sensitivity measurement builds its own copy: one model in memory at a time
+    del model, example
     low = [f for f in fmts if f is not Format.FP32]
     bar = ProgressBar("sensitivity", enabled=progress)
     errors = measure_sensitivity(task, fqns, low, batches=calib, progress=bar,
@@ -433,5 +438,11 @@ def _own_times(times: dict[str, dict[Format, LayerTime]], fqns: Sequence[str]):
             own[fmt] = dataclasses.replace(t, seconds=sec,
                                            note=(t.note + "; " if t.note else "")
                                            + f"own time: minus {len(children)} child layers")
+        # an emulated format runs fp32 kernels plus the rounding: a difference of two noisy
+        # timings must not report it faster than fp32
+        base = own.get(Format.FP32)
+        for fmt, t in own.items():
+            if t.emulated and base is not None and t.seconds < base.seconds:
+                own[fmt] = dataclasses.replace(t, seconds=base.seconds)
         out[f] = own
     return out

@@ -190,9 +190,8 @@ class Numerics:
                 g = _scaled_grads(loss, self.params, scale)
                 r = ref.losses[b]
                 changes.append((value - r) / abs(r) if r != 0 else value - r)
-                # Out of place: autograd may hand the same tensor to two parameters (a + b).
-                diff_sq += _sq_norms(torch._foreach_sub(g, ref.grads[b]))
                 finite = finite and math.isfinite(value) and all_finite(g)
+                diff_sq += _sq_norms(_minus(g, ref.grads[b]))
         finally:
             rewrite.remove(self.model)
         ref_sq = torch.stack(ref.grad_sq).sum(0).tolist()
@@ -253,6 +252,19 @@ def _scaled_grads(loss: torch.Tensor, params: list[torch.Tensor],
         if scale <= 1.0 or all_finite(g):
             return g
         scale = max(1.0, scale / 2)
+
+
+def _minus(grads: list[torch.Tensor], ref: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``grads - ref`` element by element, in place in ``grads`` (fresh gradients, used for
+    nothing else; new memory for a billion-parameter model costs seconds in page faults), out
+    of place for a tensor autograd handed to two parameters (a + b)."""
+    seen: set[int] = set()
+    out = []
+    for g, r in zip(grads, ref):
+        key = g.data_ptr()
+        out.append(g - r if key in seen else g.sub_(r))
+        seen.add(key)
+    return out
 
 
 def _sq_norms(grads: list[torch.Tensor]) -> torch.Tensor:
