@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from examples import cnn, gpt2_bytes, minilm  # noqa: E402
+from examples import cnn, gpt2_bytes, llama_bytes, minilm  # noqa: E402
 from examples.data import byte_batches  # noqa: E402
 
 
@@ -61,14 +61,9 @@ def tiny_llama(n_layer: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int
                intermediate: int = 128):
     """HF Llama (grouped-query attention, SwiGLU, RMSNorm, rotary) at a test size, with the
     byte vocabulary of examples.data, so byte_batches feed it."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=intermediate,
-                         num_hidden_layers=n_layer, num_attention_heads=heads,
-                         num_key_value_heads=kv_heads, max_position_embeddings=128,
-                         attn_implementation="eager", use_cache=False)
-    return LlamaForCausalLM(config).eval()
+    return llama_bytes.make_model(n_layer, hidden, intermediate, heads, kv_heads,
+                                  seq_len=128).eval()
 
 
 @pytest.fixture

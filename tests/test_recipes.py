@@ -156,18 +156,13 @@ def test_bad_recipe_or_engine_is_one_line(tmp_path, text, match):
 
 
 # ---------------------------------------------------------------------------- profile, search
-def _llama_task(hidden=1024, intermediate=4096):
+def _llama_task():
     """A Llama at 1/4 of Llama-3-8B's width (2 layers, GQA 16 heads / 4 KV heads of 64), its
     numerics measured on 2x32 tokens and its speed priced on an H100 at 8x2048 tokens."""
-    import autoprec
-    from examples.data import byte_batches
-    from tests.conftest import tiny_llama
+    from examples.llama_bytes import gpu_task
 
-    return autoprec.Task(
-        model=lambda: tiny_llama(hidden=hidden, intermediate=intermediate, heads=16,
-                                 kv_heads=4),
-        batches=byte_batches(2, 2, 32, seed=1), name="llama-quarter", device="cpu",
-        shape_batch=byte_batches(1, 8, 2048, seed=1)[0])
+    return gpu_task(n_layer=2, seq_len=2048, calib_len=32, hidden=1024, intermediate=4096,
+                    heads=16, kv_heads=4)
 
 
 @pytest.fixture(scope="module")
