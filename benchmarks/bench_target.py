@@ -40,23 +40,28 @@ def main():
     pol = res.policy
     layers = {lp.fqn: lp.layer for lp in prof.layers}
     total = sum(L.flops for L in layers.values())
-    fp8 = sum(L.flops for f, L in layers.items() if pol.format_for(f) is Format.FP8)
+    fp8 = sum(L.flops for f, L in layers.items() if pol.format_for(f).is_fp8)
+    mix: dict[str, float] = {}
+    for f, L in layers.items():
+        mix[pol.format_for(f).label] = mix.get(pol.format_for(f).label, 0.0) + L.flops
     step = prof.estimate_step({f: pol.format_for(f) for f in layers}, args.target)
     bf16 = prof.estimate_step({f: Format.BF16 for f in layers}, args.target)
     fp32 = prof.estimate_step({f: Format.FP32 for f in layers}, args.target)
     print(f"\ntune for {args.target}: {tune_s:.0f} s, {len(res.trials)} trials")
     print(pol.to_yaml())
-    print(f"matmul FLOPs in fp8: {fp8 / total:.1%}")
+    print(f"matmul FLOPs in fp8: {fp8 / total:.1%} ("
+          + ", ".join(f"{k} {v / total:.1%}" for k, v in sorted(mix.items(), key=lambda kv: -kv[1]))
+          + ")")
     print(f"cost-model time of the searched layers: policy / fp32 = {step / fp32:.3f} "
           f"({fp32 / step:.2f}x), policy / uniform bf16 = {step / bf16:.3f}")
     if res.validation is not None:
         print(res.validation.report())
     else:
         print("validation: no Pareto policy passed; fell back to fp32")
-    print("\nlayers kept out of fp8 and why (measured):")
+    print("\nper layer: why not fp8, or why this recipe (speed vs bf16 priced, loss measured):")
     for f in layers:
-        if pol.format_for(f) is not Format.FP8:
-            print(f"  {f:<30} {pol.format_for(f).value:<5} {prof.reason(f, Format.FP8)}")
+        fmt = pol.format_for(f)
+        print(f"  {f:<30} {fmt.label:<22} {prof.fp8_reason(f, fmt)}")
     uniform = prof.estimate_step({f: Policy(default="fp8").format_for(f) for f in layers},
                                  args.target)
     print(f"(uniform fp8 would cost {uniform / bf16:.3f}x uniform bf16)")
