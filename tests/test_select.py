@@ -87,3 +87,34 @@ def test_too_noisy_says_so_with_the_spread_and_what_helps():
     assert sel.too_noisy and sel.noise > 0.05
     note = sel.notes[0]
     assert "too noisy" in note and "quiet machine" in note and "--target" in note, note
+
+
+def test_the_best_warm_start_is_the_one_fastest_when_re_timed():
+    # warm starts 2 (fp32 with one bf16 layer) and 0 (all-bf16): in the search, a burst made 0
+    # look slower than 2; both are finalists, and the claim is made against 0, truly the faster
+    true = {"fp32": 0.3, 0: 0.15, 1: 0.15 * 0.7, 2: 0.25}
+    ev = FakeEvaluator(BurstyMachine(5, mean_gap=1.0), true)
+    sel = select(ev, _finalists(true), [2, 0], TimingConfig(final_rounds=10, max_final_rounds=30,
+                                                            final_seconds=1e9))
+    assert sel.winner == 1 and sel.warm == 0, sel
+    note = next(n for n in sel.notes if "best warm start" in n)
+    assert "(trial 0)" in note, note
+    assert sel.over_warm_start.value < 0.25 / (0.15 * 0.7)  # not measured against the slow one
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_policy_not_faster_than_fp32_beyond_noise_loses_to_all_fp32(seed):
+    # trial 1 (bf16) is truly 1% faster than fp32, trial 0 is all-fp32 (the regions cost 2%)
+    true = {"fp32": 0.3, 0: 0.3 * 1.02, 1: 0.3 * 0.99}
+    policies = {0: Policy(default="fp32"), 1: Policy(default="bf16")}
+    finalists = [Finalist(k, policies[k], 0.001 * k, predicted=true[k] / true["fp32"])
+                 for k in (0, 1)]
+    ev = FakeEvaluator(BurstyMachine(seed, mean_gap=1.0), true)
+    sel = select(ev, finalists, [0, 1], TimingConfig(final_rounds=6, max_final_rounds=10,
+                                                     final_seconds=1e9))
+    # bf16 is written only with an interval over fp32 that excludes 1; else fp32, said so
+    if sel.winner == 1:
+        assert sel.speedup[1].low > 1.0, sel
+    else:
+        assert sel.winner == 0 and sel.speedup[1].low <= 1.0
+        assert "not faster than fp32 beyond timing noise" in sel.notes[0], sel.notes

@@ -1,8 +1,10 @@
 """Choosing the winner: re-time the leading policies until the verdict is significant, and
 never crown a winner on noise.
 
-1. **Finalists**: the best warm start, the fastest feasible trials as measured during the
-   search, and the feasible trial the profile predicts fastest; plus fp32 (the reference) and
+1. **Finalists**: the warm starts that were fastest as measured during the search and as the
+   profile predicts (a single search-time step can land in a burst of contention, so the best
+   warm start is the one fastest when re-timed here), the fastest feasible trials as measured
+   during the search, and the feasible trial the profile predicts fastest; plus fp32 (the reference) and
    fp32 again (the A/A check of the machine's noise).
 2. **Adaptive re-measurement**: interleaved rounds (:mod:`autoprec.measure.timer`) until the
    leader is significantly faster (its interval of the ratio excludes 1) than every other
@@ -11,7 +13,8 @@ never crown a winner on noise.
    significantly slower than the leader stop being timed.
 3. **Decision**: among the finalists within noise of the leader, prefer the one the profile
    predicts faster, then the more precise one (less of its matmul work in low precision, then
-   the smaller loss change), and say so.
+   the smaller loss change), and say so. A leader not faster than fp32 beyond noise loses to
+   the all-fp32 finalist (when there is one): precision is not traded for nothing.
 4. **Noise**: noise never stops the re-timing early (more rounds narrow the intervals). When,
    at the end, the A/A check says the machine was too noisy to tell (``noise_limit``), the
    verdict says so, with the measured spread and what helps, claims nothing beyond the
@@ -27,7 +30,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from autoprec.formats import Format
@@ -77,6 +80,8 @@ class Selection:
     fp32_seconds: float
     # the winner's speed-up over the best warm start (None: the winner is it, or no warm start)
     over_warm_start: Interval | None = None
+    # the trial number of the best warm start, as re-timed (or priced)
+    warm: int | None = None
     # A/A check (fp32 against itself) in this re-timing, and the noise it implies
     aa: Interval | None = None
     noise: float | None = None
@@ -114,43 +119,47 @@ def _prefer(candidates: list[Finalist], prof: Profile) -> list[Finalist]:
             + sorted(rest, key=pred))
 
 
-def select(ev: Evaluator, finalists: list[Finalist], warm: int | None, cfg: TimingConfig,
-           *, log: Callable[[str], None] = lambda msg: None) -> Selection:
-    """Decide the winner among ``finalists`` (``warm``: the trial number of the best warm
-    start, which must be one of them); see the module docstring."""
+def select(ev: Evaluator, finalists: list[Finalist], warm: int | Sequence[int] | None,
+           cfg: TimingConfig, *, log: Callable[[str], None] = lambda msg: None) -> Selection:
+    """Decide the winner among ``finalists`` (``warm``: the trial numbers of the warm starts
+    among them; the best of them is the one fastest here); see the module docstring."""
     by_number = {f.number: f for f in finalists}
+    warms = [] if warm is None else [warm] if isinstance(warm, int) else list(warm)
     if ev.steps is None:
-        return _select_priced(ev, finalists, warm)
+        return _select_priced(ev, finalists, warms)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*can only emulate.*")
         cmp = ev.comparison({f.number: f.policy for f in finalists}, aa=True)
         cmp.run(cfg.final_rounds, warmup=True)
         started = time.perf_counter()
         while True:
-            state = _State(cmp, by_number, ev, warm, cfg)
+            state = _State(cmp, by_number, ev, warms, cfg)
             # a noisy machine is no reason to stop: more rounds are what narrows the intervals
             done = (state.decided or state.equivalent) and not state.contradicting
             spent = time.perf_counter() - started
             if done or cmp.n_rounds >= cfg.max_final_rounds or spent >= cfg.final_seconds:
                 break
             for number in state.beaten:
-                if number != warm:
+                if number != state.warm:
                     cmp.drop(number)  # its rounds so far still count
             cmp.run(min(4, cfg.max_final_rounds - cmp.n_rounds))
             odd = (f", {len(state.contradicting)} contradict the profile"
                    if state.contradicting else "")
             log(f"re-timing: {cmp.n_rounds} rounds; leader trial {state.leader} at "
                 f"{cmp.speedup(state.leader)} fp32 ({len(state.contenders)} within noise{odd})")
-    return _verdict(state, cmp, by_number, ev, warm, cfg)
+    return _verdict(state, cmp, by_number, ev, state.warm, cfg)
 
 
 class _State:
     """Where the re-timing stands after some rounds."""
 
-    def __init__(self, cmp, by_number: dict[int, Finalist], ev: Evaluator, warm: int | None,
+    def __init__(self, cmp, by_number: dict[int, Finalist], ev: Evaluator, warms: list[int],
                  cfg: TimingConfig):
         keys = list(by_number)
         self.speedup = {k: cmp.speedup(k) for k in keys}
+        # the best warm start is the one fastest in this re-timing
+        warm = max(warms, key=lambda k: self.speedup[k].value) if warms else None
+        self.warm = warm
         self.leader = max(keys, key=lambda k: self.speedup[k].value)
         # finalists the leader is significantly faster than
         self.beaten = [k for k in keys if k != self.leader
@@ -184,7 +193,15 @@ def _verdict(state: _State, cmp, by_number: dict[int, Finalist], ev: Evaluator,
         ranked = _prefer(contenders, ev.prof)
     winner = ranked[0].number
     notes = []
-    if too_noisy:
+    # a policy not shown faster than fp32 is not worth its lost precision: all-fp32 wins ties
+    exact = [k for k, f in by_number.items() if precision_cost(f.policy, ev.prof) == 0]
+    kept_fp32 = bool(exact) and winner not in exact and state.speedup[winner].low <= 1.0
+    if kept_fp32:
+        notes.append(f"the fastest policy (trial {winner}, {state.speedup[winner]} fp32 after "
+                     f"{cmp.n_rounds} rounds) is not faster than fp32 beyond timing noise: kept "
+                     f"trial {exact[0]}, all-fp32")
+        winner = exact[0]
+    elif too_noisy:
         notes.append(f"the machine was too noisy to decide by timing: fp32 measured against "
                      f"itself came out at {state.aa} after {cmp.n_rounds} rounds (a true tie "
                      f"measured up to {noise:.0%} off); of the {len(ranked)} policies timing "
@@ -198,7 +215,7 @@ def _verdict(state: _State, cmp, by_number: dict[int, Finalist], ev: Evaluator,
                      f"kept trial {winner}: the profile predicts it "
                      f"{'faster' if _faster_predicted(ranked) else 'as fast'}"
                      f"{'' if _faster_predicted(ranked) else ', and it is the more precise'}")
-    if len(ranked) == 1 and not too_noisy and len(by_number) > 1:
+    if len(ranked) == 1 and not too_noisy and not kept_fp32 and len(by_number) > 1:
         notes.append(f"faster than every other finalist beyond timing noise after "
                      f"{cmp.n_rounds} rounds (fp32 against itself: {state.aa})")
     if winner in state.contradicting:
@@ -215,7 +232,7 @@ def _verdict(state: _State, cmp, by_number: dict[int, Finalist], ev: Evaluator,
             notes.append(f"ties with the best warm start (trial {warm}): {over}, an interval "
                          "that includes 1")
     return Selection(winner=winner, speedup=dict(state.speedup), fp32_seconds=cmp.seconds("fp32"),
-                     over_warm_start=over, aa=state.aa, noise=noise,
+                     over_warm_start=over, warm=warm, aa=state.aa, noise=noise,
                      rounds=cmp.rounds_of(winner), ties=list(state.contenders), notes=notes,
                      too_noisy=too_noisy)
 
@@ -225,9 +242,10 @@ def _faster_predicted(ranked: list[Finalist]) -> bool:
     return a is not None and b is not None and a < b / 1.02
 
 
-def _select_priced(ev: Evaluator, finalists: list[Finalist], warm: int | None) -> Selection:
+def _select_priced(ev: Evaluator, finalists: list[Finalist], warms: list[int]) -> Selection:
     prices = {f.number: ev.prof.estimate_step(expand(f.policy, ev.prof), ev.target)
               for f in finalists}
+    warm = min(warms, key=lambda k: prices[k]) if warms else None
     best = min(prices.values())
     tied = [f for f in finalists if prices[f.number] <= best * (1 + 1e-9)]
     winner = sorted(tied, key=lambda f: (precision_cost(f.policy, ev.prof),
@@ -241,4 +259,5 @@ def _select_priced(ev: Evaluator, finalists: list[Finalist], warm: int | None) -
         over = Interval(r, r, r, 0)
         notes.append(f"{r:.3f}x the best warm start's price (trial {warm})")
     return Selection(winner=winner, speedup=speedup, fp32_seconds=ev.fp32_seconds,
-                     over_warm_start=over, ties=[f.number for f in tied], notes=notes)
+                     over_warm_start=over, warm=warm, ties=[f.number for f in tied],
+                     notes=notes)

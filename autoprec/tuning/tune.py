@@ -37,7 +37,7 @@ import optuna
 
 from autoprec._util import log as _log
 from autoprec._util import tensors
-from autoprec.formats import Support, supported_formats
+from autoprec.formats import Format, Support, supported_formats
 from autoprec.policy import Interval, Policy, model_fingerprint
 from autoprec.profiling import Profile
 from autoprec.profiling import profile as run_profile
@@ -372,8 +372,8 @@ def _decide(study: optuna.Study, task: Task, ev: Evaluator, space: SearchSpace,
             "all-fp32 broke the budget, which means the loss is noisy between identical runs. "
             "Check that the task's loss is deterministic (dropout off, fixed data).")
     warm = [t for t in feasible if t.origin.startswith("warm")]
-    best_warm = min(warm, key=lambda t: t.step_seconds) if warm else None
-    finalists = _finalists(feasible, best_warm, ev, space, config.timing.finalists)
+    warm_picks = _best_warm_starts(warm)
+    finalists = _finalists(feasible, warm_picks, ev, space, config.timing.finalists)
     drift = ev.drift()
     if drift is not None and max(drift[1] - 1, 1 - drift[0]) > config.timing.noise_limit:
         log(f"timing noise during the search: the trials' fp32 steps took {drift[0]:.2f}-"
@@ -381,10 +381,10 @@ def _decide(study: optuna.Study, task: Task, ev: Evaluator, space: SearchSpace,
             "re-timing decides")
     log(f"re-timing {len(finalists)} leading policies against fp32 until the verdict is "
         "significant")
-    sel = select(ev, finalists, None if best_warm is None else best_warm.number,
-                 config.timing, log=log)
+    sel = select(ev, finalists, [t.number for t in warm_picks], config.timing, log=log)
     sel.drift = drift
     by_number = {t.number: t for t in trials}
+    best_warm = None if sel.warm is None else by_number[sel.warm]
     best = dataclasses.replace(by_number[sel.winner], speedup=sel.speedup[sel.winner])
     policy = next(f.policy for f in finalists if f.number == sel.winner)
     result = TuneResult(policy=policy, best=best, fp32_seconds=sel.fp32_seconds,
@@ -397,13 +397,31 @@ def _decide(study: optuna.Study, task: Task, ev: Evaluator, space: SearchSpace,
     return result
 
 
-def _finalists(feasible: list[TrialResult], best_warm: TrialResult | None, ev: Evaluator,
+def _best_warm_starts(warm: list[TrialResult]) -> list[TrialResult]:
+    """The feasible warm starts fastest as measured in the search and as the profile predicts
+    (one search-time step can land in a burst of contention, so both are re-timed), and the
+    all-fp32 one, which a policy not faster than fp32 beyond noise must lose to."""
+    if not warm:
+        return []
+    picks = [min(warm, key=lambda t: t.step_seconds)]
+    predicted = [t for t in warm if t.predicted is not None]
+    if predicted:
+        picks.append(min(predicted, key=lambda t: t.predicted))
+    picks += [t for t in warm if t.origin == f"warm:{Format.FP32.value}"]
+    out: list[TrialResult] = []
+    for t in picks:
+        if t.assignment not in [p.assignment for p in out]:
+            out.append(t)
+    return out
+
+
+def _finalists(feasible: list[TrialResult], warm: list[TrialResult], ev: Evaluator,
                space: SearchSpace, n: int) -> list[Finalist]:
-    """The best warm start, the ``n`` fastest distinct feasible trials as measured, and the
-    feasible trial the profile predicts fastest."""
-    picked: list[TrialResult] = [best_warm] if best_warm is not None else []
+    """The warm starts ``warm``, the ``n`` fastest distinct feasible trials as measured, and
+    the feasible trial the profile predicts fastest."""
+    picked: list[TrialResult] = list(warm)
     for t in sorted(feasible, key=lambda t: t.step_seconds):
-        if len(picked) >= n + (best_warm is not None):
+        if len(picked) >= n + len(warm):
             break
         if t.assignment not in [p.assignment for p in picked]:
             picked.append(t)
