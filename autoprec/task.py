@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from autoprec._util import ModelCall, call_model, move_to, split_batch
+from autoprec.runtime.engines import torchao_available
 
 __all__ = ["Task", "TaskError", "load_task", "default_loss", "move_to", "optimizer_step"]
 
@@ -113,6 +114,9 @@ class Task:
         if isinstance(self.model, nn.Module):
             model = copy.deepcopy(self.model)
         else:
+            # transformers imports torchao (when installed) as it builds a model; import it
+            # first, quietly, so its warnings about CUDA extensions stay out of our output
+            torchao_available()
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(self.seed)
                 model = self.model()

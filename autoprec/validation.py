@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,7 +102,14 @@ def train_run(task: Task, policy: Policy | None, batches: Sequence[Any], *,
     clock = Clock(task.device)
     scaler = None
     if policy is not None:
-        apply(model, policy, strict=strict)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            apply(model, policy, strict=strict)
+        for w in caught:  # e.g. fp8 only emulated here: one line, not a warning with source
+            if "can only emulate" in str(w.message):
+                log(f"validate: note: {w.message}")
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         scaler = policy.grad_scaler(task.device)
         if not scaler.is_enabled():
             scaler = None

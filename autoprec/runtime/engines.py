@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import io
 import logging
 import warnings
@@ -34,9 +35,15 @@ __all__ = ["Swap", "torchao_available", "engine_for", "swap_to_torchao", "restor
 def torchao_available() -> bool:
     """Whether torchao's float8 training imports here (its missing CUDA extensions on a CPU
     machine only warn; that noise is kept out of our output)."""
+    if importlib.util.find_spec("torchao") is None:
+        return False
     try:
         with _quiet():
             import torchao.float8  # noqa: F401
+            try:  # what transformers' quantizers import next (it warns on import, once)
+                import torchao.prototype.mx_formats.config  # noqa: F401
+            except Exception:  # noqa: BLE001 - a prototype module; only its noise matters
+                pass
         return True
     except Exception:  # noqa: BLE001 - any import failure means: not available
         return False
