@@ -222,31 +222,24 @@ def _names(text: str) -> tuple[str, ...]:
     return names
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _number(cast, what: str, ok, rule: str):
+    """An argparse type: ``cast`` the text, and check it (``rule`` says what ``ok`` wants)."""
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+    return parse
 
 
-def _nonneg_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = _nonneg_float(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("must be greater than 0")
-    return value
+_positive_int = _number(int, "an integer", lambda v: v >= 1, "at least 1")
+_nonneg_float = _number(float, "a number", lambda v: 0 <= v < float("inf"),
+                        "a finite number >= 0")
+_positive_float = _number(float, "a number", lambda v: 0 < v < float("inf"),
+                          "a finite number greater than 0")
 
 
 def _parser() -> argparse.ArgumentParser:
