@@ -13,6 +13,7 @@ from torch import nn
 
 import autoprec
 from autoprec import Policy
+from autoprec.policy import PolicyError
 from autoprec.runtime import engines, rewrite
 
 pytest.importorskip("torchao", reason="the torchao extra: pip install -e '.[torchao]'")
@@ -119,6 +120,14 @@ def test_the_policy_or_apply_chooses_the_engine(llama):
         assert type(model.model.layers[0].mlp.up_proj).__name__ == expect
         autoprec.remove(model)
         assert type(model.model.layers[0].mlp.up_proj) is nn.Linear
+    # apply's engine= overrides the policy's, and is checked like the file's
+    model = copy.deepcopy(llama)
+    autoprec.apply(model, Policy(default="fp8", fp8_engine="torchao"), engine="autoprec")
+    assert type(model.model.layers[0].mlp.up_proj) is nn.Linear
+    assert rewrite.applied_policy(model).fp8_engine == "autoprec"
+    autoprec.remove(model)
+    with pytest.raises(PolicyError, match="fp8 engine 'cuda'"):
+        autoprec.apply(model, Policy(default="fp8"), engine="cuda")
 
 
 def test_asking_for_torchao_without_it_is_one_line(monkeypatch, llama):

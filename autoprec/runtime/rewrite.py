@@ -38,6 +38,7 @@ This module knows nothing of guards; :func:`autoprec.apply` attaches one on top.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import os
@@ -220,18 +221,21 @@ def _warn_emulated_fp8(model: nn.Module, policy: Policy, assigned: dict[str, For
 
 
 def apply(model: nn.Module, policy: Policy | str | os.PathLike, *,
-          strict: bool = True) -> nn.Module:
+          strict: bool = True, engine: str | None = None) -> nn.Module:
     """Make ``model`` compute as ``policy`` says; in place, returns ``model``.
 
     ``policy`` is a :class:`Policy` or a path to a policy YAML file. With ``strict`` (the
     default) a fingerprint of another model or a pattern that matches no module is a
-    :class:`~autoprec.policy.PolicyError`; with ``strict=False`` they are warnings. Applying
-    again replaces the previous policy.
+    :class:`~autoprec.policy.PolicyError`; with ``strict=False`` they are warnings. ``engine``
+    ("auto", "torchao" or "autoprec") overrides the policy's ``fp8: {engine: ...}``: who runs
+    its fp8 ``nn.Linear`` layers. Applying again replaces the previous policy.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply(model, policy) needs an nn.Module, got {type(model).__name__}.")
     if not isinstance(policy, Policy):
         policy = load_policy(policy)
+    if engine is not None:
+        policy = dataclasses.replace(policy, fp8_engine=engine)  # checked as the file's is
     assigned = policy.check_model(model, strict=strict)
     _remove_regions(model)
     _warn_emulated_fp8(model, policy, assigned)
