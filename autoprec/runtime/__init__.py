@@ -24,13 +24,15 @@ __all__ = ["apply", "remove", "applied_formats", "applied_policy", "get_guard", 
 
 
 def apply(model: nn.Module, policy: Policy | str | os.PathLike, *, strict: bool = True,
-          guard: bool | GuardConfig | Guard | None = None) -> nn.Module:
+          guard: bool | GuardConfig | Guard | None = None,
+          engine: str | None = None) -> nn.Module:
     """Make ``model`` compute as ``policy`` says; in place, returns ``model``.
 
     ``policy`` is a :class:`~autoprec.policy.Policy` or a path to a policy YAML file. With
     ``strict`` (the default) a fingerprint of another model or a pattern that matches no
     module is a :class:`~autoprec.policy.PolicyError`; with ``strict=False`` they are warnings.
-    Applying again replaces the previous policy.
+    Applying again replaces the previous policy. ``engine`` ("auto", "torchao" or "autoprec")
+    overrides the policy's ``fp8: {engine: ...}``: who runs its fp8 ``nn.Linear`` layers.
 
     ``guard``: ``True`` or a :class:`GuardConfig` attaches a runtime guard that watches the
     low-precision layers in training and demotes those that keep overflowing (see
@@ -39,7 +41,7 @@ def apply(model: nn.Module, policy: Policy | str | os.PathLike, *, strict: bool 
     detaches a guard a previous ``apply`` attached.
     """
     new = Guard.coerce(guard) if guard is not None and guard is not False else None
-    rewrite.apply(model, policy, strict=strict)
+    rewrite.apply(model, policy, strict=strict, engine=engine)
     old = get_guard(model)
     if old is not None and old is not new:
         old.detach()
