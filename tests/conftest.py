@@ -141,3 +141,13 @@ class ComputeProbe:
     def matmul_dtypes(self, fqn: str) -> set:
         """Operand dtypes of the matmul-like ops run directly inside module ``fqn``."""
         return {d for _, dts in self.ops.get(fqn, []) for d in dts}
+
+
+def poison_and_train(model, layer: str, batch, guard, steps: int) -> None:
+    """Put an inf in ``layer``'s weight, then run ``steps`` guarded training steps."""
+    with torch.no_grad():
+        model.get_submodule(layer).weight[0, 0] = float("inf")
+    for _ in range(steps):
+        model(**batch).loss.backward()
+        model.zero_grad(set_to_none=True)
+        guard.step()

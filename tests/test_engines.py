@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import poison_and_train
 from torch import nn
 
 import autoprec
@@ -168,12 +169,7 @@ def test_the_guard_demotes_a_torchao_layer_back_to_a_plain_linear(llama, gpt2_ba
     guard = get_guard(model)
     assert guard.watched[layer] is Format.FP8_ROWWISE
     assert type(model.get_submodule(layer)).__name__ == "Float8Linear"
-    with torch.no_grad():
-        model.get_submodule(layer).weight[0, 0] = float("inf")
-    for _ in range(3):
-        model(**gpt2_batch).loss.backward()
-        model.zero_grad(set_to_none=True)
-        guard.step()
+    poison_and_train(model, layer, gpt2_batch, guard, 3)
     assert [(e.fqn, e.old, e.new) for e in guard.events] == [
         (layer, Format.FP8_ROWWISE, Format.BF16)]
     assert type(model.get_submodule(layer)) is nn.Linear  # torchao's module is gone

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import ComputeProbe, tiny_gpt2
+from conftest import ComputeProbe, poison_and_train, tiny_gpt2
 
 import autoprec
 from autoprec import Format, Policy
@@ -263,12 +263,7 @@ def test_demotion_walks_fp8_to_bf16_to_fp32_and_then_stops(gpt2_batch):
     model = tiny_gpt2().train()
     autoprec.apply(model, Policy(default="bf16", layers={layer: "fp8"}), guard=True)
     guard = get_guard(model)
-    with torch.no_grad():
-        model.get_submodule(layer).weight[0, 0] = float("inf")
-    for _ in range(9):
-        model(**gpt2_batch).loss.backward()
-        model.zero_grad(set_to_none=True)
-        guard.step()
+    poison_and_train(model, layer, gpt2_batch, guard, 9)
     assert [(e.step, e.fqn, e.old, e.new) for e in guard.events] == [
         (2, layer, Format.FP8, Format.BF16), (4, layer, Format.BF16, Format.FP32)]
     assert all(e.reason.startswith("non-finite outputs") for e in guard.events)

@@ -53,7 +53,7 @@ def test_never_a_slower_winner_and_claims_only_what_the_interval_shows(seed):
     # trial 1 is truly 3% faster than the warm start 0; trial 2 is far slower
     true = {"fp32": 0.3, 0: 0.15, 1: 0.15 * 0.97, 2: 0.25}
     ev = FakeEvaluator(BurstyMachine(seed, mean_gap=1.0), true)
-    sel = select(ev, _finalists(true), 0, TimingConfig(final_rounds=10, max_final_rounds=30,
+    sel = select(ev, _finalists(true), [0], TimingConfig(final_rounds=10, max_final_rounds=30,
                                                        final_seconds=1e9))
     assert sel.winner in (0, 1), sel
     assert 2 not in sel.ties
@@ -71,7 +71,7 @@ def test_never_a_slower_winner_and_claims_only_what_the_interval_shows(seed):
 def test_a_tie_goes_to_the_more_precise_policy_when_predictions_agree():
     true = {"fp32": 0.3, 0: 0.15, 1: 0.15, 2: 0.15}
     ev = FakeEvaluator(BurstyMachine(3, mean_gap=1.0), true)
-    sel = select(ev, _finalists(true), 0, TimingConfig(final_rounds=10, max_final_rounds=12,
+    sel = select(ev, _finalists(true), [0], TimingConfig(final_rounds=10, max_final_rounds=12,
                                                        final_seconds=1e9))
     costs = {f.number: precision_cost(f.policy, PROF) for f in _finalists(true)}
     tied = sorted(sel.ties, key=lambda k: costs[k])
@@ -82,7 +82,7 @@ def test_a_tie_goes_to_the_more_precise_policy_when_predictions_agree():
 def test_too_noisy_says_so_with_the_spread_and_what_helps():
     true = {"fp32": 0.3, 0: 0.15, 1: 0.15 * 0.97, 2: 0.25}
     ev = FakeEvaluator(BurstyMachine(0, mean_gap=0.1, worst=40), true)
-    sel = select(ev, _finalists(true), 0, TimingConfig(final_rounds=4, max_final_rounds=6,
+    sel = select(ev, _finalists(true), [0], TimingConfig(final_rounds=4, max_final_rounds=6,
                                                        final_seconds=1e9, noise_limit=0.05))
     assert sel.too_noisy and sel.noise > 0.05
     note = sel.notes[0]

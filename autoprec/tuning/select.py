@@ -2,10 +2,10 @@
 never crown a winner on noise.
 
 1. **Finalists**: the warm starts that were fastest as measured during the search and as the
-   profile predicts (a single search-time step can land in a burst of contention, so the best
-   warm start is the one fastest when re-timed here), the fastest feasible trials as measured
-   during the search, and the feasible trial the profile predicts fastest; plus fp32 (the reference) and
-   fp32 again (the A/A check of the machine's noise).
+   profile predicts, and all-fp32 (a single search-time step can land in a burst of
+   contention, so the best warm start is the one fastest when re-timed here); the fastest
+   feasible trials as measured during the search; the feasible trial the profile predicts
+   fastest; plus fp32 (the reference) and fp32 again (the A/A check of the machine's noise).
 2. **Adaptive re-measurement**: interleaved rounds (:mod:`autoprec.measure.timer`) until the
    leader is significantly faster (its interval of the ratio excludes 1) than every other
    finalist and than the best warm start, and no contender's measurement contradicts the
@@ -119,12 +119,11 @@ def _prefer(candidates: list[Finalist], prof: Profile) -> list[Finalist]:
             + sorted(rest, key=pred))
 
 
-def select(ev: Evaluator, finalists: list[Finalist], warm: int | Sequence[int] | None,
-           cfg: TimingConfig, *, log: Callable[[str], None] = lambda msg: None) -> Selection:
-    """Decide the winner among ``finalists`` (``warm``: the trial numbers of the warm starts
+def select(ev: Evaluator, finalists: list[Finalist], warms: Sequence[int], cfg: TimingConfig,
+           *, log: Callable[[str], None] = lambda msg: None) -> Selection:
+    """Decide the winner among ``finalists`` (``warms``: the trial numbers of the warm starts
     among them; the best of them is the one fastest here); see the module docstring."""
     by_number = {f.number: f for f in finalists}
-    warms = [] if warm is None else [warm] if isinstance(warm, int) else list(warm)
     if ev.steps is None:
         return _select_priced(ev, finalists, warms)
     with warnings.catch_warnings():
@@ -153,13 +152,12 @@ def select(ev: Evaluator, finalists: list[Finalist], warm: int | Sequence[int] |
 class _State:
     """Where the re-timing stands after some rounds."""
 
-    def __init__(self, cmp, by_number: dict[int, Finalist], ev: Evaluator, warms: list[int],
-                 cfg: TimingConfig):
+    def __init__(self, cmp, by_number: dict[int, Finalist], ev: Evaluator,
+                 warms: Sequence[int], cfg: TimingConfig):
         keys = list(by_number)
         self.speedup = {k: cmp.speedup(k) for k in keys}
         # the best warm start is the one fastest in this re-timing
-        warm = max(warms, key=lambda k: self.speedup[k].value) if warms else None
-        self.warm = warm
+        self.warm = warm = max(warms, key=lambda k: self.speedup[k].value) if warms else None
         self.leader = max(keys, key=lambda k: self.speedup[k].value)
         # finalists the leader is significantly faster than
         self.beaten = [k for k in keys if k != self.leader
@@ -242,7 +240,8 @@ def _faster_predicted(ranked: list[Finalist]) -> bool:
     return a is not None and b is not None and a < b / 1.02
 
 
-def _select_priced(ev: Evaluator, finalists: list[Finalist], warms: list[int]) -> Selection:
+def _select_priced(ev: Evaluator, finalists: list[Finalist],
+                   warms: Sequence[int]) -> Selection:
     prices = {f.number: ev.prof.estimate_step(expand(f.policy, ev.prof), ev.target)
               for f in finalists}
     warm = min(warms, key=lambda k: prices[k]) if warms else None

@@ -410,9 +410,14 @@ def _best_warm_starts(warm: list[TrialResult]) -> list[TrialResult]:
     picks += [t for t in warm if t.origin == f"warm:{Format.FP32.value}"]
     out: list[TrialResult] = []
     for t in picks:
-        if t.assignment not in [p.assignment for p in out]:
-            out.append(t)
+        _add_distinct(out, t)
     return out
+
+
+def _add_distinct(picked: list[TrialResult], t: TrialResult) -> None:
+    """Append ``t`` unless a trial of the same assignment is already picked."""
+    if t.assignment not in [p.assignment for p in picked]:
+        picked.append(t)
 
 
 def _finalists(feasible: list[TrialResult], warm: list[TrialResult], ev: Evaluator,
@@ -423,13 +428,10 @@ def _finalists(feasible: list[TrialResult], warm: list[TrialResult], ev: Evaluat
     for t in sorted(feasible, key=lambda t: t.step_seconds):
         if len(picked) >= n + len(warm):
             break
-        if t.assignment not in [p.assignment for p in picked]:
-            picked.append(t)
+        _add_distinct(picked, t)
     predicted = [t for t in feasible if t.predicted is not None]
     if predicted:
-        best = min(predicted, key=lambda t: t.predicted)
-        if best.assignment not in [p.assignment for p in picked]:
-            picked.append(best)
+        _add_distinct(picked, min(predicted, key=lambda t: t.predicted))
     out = []
     for t in picked:
         policy = assignment_policy(space.units, t.assignment, model_name=ev.model_name,
