@@ -1,0 +1,535 @@
+"""Export a policy to another training stack: torchao's float8 training, Megatron-Core's
+``--te-precision-config-file``, or a plain JSON map of module name -> format.
+
+    exported = autoprec.export("policies/llama.yaml", "torchao", model=model)
+    exported.convert(model)              # torchao: each fp8 nn.Linear gets its recipe
+    print(exported.text)                 # what `autoprec export ... --to torchao` writes
+
+A target expresses less than a policy does, and an export never pretends otherwise: what a
+target cannot express is an :class:`ExportError` that names the layer and the fix, or, with
+``strict=False``, a note (``Exported.notes``) saying what the target will run instead. Given a
+model, patterns are resolved to its concrete module names (a model built on the ``meta`` device
+is enough: only names, classes and weight shapes are read, see :func:`structure_of`).
+
+**torchao.** One ``convert_to_float8_training(model, config=Float8LinearConfig
+.from_recipe_name(recipe), module_filter_fn=...)`` per recipe the policy uses; the filters select
+what :meth:`Policy.module_filter_fn` selects (the layers ``apply`` gives torchao). Checked in
+torchao 0.18: its fqn -> config mapping, ``torchao.quantization.FqnToConfig`` (alias
+``ModuleFqnToConfig``), is applied by ``quantize_`` and takes ``AOBaseConfig`` values only;
+``Float8LinearConfig`` (the training config) is not one, so it cannot carry float8 *training*
+recipes. The one float8 training config ``quantize_`` accepts is a prototype,
+``torchao.prototype.moe_training.Float8TrainingOpConfig(float8_linear_recipe=...)`` (it wraps
+parameters in a tensor subclass, aimed at MoE grouped GEMMs); hence one filter per recipe,
+torchao's stable API. torchao sets the format of the fp8 layers only: everything else
+runs in the training loop's own precision (one format: autocast or none), so a policy whose
+other layers are in more than one format, or whose fp8 layers are not ``nn.Linear`` (HF
+``Conv1D``, attention matmuls), cannot be expressed exactly.
+
+**Megatron-Core.** ``megatron/core/extensions/TransformerEngineMixedPrecision.md``: a YAML file
+with ``configs`` (name -> ``{transformer_engine_config_type: TEQuantizationParams,
+training_recipe: {...}}``) and ordered ``matchers`` (name -> ``{config, type: glob, pattern,
+enabled}``; the first enabled matcher whose ``fnmatch`` pattern matches a module path picks
+the config). It chooses, per Transformer Engine linear, an FP8 recipe (``tensorwise``,
+``blockwise``, ``mxfp8``) or BF16 (``training_recipe: {}``). So: ``fp8:tensorwise`` ->
+``tensorwise`` with the ``hybrid`` format (E4M3 forward, E5M2 gradients: autoprec's and
+torchao's tensorwise); ``bf16`` -> ``{}``; torchao's rowwise recipes have no Transformer Engine
+counterpart (an error); fp32 and fp16 layers are not per-layer choices in Megatron (an error,
+or bf16 with a note). Module names are Megatron's own (``decoder.layers.3.mlp.linear_fc1``),
+mapped from HF names by :data:`MEGATRON_NAMES` (Llama-family and GPT-2) or a user's map; q/k/v
+(and gate/up) are one fused GEMM there, so they must share a format.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import yaml
+from torch import nn
+
+from autoprec._util import atomic_write
+from autoprec.formats import Format, Support, supported_formats
+from autoprec.policy import Policy, PolicyError, load_policy
+from autoprec.runtime.calls import KERNEL_MULTIPLE, class_kind, layer_kind
+
+__all__ = [
+    "TARGETS",
+    "MEGATRON_NAMES",
+    "ExportError",
+    "Exported",
+    "TorchaoRecipe",
+    "TorchaoExport",
+    "export",
+    "structure_of",
+    "load_name_map",
+]
+
+TARGETS = ("torchao", "megatron", "fqn")
+
+# HF module name (regex, full match) -> Megatron-Core GPTModel module path (a re.sub template),
+# or None for a module Megatron has but its precision file cannot reach: the output layer is
+# tensor_parallel.ColumnParallelLinear and core attention TEDotProductAttention, neither a
+# Transformer Engine linear, so they compute in the run's dtype (bf16 with --bf16).
+MEGATRON_NAMES: tuple[tuple[str, str | None], ...] = (
+    # HF Llama / Mistral / Qwen2 naming
+    (r"model\.layers\.(\d+)\.self_attn\.[qkv]_proj", r"decoder.layers.\1.self_attention.linear_qkv"),
+    (r"model\.layers\.(\d+)\.self_attn\.o_proj", r"decoder.layers.\1.self_attention.linear_proj"),
+    (r"model\.layers\.(\d+)\.mlp\.(?:gate|up)_proj", r"decoder.layers.\1.mlp.linear_fc1"),
+    (r"model\.layers\.(\d+)\.mlp\.down_proj", r"decoder.layers.\1.mlp.linear_fc2"),
+    (r"model\.layers\.\d+\.self_attn", None),
+    # HF GPT-2 naming
+    (r"transformer\.h\.(\d+)\.attn\.c_attn", r"decoder.layers.\1.self_attention.linear_qkv"),
+    (r"transformer\.h\.(\d+)\.attn\.c_proj", r"decoder.layers.\1.self_attention.linear_proj"),
+    (r"transformer\.h\.(\d+)\.mlp\.c_fc", r"decoder.layers.\1.mlp.linear_fc1"),
+    (r"transformer\.h\.(\d+)\.mlp\.c_proj", r"decoder.layers.\1.mlp.linear_fc2"),
+    (r"transformer\.h\.\d+\.attn", None),
+    (r"lm_head", None),
+)
+
+# autoprec (torchao) recipe -> Megatron-Core's Fp8Recipe (megatron/core/enums.py: delayed,
+# tensorwise, blockwise, mxfp8, custom). Only tensorwise computes the same: dynamic per-tensor
+# scales (Transformer Engine's Float8CurrentScaling); blockwise (1x128 / 128x128 tiles) and
+# mxfp8 (1x32 blocks) are other recipes, and Transformer Engine has no rowwise one.
+_MEGATRON_FP8 = {"tensorwise": "tensorwise"}
+
+
+class ExportError(PolicyError):
+    """A policy that the export target cannot express as written; the message says the fix."""
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """A module whose format the export speaks about."""
+
+    fqn: str
+    # "linear" (nn.Linear, HF Conv1D), "conv" or "attention" (matmuls in its own forward)
+    kind: str
+    module: nn.Module = field(compare=False, repr=False)
+    # The policy's format, and what autoprec computes it in (fp8 that the FP8 kernels cannot
+    # take runs in bf16)
+    fmt: Format = Format.BF16
+    runs: Format = Format.BF16
+
+    @property
+    def what(self) -> str:
+        return f"`{self.fqn}` ({type(self.module).__name__})"
+
+
+@dataclass(frozen=True)
+class Exported:
+    """A policy in another stack's terms."""
+
+    target: str
+    # fqn: the JSON document; megatron: the YAML document; torchao: recipe -> fqns (None
+    # without a model)
+    data: Any
+    # What `autoprec export` writes; None where the target needs a model to name layers.
+    text: str | None
+    # What the target runs differently from the policy (strict=False), and how to run it.
+    notes: tuple[str, ...] = ()
+
+    def save(self, path: str | os.PathLike) -> str:
+        if self.text is None:
+            raise ExportError(f"The {self.target} export names concrete layers: export with a "
+                              "model (--model TASK_SPEC) to write it.")
+        return atomic_write(path, self.text)
+
+
+@dataclass(frozen=True)
+class TorchaoRecipe:
+    """One ``convert_to_float8_training`` call: a torchao recipe and the layers it converts."""
+
+    recipe: str
+    # The layers, when the export had a model; None: the filter decides by the policy's patterns
+    fqns: tuple[str, ...] | None
+    module_filter_fn: Callable[[nn.Module, str], bool] = field(compare=False, repr=False)
+
+    def config(self, *, emulate: bool = False):
+        """torchao's ``Float8LinearConfig.from_recipe_name(recipe)`` (``emulate=True`` where the
+        device has no FP8 kernels)."""
+        from torchao.float8 import Float8LinearConfig
+
+        config = Float8LinearConfig.from_recipe_name(self.recipe)
+        return replace(config, emulate=True) if emulate else config
+
+
+@dataclass(frozen=True)
+class TorchaoExport(Exported):
+    """The torchao export: one conversion per recipe; the rest runs in ``rest``."""
+
+    recipes: tuple[TorchaoRecipe, ...] = ()
+    # The format every layer torchao does not convert runs in (the training loop's).
+    rest: Format = Format.BF16
+
+    def convert(self, model: nn.Module, *, emulate: bool | None = None) -> nn.Module:
+        """Convert ``model`` in place as the export says (``emulate`` None: emulate the
+        recipes this model's device has no kernels for, as ``apply`` does)."""
+        from torchao.float8 import convert_to_float8_training
+
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        for r in self.recipes:
+            emu = emulate if emulate is not None else \
+                supported_formats(device)[Format.fp8(r.recipe)] is not Support.NATIVE
+            convert_to_float8_training(model, config=r.config(emulate=emu),
+                                       module_filter_fn=r.module_filter_fn)
+        return model
+
+
+def export(policy: Policy | str | os.PathLike, to: str, *, model: nn.Module | None = None,
+           strict: bool = True, names: Mapping[str, str | None] | None = None) -> Exported:
+    """Express ``policy`` for the stack ``to`` (one of :data:`TARGETS`). ``model`` resolves
+    patterns to its module names (megatron and fqn need it). ``strict=False`` turns what the
+    target cannot express exactly into notes instead of errors. ``names`` (megatron only):
+    HF-name regex -> Megatron module path template, tried before :data:`MEGATRON_NAMES`."""
+    if not isinstance(policy, Policy):
+        policy = load_policy(policy)
+    if to not in TARGETS:
+        raise ExportError(f"Unknown export target {to!r}; expected one of {', '.join(TARGETS)}.")
+    if names is not None and to != "megatron":
+        raise ExportError(f"A module name map is for --to megatron only, not {to}.")
+    if model is None and to != "torchao":
+        raise ExportError(f"The {to} export names the model's modules: give the model "
+                          "(--model TASK_SPEC; a model built on the meta device will do).")
+    layers = None
+    if model is not None:
+        policy.check_model(model, strict=strict)
+        layers = _layers(policy, model)
+    if to == "torchao":
+        return _torchao(policy, layers, strict)
+    if to == "megatron":
+        return _megatron(policy, layers, strict, _rules(names))
+    return _fqn(policy, model, layers)
+
+
+def structure_of(task) -> nn.Module:
+    """The task's model, or its factory's output built on the ``meta`` device: the names,
+    classes and weight shapes an export reads, without memory for the weights."""
+    if isinstance(task.model, nn.Module):
+        return task.model
+    from autoprec.runtime.engines import torchao_available
+
+    torchao_available()  # transformers imports torchao as it builds a model: import it quietly
+    with torch.device("meta"):
+        model = task.model()
+    if not isinstance(model, nn.Module):
+        raise ExportError(f"The task's model factory returned {type(model).__name__}, not an "
+                          "nn.Module.")
+    return model
+
+
+# ------------------------------------------------------------------ the model's layers
+def _layers(policy: Policy, model: nn.Module) -> list[_Layer]:
+    """The modules whose format a target could express: linear and conv layers, and attention
+    cores (by layer_kind's class-name rule: they run matmuls in their own forward). A module
+    of another class that runs matmuls itself cannot be told apart without running the model;
+    it is not listed."""
+    out = []
+    for fqn, module in model.named_modules():
+        kind = class_kind(module)
+        # what the module would be if its own forward ran a matmul: attention by class name
+        if fqn and kind not in ("linear", "conv") and \
+                layer_kind(module, ("matmul",)) == "attention":
+            kind = "attention"
+        if not fqn or kind not in ("linear", "conv", "attention"):
+            continue
+        fmt = policy.format_for(fqn)
+        out.append(_Layer(fqn, kind, module, fmt, _runs(module, kind, fmt)))
+    return out
+
+
+def _runs(module: nn.Module, kind: str, fmt: Format) -> Format:
+    """What autoprec computes the module's own work in under ``fmt``."""
+    if not fmt.is_fp8 or kind == "attention":
+        return fmt
+    if kind == "linear":
+        # the FP8 kernels take K and N in multiples of 16; autoprec runs the rest in bf16
+        weight = getattr(module, "weight", None)
+        ok = weight is not None and all(d % KERNEL_MULTIPLE == 0 for d in weight.shape)
+        return fmt if ok else Format.BF16
+    return Format.BF16  # PyTorch has no FP8 convolution: autoprec runs it in bf16
+
+
+def _problems(problems: list[str], strict: bool, fix: str) -> tuple[str, ...]:
+    """Raise the first of ``problems`` (strict), or return them all as notes."""
+    if problems and strict:
+        more = f" (and {len(problems) - 1} more like it)" if len(problems) > 1 else ""
+        raise ExportError(f"{problems[0]}{more}. {fix}")
+    return tuple(problems)
+
+
+# ------------------------------------------------------------------ torchao
+def _torchao(policy: Policy, layers: list[_Layer] | None, strict: bool) -> TorchaoExport:
+    recipes = list(dict.fromkeys(f.recipe for f in [policy.default, *policy.layers.values()]
+                                 if f.is_fp8))
+    rest = _rest(policy, layers)
+    problems = []
+    if layers is None:
+        problems = [f"layer pattern `{p}` is {f.label}" for p, f in policy.layers.items()
+                    if not f.is_fp8 and f is not rest]
+        out = tuple(TorchaoRecipe(r, None, policy.module_filter_fn(r)) for r in recipes)
+        notes = ("without a model the filters select nn.Linear layers by the policy's patterns; "
+                 "fp8 layers torchao cannot convert are not checked",)
+    else:
+        out, taken = [], set()
+        for r in recipes:
+            keep = policy.module_filter_fn(r)
+            fqns = tuple(x.fqn for x in layers if keep(x.module, x.fqn))
+            taken.update(fqns)
+            out.append(TorchaoRecipe(r, fqns, lambda m, fqn, names=frozenset(fqns): fqn in names))
+        out = tuple(r for r in out if r.fqns)
+        for layer in layers:
+            if layer.runs.is_fp8 and layer.fqn not in taken:
+                problems.append(f"{layer.what} is {layer.runs.label}, but torchao's float8 "
+                                f"training converts nn.Linear only: it would run in {rest}")
+            elif not layer.runs.is_fp8 and layer.runs is not rest:
+                problems.append(f"{layer.what} is {layer.runs}, but torchao sets the format of "
+                                f"fp8 layers only: it would run in {rest} with the rest")
+        notes = ()
+    fix = _TORCHAO_LINEAR_FIX if problems and "nn.Linear only" in problems[0] else _TORCHAO_FIX
+    notes += _problems(problems, strict, fix.format(rest=rest))
+    notes += (_rest_note(rest),)
+    data = {r.recipe: None if r.fqns is None else list(r.fqns) for r in out}
+    text = None if layers is None else _torchao_script(policy, out, rest, notes)
+    return TorchaoExport("torchao", data, text, notes, recipes=out, rest=rest)
+
+
+_TORCHAO_LINEAR_FIX = ("autoprec.apply runs such layers in FP8 on its own engine; or pass "
+                       "strict=False (--no-strict) to export anyway with them in {rest}")
+_TORCHAO_FIX = ("torchao's float8 training gives fp8 nn.Linear layers their recipe and leaves "
+                "every other layer to the training loop's one precision: re-tune with fewer "
+                "formats (e.g. --formats {rest} fp8), or pass strict=False (--no-strict) to "
+                "export anyway with those layers in {rest}")
+
+
+def _rest(policy: Policy, layers: list[_Layer] | None) -> Format:
+    """The one format torchao's users train every unconverted layer in: the policy's default,
+    or (an fp8 default) the format most of its other layers run in."""
+    if not policy.default.is_fp8:
+        return policy.default
+    runs = [x.runs for x in layers] if layers is not None else list(policy.layers.values())
+    counts = Counter(f for f in runs if not f.is_fp8)
+    return counts.most_common(1)[0][0] if counts else Format.BF16
+
+
+def _rest_note(rest: Format) -> str:
+    how = {Format.FP32: "without autocast (fp32)",
+           Format.BF16: "under torch.autocast(dtype=torch.bfloat16)",
+           Format.FP16: "under torch.autocast(dtype=torch.float16) with a GradScaler "
+                        "(policy.grad_scaler())"}[rest]
+    return f"train with every layer torchao does not convert {how}"
+
+
+def _torchao_script(policy: Policy, recipes: tuple[TorchaoRecipe, ...], rest: Format,
+                    notes: tuple[str, ...]) -> str:
+    layers = "".join(f"    {r.recipe!r}: [\n" + "".join(f"        {n!r},\n" for n in r.fqns)
+                     + "    ],\n" for r in recipes)
+    comments = "".join(f"# note: {n}\n" for n in notes)
+    return f'''"""torchao float8 training exported by autoprec from {policy.source or "a policy"}.
+
+Each fp8 layer gets its recipe: convert(model) runs convert_to_float8_training once per recipe
+with a filter selecting exactly that recipe's layers. Layers not listed run in {rest}.
+"""
+{comments}
+import dataclasses
+
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+FP8_LAYERS = {{
+{layers}}}
+
+
+def convert(model, *, emulate=False):
+    """Swap the listed nn.Linear layers for torchao's Float8Linear, each with its recipe
+    (emulate=True where the device has no FP8 kernels)."""
+    present = {{fqn for fqn, _ in model.named_modules()}}
+    for recipe, names in FP8_LAYERS.items():
+        missing = sorted(set(names) - present)
+        if missing:
+            raise ValueError(f"the model has no module {{missing[0]}}: this conversion was "
+                             "exported for another model")
+        config = Float8LinearConfig.from_recipe_name(recipe)
+        if emulate:
+            config = dataclasses.replace(config, emulate=True)
+        keep = frozenset(names)
+        convert_to_float8_training(
+            model, config=config, module_filter_fn=lambda m, fqn, keep=keep: fqn in keep)
+    return model
+'''
+
+
+# ------------------------------------------------------------------ Megatron-Core
+def _rules(names: Mapping[str, str | None] | None) -> list[tuple[re.Pattern, str | None]]:
+    rules = []
+    for pattern, template in [*(names or {}).items(), *MEGATRON_NAMES]:
+        try:
+            rules.append((re.compile(pattern), template))
+        except re.error as e:
+            raise ExportError(f"Name map key {pattern!r} is not a regular expression ({e}); "
+                              "write a Python regex matching HF module names.") from None
+    return rules
+
+
+def _megatron_path(fqn: str, rules) -> tuple[bool, str | None]:
+    for rx, template in rules:
+        match = rx.fullmatch(fqn)
+        if match:
+            return True, None if template is None else match.expand(template)
+    return False, None
+
+
+_MEGATRON_FIX = ("Megatron's precision file chooses bf16 or an FP8 recipe per Transformer "
+                 "Engine linear layer only: re-tune with --formats bf16 fp8:tensorwise, or pass "
+                 "strict=False (--no-strict) to export these layers as bf16")
+
+
+def _megatron_config(fmt: Format, what: str) -> str:
+    """The config name a format becomes; an error for an FP8 recipe Megatron does not have."""
+    if fmt.is_fp8:
+        if fmt.recipe not in _MEGATRON_FP8:
+            raise ExportError(
+                f"{what} is {fmt.label}: Megatron-Core's FP8 recipes are tensorwise, blockwise "
+                "and mxfp8 (Transformer Engine has no rowwise recipe). Re-tune with --formats "
+                "bf16 fp8:tensorwise to export to Megatron.")
+        return f"fp8_{_MEGATRON_FP8[fmt.recipe]}"
+    return "bf16"
+
+
+def _megatron_configs(names) -> dict[str, dict]:
+    out = {}
+    for name in names:
+        recipe: dict[str, Any] = {}
+        if name != "bf16":
+            # hybrid: E4M3 forward, E5M2 gradients (torchao's tensorwise); override the
+            # non-quantized context so the layer is FP8 even when the run has no --fp8
+            recipe = {"fp8_quantization_recipe": name.removeprefix("fp8_"),
+                      "fp8_format": "hybrid", "override_nonquantized_autocast": True}
+        out[name] = {"transformer_engine_config_type": "TEQuantizationParams",
+                     "training_recipe": recipe}
+    return out
+
+
+def _megatron(policy: Policy, layers: list[_Layer], strict: bool, rules) -> Exported:
+    groups: dict[str, list[_Layer]] = {}
+    problems = []
+    for layer in layers:
+        known, path = _megatron_path(layer.fqn, rules)
+        if not known:
+            problems.append(f"{layer.what} has no Megatron-Core module name (give a name map: "
+                            "--name-map FILE); it is left out")
+        elif path is not None:
+            groups.setdefault(path, []).append(layer)
+        elif layer.runs is not Format.BF16:
+            if layer.runs.is_fp8:
+                raise ExportError(f"{layer.what} is {layer.runs.label}, but its Megatron-Core "
+                                  "counterpart is not a Transformer Engine linear: the precision "
+                                  "file cannot put it in FP8. Make it bf16 in the policy.")
+            problems.append(f"{layer.what} is {layer.runs}; Megatron computes it in the run's "
+                            "dtype (bf16) and its precision file cannot change that")
+    configs: dict[str, str] = {}
+    for path, members in groups.items():
+        formats = dict.fromkeys(m.runs for m in members)
+        if len(formats) > 1:
+            raise ExportError(_fused_error(path, members))
+        fmt = next(iter(formats))
+        if not (fmt.is_fp8 or fmt is Format.BF16):
+            problems.append(f"{members[0].what} is {fmt}")
+        configs[path] = _megatron_config(fmt, members[0].what)
+    default = _megatron_config(policy.default, "The policy's default")
+    if not (policy.default.is_fp8 or policy.default is Format.BF16):
+        problems.append(f"the policy's default is {policy.default}")
+    notes = _problems(problems, strict, _MEGATRON_FIX)
+    doc = _megatron_doc(configs, default)
+    return Exported("megatron", doc, _megatron_text(policy, doc, notes), notes)
+
+
+def _fused_error(path: str, members: list[_Layer]) -> str:
+    formats = ", ".join(f"{m.fqn} {m.runs.label}" for m in members)
+    siblings = ",".join(m.fqn.rpartition(".")[2] for m in members)
+    return (f"Megatron-Core computes {path} as one fused GEMM, but the policy gives its parts "
+            f"different formats ({formats}). Re-tune with --couple {siblings} so they share "
+            "one, or make them the same in the policy.")
+
+
+def _glob_escape(name: str) -> str:
+    """A module name as a literal fnmatch pattern."""
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
+_LAYER_INDEX = re.compile(r"(^|\.)layers\.\d+\.")
+
+
+def _megatron_doc(configs: dict[str, str], default: str) -> dict[str, Any]:
+    """configs + ordered matchers. A role every layer gives the same config becomes one glob
+    (decoder.layers.*.mlp.linear_fc1: independent of how pipeline stages number their layers);
+    the others one matcher per module; the policy's default matches everything else last."""
+    roles: dict[str, list[str]] = {}
+    for path in configs:
+        roles.setdefault(_LAYER_INDEX.sub(r"\1layers.*.", _glob_escape(path)), []).append(path)
+    entries = []
+    for role, paths in roles.items():
+        if len({configs[p] for p in paths}) == 1 and len(paths) > 1:
+            entries.append((role, configs[paths[0]]))
+        else:
+            entries += [(_glob_escape(p), configs[p]) for p in paths]
+    entries.append(("*", default))
+    used = dict.fromkeys(config for _, config in entries)
+    matchers = {}
+    for i, (pattern, config) in enumerate(entries):
+        name = "default" if pattern == "*" else f"m{i}_{config}"
+        matchers[name] = {"config": config, "type": "glob", "pattern": pattern, "enabled": True}
+    return {"configs": _megatron_configs(used), "matchers": matchers}
+
+
+def _megatron_text(policy: Policy, doc: dict, notes: tuple[str, ...]) -> str:
+    per_layer = any(_LAYER_INDEX.search(m["pattern"]) for m in doc["matchers"].values())
+    lines = [f"# Megatron-Core --te-precision-config-file exported by autoprec from "
+             f"{policy.source or 'a policy'}",
+             "# (megatron/core/extensions/TransformerEngineMixedPrecision.md). Module paths are",
+             "# Megatron-Core GPTModel's; FP8 layers override the run's context (FP8 with or "
+             "without --fp8),",
+             "# bf16 layers need --bf16."]
+    if per_layer:
+        lines.append("# Per-layer entries number layers as a model without pipeline "
+                     "parallelism does.")
+    lines += [f"# note: {n}" for n in notes]
+    return "\n".join(lines) + "\n" + yaml.safe_dump(doc, sort_keys=False, width=100)
+
+
+def load_name_map(path: str | os.PathLike) -> dict[str, str | None]:
+    """A YAML mapping of HF module name regex -> Megatron module path template (``\\1`` for a
+    group), or null for a module the precision file cannot reach."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ExportError(f"Name map {path} does not exist.") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark is not None else ""
+        raise ExportError(f"Malformed YAML in name map {path}{line}: "
+                          f"{getattr(e, 'problem', None) or e}.") from None
+    if not isinstance(data, Mapping) or not all(
+            isinstance(k, str) and (v is None or isinstance(v, str)) for k, v in data.items()):
+        raise ExportError(f"Name map {path} must map regexes to Megatron module paths, e.g. "
+                          "'model\\.layers\\.(\\d+)\\.mlp\\.down_proj': "
+                          "'decoder.layers.\\1.mlp.linear_fc2' (null: not reachable).")
+    _rules(data)  # a bad regex is an error now, naming the key
+    return dict(data)
+
+
+# ------------------------------------------------------------------ fqn
+def _fqn(policy: Policy, model: nn.Module, layers: list[_Layer]) -> Exported:
+    shape = [x.fqn for x in layers if x.fmt.is_fp8 and not x.runs.is_fp8]
+    notes = (f"{len(shape)} fp8 layer(s) the FP8 kernels cannot take are listed as bf16, as "
+             f"autoprec runs them (first: {shape[0]})",) if shape else ()
+    doc = {"autoprec_export": "fqn", "version": 1, "policy": policy.source,
+           "model": type(model).__name__, "default": policy.default.label,
+           "layers": {x.fqn: x.runs.label for x in layers}, "notes": list(notes)}
+    return Exported("fqn", doc, json.dumps(doc, indent=2) + "\n", notes)
