@@ -113,3 +113,65 @@ def test_ddp_two_processes_agree_on_gradients(tmp_path, which):
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), r0["params"][name], rtol=1e-4, atol=1e-5,
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _guard_worker(rank, world, port, out_dir):
+    """Rank 1 alone plants an fp16 overflow before step 3: the ranks agree on the demotion."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from conftest import tiny_gpt2
+
+    from autoprec.runtime.guard import GuardConfig
+    from autoprec.runtime.integrations import training_kit
+    from examples.data import byte_batches
+    from examples.train_plain import PLANT_LAYER, plant_overflow
+
+    warnings.filterwarnings("ignore", message=".*can only emulate.*")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        policy = Policy(default="bf16", layers={PLANT_LAYER: "fp16", "lm_head": "fp32"},
+                        loss_scaling={"init_scale": 1024.0, "growth_interval": 1000})
+        model, scaler, guard = training_kit(
+            tiny_gpt2(n_layer=3).train(), policy,
+            guard=GuardConfig(patience=2, save_to=os.path.join(out_dir, "save_to.yaml")))
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        batches = byte_batches(GUARD_STEPS, 4, 32, seed=20 + rank)
+        for step, batch in enumerate(batches, 1):
+            if step == 3 and rank == 1:
+                plant_overflow(model)  # after DDP's broadcast: rank 0's weights stay sane
+            scaler.scale(ddp(**batch).loss).backward()
+            scaler.step(opt)  # all-reduced gradients are non-finite on both: both skip
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            guard.step()
+        guard.save(os.path.join(out_dir, f"amended{rank}.yaml"))
+        torch.save({"events": [(e.step, e.fqn, e.old.value, e.new.value, e.reason)
+                               for e in guard.events],
+                    "formats": {k: v.value for k, v in autoprec.applied_formats(model).items()}},
+                   os.path.join(out_dir, f"guard{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+GUARD_STEPS = 6
+
+
+@pytest.mark.slow
+def test_ddp_ranks_demote_the_same_layer_at_the_same_step(tmp_path):
+    from examples.train_plain import PLANT_LAYER
+
+    mp.spawn(_guard_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"guard{r}.pt", weights_only=True) for r in (0, 1))
+    # rank 0 never saw the overflow itself (the reason says who did), yet demoted with rank 1
+    assert [e[:4] for e in r0["events"]] == [(4, PLANT_LAYER, "fp16", "fp32")], r0["events"]
+    assert "(seen on rank 1 of 2)" in r0["events"][0][4]
+    assert r0["events"] == r1["events"] and r0["formats"] == r1["formats"]
+    assert r0["formats"][PLANT_LAYER] == "fp32"
+    amended = (tmp_path / "amended0.yaml").read_text()
+    assert amended == (tmp_path / "amended1.yaml").read_text()
+    assert amended == (tmp_path / "save_to.yaml").read_text()  # written by rank 0 alone
+    assert autoprec.load_policy(tmp_path / "save_to.yaml").layers[PLANT_LAYER] is autoprec.Format.FP32

@@ -318,3 +318,89 @@ def test_nan_out_of_an_fp32_layer_demotes_nobody_and_warns_naming_it(culprit, ca
     assert math.isnan(loss.item()) and guard.events == []
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == 1 and f"`{culprit}`" in warned[0] and "fp32" in warned[0], warned
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def _fp8_then_failing(batch, steps: int, guard=True):
+    """GPT-2 with one fp8 layer poisoned (an inf weight): demoted fp8 -> bf16 at step 2, blamed
+    again at step 3, demoted to fp32 at step 4."""
+    model = tiny_gpt2().train()
+    autoprec.apply(model, Policy(default="bf16", layers={POISONED: "fp8", "lm_head": "fp32"}),
+                   guard=guard)
+    poison_and_train(model, POISONED, batch, get_guard(model), steps)
+    return model
+
+
+POISONED = "transformer.h.1.mlp.c_fc"
+
+
+def test_state_dict_round_trip_puts_the_demotions_back_on_a_fresh_model(gpt2_batch, tmp_path):
+    import json
+
+    model = _fp8_then_failing(gpt2_batch, 3)
+    guard = get_guard(model)
+    state, amended_then = guard.state_dict(), guard.amended_policy()
+    assert (state["step"], state["layers"], state["counts"], state["suspects"]) == (
+        3, {POISONED: "bf16"}, {POISONED: 1}, [POISONED])
+    # plain data: through JSON, and through torch.save / torch.load(weights_only=True)
+    assert json.loads(json.dumps(state)) == state
+    torch.save(state, tmp_path / "guard.pt")
+    loaded = torch.load(tmp_path / "guard.pt", weights_only=True)
+
+    fresh = tiny_gpt2().train()
+    fresh.load_state_dict(model.state_dict())   # the poisoned weights too
+    policy = Policy(default="bf16", layers={POISONED: "fp8", "lm_head": "fp32"})
+    autoprec.apply(fresh, policy, guard=True)
+    twin = get_guard(fresh)
+    assert autoprec.applied_formats(fresh)[POISONED] is Format.FP8
+    twin.load_state_dict(loaded)
+    assert autoprec.applied_formats(fresh) == autoprec.applied_formats(model)
+    assert twin.policy.format_for(POISONED) is Format.BF16
+    assert twin.events == guard.events and twin.policy == guard.policy
+    assert twin.state_dict() == state
+    assert twin.amended_policy().to_yaml() == guard.amended_policy().to_yaml()
+    # and both go on alike: one more failing step (the count carried over) demotes to fp32
+    poison_and_train(model, POISONED, gpt2_batch, guard, 1)
+    poison_and_train(fresh, POISONED, gpt2_batch, twin, 1)
+    assert [(e.step, e.new) for e in twin.events] == [(2, Format.BF16), (4, Format.FP32)]
+    assert twin.events == guard.events
+    assert autoprec.applied_formats(fresh) == autoprec.applied_formats(model)
+
+    # a state loaded before the guard is attached takes effect when it attaches
+    early = Guard()
+    early.load_state_dict(loaded)
+    other = tiny_gpt2().train()
+    autoprec.apply(other, policy, guard=early)
+    assert early.policy.format_for(POISONED) is Format.BF16 and early._step == 3
+    assert POISONED not in autoprec.applied_formats(other)  # no fp8 region: bf16 like the root
+    # and a guard attached with the amended policy (a run resumed from the amended file)
+    # takes the state as it is: nothing more to demote
+    amended = tiny_gpt2().train()
+    autoprec.apply(amended, amended_then, guard=True)
+    get_guard(amended).load_state_dict(loaded)
+    assert get_guard(amended).policy.format_for(POISONED) is Format.BF16
+    assert get_guard(amended).events == twin.events[:1]
+
+
+def test_loading_a_guard_state_of_another_policy_is_a_one_line_error(gpt2_batch):
+    from autoprec import PolicyError
+
+    state = get_guard(_fp8_then_failing(gpt2_batch, 2)).state_dict()
+    model = tiny_gpt2().train()
+    autoprec.apply(model, Policy(default="bf16", layers={POISONED: "fp16", "lm_head": "fp32"}),
+                   guard=True)
+    before = autoprec.applied_formats(model)
+    with pytest.raises(PolicyError) as err:
+        get_guard(model).load_state_dict(state)
+    msg = str(err.value)
+    assert "\n" not in msg and f"layer `{POISONED}` is fp8 there, fp16 here" in msg, msg
+    assert "saved for another policy" in msg
+    assert autoprec.applied_formats(model) == before and get_guard(model).events == []
+
+    autoprec.apply(model, Policy(default="bf16", layers={POISONED: "fp8", "lm_head": "fp32"}),
+                   guard=GuardConfig(formats=("fp16",)))
+    with pytest.raises(PolicyError, match="watched formats fp16, fp8, .*bf16 but this guard watches "
+                                          "fp16; use GuardConfig"):
+        get_guard(model).load_state_dict(state)
+    with pytest.raises(PolicyError, match="Not an autoprec guard state"):
+        get_guard(model).load_state_dict({"step": 3})

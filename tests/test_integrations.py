@@ -5,7 +5,11 @@ plain models, and the torchao-style module filter on MiniLM's module tree."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -309,3 +313,179 @@ def test_module_filter_fn_selects_exactly_the_policys_fp8_linears(minilm_model, 
         swapped = {f for f, m in model.named_modules() if type(m).__name__ == "Float8Linear"}
         assert swapped == (selected if engine == "torchao" else set())
         autoprec.remove(model)
+
+
+# ----------------------------------------------------------------------------- resume
+# A layer's fp16 outputs overflow from step 4 on (planted before it), the guard demotes it at
+# step 5, a checkpoint is made at step 8, and a FRESH process resumes from it to step 12: it
+# must run the same formats and get the same losses as the uninterrupted run.
+RESUME_POLICY = Policy(default="bf16", layers={train_plain.PLANT_LAYER: "fp16", "lm_head": "fp32"},
+                       loss_scaling={"init_scale": 1024.0, "growth_interval": 1000})
+PLANT_AFTER, CKPT_STEP, LAST_STEP = 3, 8, 12
+
+
+def _outcome(model, guard, losses: dict) -> dict:
+    return {"losses": {str(k): v for k, v in losses.items()},
+            "formats": {k: str(v) for k, v in autoprec.applied_formats(model).items()},
+            "events": [str(e) for e in guard.events],
+            "amended": guard.amended_policy().to_yaml()}
+
+
+def _plain_run(ckpt: str, resume: bool = False) -> dict:
+    """The plain loop: a hand-written checkpoint holding guard.state_dict()."""
+    from autoprec.runtime.guard import GuardConfig
+
+    model, scaler, guard = training_kit(tiny_gpt2(n_layer=3).train(), RESUME_POLICY,
+                                        guard=GuardConfig(patience=2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = byte_batches(4, 4, 32, seed=1)
+    start, losses = 0, {}
+    if resume:
+        ck = torch.load(ckpt, weights_only=True)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        scaler.load_state_dict(ck["scaler"])
+        guard.load_state_dict(ck["guard"])
+        torch.set_rng_state(ck["rng"])
+        start = ck["step"]
+    for step in range(start + 1, LAST_STEP + 1):
+        if step == PLANT_AFTER + 1:
+            train_plain.plant_overflow(model)
+        loss = model(**batches[step % len(batches)]).loss
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        guard.step()
+        losses[step] = loss.item()
+        if step == CKPT_STEP and not resume:
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                        "scaler": scaler.state_dict(), "guard": guard.state_dict(),
+                        "rng": torch.get_rng_state(), "step": step}, ckpt)
+    return _outcome(model, guard, losses)
+
+
+def _trainer_run(out_dir: str, resume: bool = False) -> dict:
+    """The HF Trainer with PolicyCallback; checkpoint-8 by save_steps, resumed with
+    train(resume_from_checkpoint=...)."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from autoprec.runtime.guard import GuardConfig
+    from autoprec.runtime.integrations import PolicyCallback
+
+    model = tiny_gpt2(n_layer=3)
+    losses, last = {}, []
+    model.register_forward_hook(
+        lambda m, a, out: last.append(out.loss.item()) if torch.is_grad_enabled() else None)
+
+    class PlantAndSkip(TrainerCallback):
+        """Plants the overflow, records each step's exact loss, and skips an update whose
+        gradients are non-finite (what a GradScaler does; the Trainer has none on a CPU)."""
+
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if state.global_step == PLANT_AFTER:
+                train_plain.plant_overflow(model)
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            if not all(torch.isfinite(p.grad).all() for p in model.parameters()
+                       if p.grad is not None):
+                model.zero_grad(set_to_none=True)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            losses[state.global_step] = last[-1]
+
+    args = TrainingArguments(output_dir=out_dir, max_steps=LAST_STEP, save_strategy="steps",
+                             save_steps=CKPT_STEP, per_device_train_batch_size=4,
+                             learning_rate=1e-3, logging_steps=1, report_to=[],
+                             disable_tqdm=True, use_cpu=True)
+    callback = PolicyCallback(RESUME_POLICY, guard=GuardConfig(patience=2))
+    trainer = Trainer(model=model, args=args, callbacks=[callback, PlantAndSkip()],
+                      train_dataset=train_hf_trainer.as_dataset(byte_batches(12, 4, 32, seed=1)))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*scales no loss.*")
+        trainer.train(resume_from_checkpoint=os.path.join(out_dir, f"checkpoint-{CKPT_STEP}")
+                      if resume else None)
+    return _outcome(model, callback.guard, losses)
+
+
+def _resume_in_fresh_process(run: str, path: str) -> dict:
+    """``run`` (a function of this module) with resume=True in a new Python process, at this
+    process's thread count (the same kernels, so the same rounding)."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import json, warnings, torch; torch.set_num_threads({torch.get_num_threads()}); "
+            "warnings.simplefilter('ignore'); import test_integrations as t; "
+            f"print('RESULT', json.dumps(t.{run}({path!r}, resume=True)))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tests, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+def _check_resumed(full: dict, resumed: dict) -> None:
+    fmt = train_plain.PLANT_LAYER
+    assert [e.split(":")[0] for e in full["events"]] == ["step 5"], full["events"]
+    assert full["formats"][fmt] == "fp32"
+    later = [str(s) for s in range(CKPT_STEP + 1, LAST_STEP + 1)]
+    assert all(math.isfinite(full["losses"][s]) for s in later), full["losses"]
+    assert resumed["losses"] == {s: full["losses"][s] for s in later}
+    assert resumed["formats"] == full["formats"]
+    assert resumed["events"] == full["events"] and resumed["amended"] == full["amended"]
+
+
+@pytest.mark.slow
+def test_plain_loop_resumed_in_a_fresh_process_keeps_the_guards_demotions(tmp_path):
+    ckpt = str(tmp_path / "ckpt.pt")
+    full = _plain_run(ckpt)
+    _check_resumed(full, _resume_in_fresh_process("_plain_run", ckpt))
+    # the control: the same checkpoint resumed without the guard's state runs the planted
+    # layer in fp16 again, and its loss is not finite
+    model = tiny_gpt2(n_layer=3).train()
+    model.load_state_dict(torch.load(ckpt, weights_only=True)["model"])
+    autoprec.apply(model, RESUME_POLICY)
+    assert not math.isfinite(model(**byte_batches(4, 4, 32, seed=1)[1]).loss.item())
+
+
+@pytest.mark.slow
+def test_trainer_resumed_in_a_fresh_process_keeps_the_guards_demotions(fresh_accelerate_state,
+                                                                       tmp_path):
+    out = str(tmp_path / "run")
+    full = _trainer_run(out)
+    saved = json.loads((tmp_path / "run" / f"checkpoint-{CKPT_STEP}" /
+                        "autoprec_guard.json").read_text())
+    assert saved["step"] == CKPT_STEP and saved["layers"] == {train_plain.PLANT_LAYER: "fp32"}
+    _check_resumed(full, _resume_in_fresh_process("_trainer_run", out))
+
+
+def test_accelerate_save_state_carries_the_guard_and_the_policys_scaler(fresh_accelerate_state,
+                                                                         tmp_path):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    def kit():
+        AcceleratorState._reset_state(True)
+        acc = Accelerator(cpu=True, mixed_precision="no")
+        model, scaler, guard = training_kit(tiny_gpt2(n_layer=3).train(), RESUME_POLICY,
+                                            accelerator=acc, guard=True)
+        return acc, acc.prepare(model), scaler, guard
+
+    acc, model, scaler, guard = kit()
+    assert acc._custom_objects == [guard, scaler]
+    train_plain.plant_overflow(model)
+    batch = byte_batches(1, 4, 32, seed=1)[0]
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        scaler.scale(model(**batch).loss).backward()
+        scaler.step(opt)
+        scaler.update()  # an overflow: the step is skipped, the scale backs off
+        model.zero_grad(set_to_none=True)
+        guard.step()
+    assert [e.fqn for e in guard.events] == [train_plain.PLANT_LAYER]
+    acc.save_state(str(tmp_path / "state"))
+
+    acc, model2, scaler2, guard2 = kit()
+    assert guard2.policy.format_for(train_plain.PLANT_LAYER) is Format.FP16
+    acc.load_state(str(tmp_path / "state"))
+    assert guard2.events == guard.events and guard2.policy == guard.policy
+    assert autoprec.applied_formats(model2) == autoprec.applied_formats(model)
+    assert scaler2.get_scale() == scaler.get_scale() < 1024.0

@@ -46,6 +46,12 @@ re-applying the policy amended with ``{fqn: new_format}`` (the module tree, para
 ``state_dict`` are untouched; a parent's children that inherited its format are pinned to it,
 so only the parent's own computation changes).
 
+Under torch.distributed (DDP, FSDP) each ``step()`` combines the ranks' verdicts with one
+all_reduce(MAX) of a flag per watched layer, so every rank demotes the same layers at the same
+step and holds the same events and amended policy (``save_to`` is written by rank 0). Every
+rank must call ``step()``. ``state_dict()``/``load_state_dict()`` carry the demotions through
+a checkpoint (see ``autoprec.runtime.integrations`` for the Trainer and Accelerate).
+
 Cost: one fused reduction per watched output, output gradient and own weight gradient, kept on
 the device: ``torch.aminmax`` for fp16 layers (a finite FP32 value can exceed 65504), a plain
 ``sum`` elsewhere (non-finite exactly when a value is; about twice as fast). ``step()`` reads
@@ -56,21 +62,24 @@ Measured on GPT-2 4x256, batch 16x128, 20 layers watched: about 1-2% of a CPU tr
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from autoprec._util import atomic_write, tensors
 from autoprec.formats import FP8_FORMATS, Format
-from autoprec.policy import Policy
+from autoprec.policy import Policy, PolicyError
 from autoprec.runtime import calls, rewrite
 
 __all__ = ["GuardConfig", "GuardEvent", "Guard", "get_guard"]
@@ -82,6 +91,8 @@ _BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 # What the hooks record per watched layer: outputs, inputs (suspects only), the gradient at the
 # output, the gradients of the layer's own parameters.
 _KINDS = ("out", "in", "grad", "ingrad", "wgrad")
+# Version of Guard.state_dict()'s layout.
+_STATE_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -97,8 +108,13 @@ class GuardConfig:
     # With an enabled GradScaler, non-finite gradients count against a layer only once the
     # scaler's scale is at or below this (above it, backing off the scale is the remedy).
     min_loss_scale: float = 1.0
-    # Write the amended policy here after every demotion (None: only on guard.save()).
+    # Write the amended policy here after every demotion (None: only on guard.save()). Under
+    # torch.distributed only rank 0 writes it (every rank holds the same amended policy).
     save_to: str | None = None
+    # Under an initialized torch.distributed, every rank demotes the same layers at the same
+    # step (one small all_reduce per step). False: each rank decides for itself (ranks that hold
+    # different parts of the model, e.g. pipeline stages).
+    distributed: bool = True
 
     def __post_init__(self):
         if int(self.patience) != self.patience or self.patience < 2:
@@ -423,6 +439,11 @@ class Guard:
         self._probes: dict[str, _Diagnosis] = {}
         self._child_faults: dict[str, str] = {}
         self._origin: str | None = None
+        # The policy first attached (before any demotion): what a saved state is checked
+        # against; a state loaded before attach waits here; _reapply's attach keeps _base.
+        self._base: Policy | None = None
+        self._pending: dict[str, Any] | None = None
+        self._reapplying = False
         self._reset_records()
 
     # ---------------------------------------------------------------- attach / detach
@@ -446,6 +467,8 @@ class Guard:
         self._remove_hooks()
         self.model = model
         self.policy = policy
+        if not self._reapplying:
+            self._base = policy
         self._watched = {}
         modules = dict(model.named_modules())
         if self._layers is None:
@@ -461,6 +484,9 @@ class Guard:
         for fqn in self._layers:
             self._watch(fqn, modules[fqn], owners)
         model.__dict__[_GUARD_ATTR] = self
+        if self._pending is not None and not self._reapplying:
+            state, self._pending = self._pending, None
+            self._restore(state)
         return self
 
     def _watch(self, fqn: str, module: nn.Module, owners: dict[int, int]) -> _Watch | None:
@@ -538,13 +564,38 @@ class Guard:
             # autoprec.remove(model) ran: nothing left to guard
             self.detach()
             return []
+        trained, failure = self._judge(scaler if scaler is not None else self.scaler)
+        if self._world() > 1:
+            # every rank must reach the same counts, hence the same demotions at the same step
+            trained, blamed = self._agree(trained, failure)
+        else:
+            blamed = [failure.fqn] if failure is not None else []
+        if not trained:
+            return []  # no training step since the last call (on any rank)
+        self._counts = {f: self._counts.get(f, 0) + 1 for f in blamed}
+        due = [f for f in blamed if self._counts[f] >= self.config.patience]
+        if failure is not None and failure.fqn not in due:
+            logger.info("autoprec guard: step %d: %s (%s) failed: %s (%d of %d steps before "
+                        "demotion)", self._step, failure.fqn, self._watched.get(failure.fqn),
+                        self._describe(failure), self._counts[failure.fqn],
+                        self.config.patience)
+        if not due:
+            return []
+        mine = {failure.fqn: (failure.where, self._describe(failure))} \
+            if failure is not None else {}
+        seen = self._gather(mine) if self._world() > 1 else [mine]
+        return [self._demote(f, seen) for f in due]
+
+    def _judge(self, scaler) -> tuple[bool, _Failure | None]:
+        """This rank's verdict on the step: whether it trained (anything recorded since the
+        last call) and the layer it blames; updates the suspects and warnings."""
         recorded, fractions = self._amax, self._frac
         diagnosis, self._diagnosis = self._diagnosis, None
         self._reset_records()
         if not recorded["out"] and not recorded["grad"] and not recorded["wgrad"]:
             if diagnosis is not None:
                 diagnosis.close()
-            return []  # no training step since the last call
+            return False, None
 
         # one host sync for everything recorded in this step
         tensors = [t for k in _KINDS for pair in recorded[k].values() for t in pair]
@@ -557,21 +608,55 @@ class Guard:
         self._child_faults = {fqn: c for fqn, p in self._probes.items()
                               if (c := p.culprit()) is not None}
         self._origin = None
-        failure, cleared = self._blame(amax, frac, scaler if scaler is not None else self.scaler)
-        blamed = failure.fqn if failure is not None else None
-        self._counts = {blamed: self._counts.get(blamed, 0) + 1} if blamed else {}
-        self._suspects = cleared | ({blamed} if blamed else set())
+        failure, cleared = self._blame(amax, frac, scaler)
+        self._suspects = cleared | ({failure.fqn} if failure is not None else set())
         self._probe_suspects()
         self._explain(diagnosis, failed=failure is None and bool(cleared))
-        if failure is None:
-            return []
-        count = self._counts[blamed]
-        if count < self.config.patience:
-            logger.info("autoprec guard: step %d: %s (%s) failed: %s (%d of %d steps before "
-                        "demotion)", self._step, blamed, self._watched.get(blamed),
-                        self._describe(failure), count, self.config.patience)
-            return []
-        return [self._demote(failure, count)]
+        return True, failure
+
+    # ---------------------------------------------------------------- agreement across ranks
+    def _world(self) -> int:
+        """Ranks that decide together: torch.distributed's world, when initialized and asked."""
+        if not self.config.distributed or not dist.is_available() or not dist.is_initialized():
+            return 1
+        return dist.get_world_size()
+
+    def _agree(self, trained: bool, failure: _Failure | None) -> tuple[bool, list[str]]:
+        """One all_reduce(MAX) of [trained, digest, -digest, one flag per watched layer]: every
+        rank learns whether any rank trained and which layers any rank blamed. The digest of
+        the watched list, reduced as its max and its negated min, tells every rank alike when
+        the ranks watch different layers (the flags would then not line up)."""
+        watched = sorted(self._watched)
+        digest = int.from_bytes(hashlib.sha256("\n".join(watched).encode()).digest()[:7], "big")
+        flags = [0] * (3 + len(watched))
+        flags[0], flags[1], flags[2] = int(trained), digest, -digest
+        if failure is not None and failure.fqn in self._watched:
+            flags[3 + watched.index(failure.fqn)] = 1
+        vec = torch.tensor(flags, dtype=torch.int64, device=self._collective_device())
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX)
+        out = vec.tolist()
+        if out[1] != -out[2]:
+            raise RuntimeError(
+                f"autoprec guard: the ranks watch different layers (rank {dist.get_rank()} "
+                f"watches {len(watched)}), so they cannot agree on demotions; apply the same "
+                "policy to the same model on every rank, or set GuardConfig(distributed=False) "
+                "when the ranks hold different parts of the model.")
+        return bool(out[0]), [f for f, flag in zip(watched, out[3:]) if flag]
+
+    def _collective_device(self) -> torch.device:
+        """CPU for gloo; else (NCCL and the like) the device the model trains on."""
+        backend = str(dist.get_backend())
+        if "gloo" in backend or self.model is None:
+            return torch.device("cpu")
+        param = next(self.model.parameters(), None)
+        return param.device if param is not None else torch.device("cpu")
+
+    def _gather(self, mine: dict[str, tuple[str, str]]) -> list[dict[str, tuple[str, str]]]:
+        """Every rank's (where, description) of the layer it blamed, on the steps that demote
+        (rare): all ranks write the same events, told by the lowest rank that saw each."""
+        seen: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, mine)
+        return seen
 
     def _blame(self, amax, frac, scaler) -> tuple[_Failure | None, set[str]]:
         """The layer to blame for this step (or None) and the layers cleared of blame."""
@@ -716,21 +801,27 @@ class Guard:
         return text
 
     # ---------------------------------------------------------------- demotion
-    def _demote(self, failure: _Failure, count: int) -> GuardEvent:
-        fqn = failure.fqn
+    def _demote(self, fqn: str, seen: list[dict[str, tuple[str, str]]]) -> GuardEvent:
+        """Demote ``fqn``; ``seen``: per rank, what it measured at the layers it blamed."""
+        ranks = [r for r, d in enumerate(seen) if fqn in d]
+        where, described = seen[ranks[0]][fqn]
+        count = self._counts[fqn]
         old = self._watched[fqn]
         new = old.demoted()
-        reason = f"{self._describe(failure)}; {count} steps in a row"
+        reason = f"{described}; {count} steps in a row"
+        if len(seen) > 1:
+            reason += (f" (seen on rank{'s' if len(ranks) > 1 else ''} "
+                       f"{', '.join(map(str, ranks))} of {len(seen)})")
         updates = self._updates(fqn, new)
         event = GuardEvent(step=self._step, fqn=fqn, old=old, new=new, reason=reason,
-                           where=failure.where)
+                           where=where)
         self.events.append(event)
         self._counts.pop(fqn, None)
         self._suspects.discard(fqn)
         self._reapply(self.policy.with_layers(updates))
         logger.warning("autoprec guard: demoted %s", event)
-        if self.config.save_to:
-            self.save(self.config.save_to)
+        if self.config.save_to and (len(seen) == 1 or dist.get_rank() == 0):
+            self.save(self.config.save_to)  # one writer: every rank holds the same policy
         return event
 
     def _updates(self, fqn: str, new: Format) -> dict[str, Format]:
@@ -764,7 +855,11 @@ class Guard:
             # the policy was checked when first applied; its warnings need not repeat
             warnings.simplefilter("ignore")
             rewrite.apply(model, policy, strict=False)
-        self.attach(model, policy)
+        self._reapplying = True
+        try:
+            self.attach(model, policy)
+        finally:
+            self._reapplying = False
         for module, fwd in foreign.items():
             module.forward = fwd
 
@@ -786,9 +881,101 @@ class Guard:
         lines = [f"# amended by the autoprec runtime guard: {e}\n" for e in self.events]
         atomic_write(path, "".join(lines) + self.amended_policy().to_yaml())
 
+    # ---------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The guard's state as plain data (str, int, float, list, dict; ``json``- and
+        ``torch.load(weights_only=True)``-safe): the policy it was attached with (less its
+        provenance), its watched formats, the step, the layer entries its demotions added, the
+        demotions, and the per-layer counts and suspects of the steps in progress. Put it in
+        a checkpoint; :meth:`load_state_dict` in the resumed run puts the demotions back."""
+        if self._base is None:
+            raise RuntimeError("This guard was never attached; autoprec.apply(model, policy, "
+                               "guard=True) attaches one.")
+        return {
+            "autoprec_guard": _STATE_VERSION,
+            "policy": _identity(self._base),
+            "formats": [f.value for f in self.config.formats],
+            "step": self._step,
+            "layers": {k: v.value for k, v in self.policy.layers.items()
+                       if self._base.layers.get(k) is not v},
+            "events": [dict(e.to_dict(), where=e.where) for e in self.events],
+            "counts": dict(self._counts),
+            "suspects": sorted(self._suspects),
+            "warned": sorted(self._warned, key=lambda w: (w is not None, w or "")),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take up the state :meth:`state_dict` returned: the demoted layers are re-applied to
+        the model at once (or, before :meth:`attach`, when it attaches). The state must come
+        from a guard attached with the same policy, or this guard's policy must be that
+        policy amended by the state's demotions (a run resumed from the amended file), and
+        watch the same formats: otherwise a :class:`~autoprec.policy.PolicyError`."""
+        if not isinstance(state, Mapping) or "autoprec_guard" not in state:
+            raise PolicyError(f"Not an autoprec guard state ({type(state).__name__} without the "
+                              "key `autoprec_guard`); pass what Guard.state_dict() returned.")
+        if state["autoprec_guard"] != _STATE_VERSION:
+            raise PolicyError(f"Guard state version {state['autoprec_guard']!r} is not one this "
+                              f"autoprec reads ({_STATE_VERSION}); resume with the autoprec "
+                              "version that wrote it.")
+        if self.model is None:
+            self._pending = dict(state)
+            return
+        self._restore(state)
+
+    def _restore(self, state: Mapping[str, Any]) -> None:
+        formats = [f.value for f in self.config.formats]
+        if list(state["formats"]) != formats:
+            raise PolicyError(
+                f"Guard state watched formats {', '.join(state['formats'])} but this guard "
+                f"watches {', '.join(formats)}; use GuardConfig(formats=...) as in the "
+                "checkpointed run.")
+        saved = Policy.from_dict(state["policy"])
+        layers = {k: Format.parse(v) for k, v in state["layers"].items()}
+        mine = _identity(self._base)
+        if state["policy"] == mine:
+            amended = self._base.with_layers(layers) if layers else None
+        elif _identity(saved.with_layers(layers)) == mine:
+            amended = None  # attached with the amended policy already: nothing to re-apply
+        else:
+            raise PolicyError(
+                f"Guard state was saved for another policy ({_difference(state['policy'], mine)}"
+                "); load it into a guard attached with the policy the checkpointed run started "
+                "from (or its amended policy), or start the guard afresh.")
+        self._step = int(state["step"])
+        self.events = [GuardEvent(step=int(e["step"]), fqn=e["layer"],
+                                  old=Format.parse(e["from"]), new=Format.parse(e["to"]),
+                                  reason=e["reason"], where=e["where"])
+                       for e in state["events"]]
+        self._counts = {k: int(v) for k, v in state["counts"].items()}
+        self._warned = set(state["warned"])
+        if amended is not None:
+            self._reapply(amended)
+        self._suspects = set(state["suspects"])
+        self._probe_suspects()
+
     def __repr__(self) -> str:
         return (f"<autoprec Guard watching {len(self._watched)} layers, "
                 f"{len(self.events)} demotion(s)>")
+
+
+def _identity(policy: Policy) -> dict[str, Any]:
+    """What makes two policies the same for a guard: everything but the provenance."""
+    out = policy.to_dict()
+    out.pop("tuned", None)
+    return out
+
+
+def _difference(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> str:
+    """The first difference between two policy identities, in words."""
+    for key in ("default", "fp8", "model", "loss_scaling"):
+        if saved.get(key) != mine.get(key):
+            return f"`{key}` is {saved.get(key)} there, {mine.get(key)} here"
+    a, b = saved.get("layers", {}), mine.get("layers", {})
+    for name in [*a, *(n for n in b if n not in a)]:
+        if a.get(name) != b.get(name):
+            return (f"layer `{name}` is {a.get(name, 'not listed')} there, "
+                    f"{b.get(name, 'not listed')} here")
+    return "layer entries in another order"
 
 
 def _pct(x: float) -> str:

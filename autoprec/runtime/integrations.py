@@ -35,10 +35,17 @@ autocast, no scaler). ``"fp8"`` swaps modules and is refused.
 HF Trainer: pass ``PolicyCallback(policy)`` in ``Trainer(callbacks=[...])`` (it applies the
 policy in ``on_init_end``, before the Trainer's Accelerator prepares the model) and leave
 ``bf16`` and ``fp16`` False; or call ``use_policy(trainer, policy)`` before ``trainer.train()``.
+
+Checkpoints carry the guard's state (its demotions), so a resumed run starts with them: the
+Trainer callback writes ``autoprec_guard.json`` into each ``checkpoint-N`` folder and reads it
+back on ``train(resume_from_checkpoint=...)``; with Accelerate, ``training_kit`` registers the
+guard (and the policy's GradScaler) with ``accelerator.register_for_checkpointing``; a plain
+loop puts ``guard.state_dict()`` in its checkpoint and calls ``guard.load_state_dict`` on resume.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import warnings
@@ -47,7 +54,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from autoprec._util import device_of
+from autoprec._util import atomic_write, device_of
 from autoprec.formats import Format
 from autoprec.policy import Policy, PolicyError, load_policy
 from autoprec.runtime import apply
@@ -55,9 +62,13 @@ from autoprec.runtime.guard import Guard, GuardConfig, get_guard
 from autoprec.runtime.rewrite import applied_policy
 
 # PolicyCallback is built on first access (module __getattr__ below)
-__all__ = ["TrainingKit", "training_kit", "PolicyCallback", "use_policy"]  # noqa: F822
+__all__ = ["TrainingKit", "training_kit", "PolicyCallback", "use_policy",  # noqa: F822
+           "GUARD_STATE_FILE", "save_guard_state", "load_guard_state"]
 
 logger = logging.getLogger(__name__)
+
+# What the Trainer callback writes beside trainer_state.json in each checkpoint folder.
+GUARD_STATE_FILE = "autoprec_guard.json"
 
 
 class TrainingKit(NamedTuple):
@@ -117,7 +128,38 @@ def training_kit(model: nn.Module, policy: Policy | str | os.PathLike, *,
     g = get_guard(model)
     if g is not None:
         g.scaler = outer if outer is not None else scaler
+    register = getattr(accelerator, "register_for_checkpointing", None)
+    if register is not None:
+        # accelerator.save_state()/load_state() then carry the guard's demotions and the
+        # policy's loss scale (Accelerate saves only its own scaler)
+        register(*([g] if g is not None else []), *([scaler] if scaler.is_enabled() else []))
     return TrainingKit(model, scaler, g)
+
+
+def save_guard_state(guard: Guard, checkpoint_dir: str | os.PathLike) -> str:
+    """Write ``guard.state_dict()`` as JSON to ``checkpoint_dir/autoprec_guard.json``; returns
+    the path."""
+    path = os.path.join(os.fspath(checkpoint_dir), GUARD_STATE_FILE)
+    atomic_write(path, json.dumps(guard.state_dict(), indent=1) + "\n")
+    return path
+
+
+def load_guard_state(guard: Guard, checkpoint_dir: str | os.PathLike) -> bool:
+    """Load ``checkpoint_dir/autoprec_guard.json`` into ``guard`` (its demotions are re-applied
+    to the model). False when the folder holds no such file; a PolicyError naming the file
+    when it cannot be read or was saved for another policy."""
+    path = os.path.join(os.fspath(checkpoint_dir), GUARD_STATE_FILE)
+    if not os.path.isfile(path):
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            state = json.load(f)
+        guard.load_state_dict(state)
+    except (ValueError, KeyError, TypeError) as e:  # PolicyError is a ValueError
+        raise PolicyError(f"{path}: {e}" if isinstance(e, PolicyError) else
+                          f"{path} is not a readable guard state ({type(e).__name__}: {e}); "
+                          "delete it to resume without the guard's demotions.") from None
+    return True
 
 
 def use_policy(trainer: Any, policy: Policy | str | os.PathLike, *, strict: bool = True,
@@ -161,7 +203,7 @@ def _make_policy_callback():
             self.guard_arg = guard
             self.guard: Guard | None = None
             self._trainer = None
-            self._warned = False
+            self._warned = self._restored = False  # restored: the guard's state was loaded
 
         def _apply(self, model: nn.Module) -> None:
             if model is None or applied_policy(model) is not None:
@@ -190,8 +232,13 @@ def _make_policy_callback():
         def on_init_end(self, args, state, control, model=None, **kwargs):
             self._apply(model)
 
+        def load_guard_state(self, checkpoint_dir: str | os.PathLike) -> None:
+            """Take up the guard state of a checkpoint outside ``output_dir``, before train()."""
+            _load_into_callback(self, checkpoint_dir)
+
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             self._apply(model)
+            _resume_guard(self, args, state)
             if self.policy.uses(Format.FP16) and self._scaler(args) is None and not self._warned:
                 self._warned = True
                 warnings.warn(
@@ -204,7 +251,47 @@ def _make_policy_callback():
             if self.guard is not None:
                 self.guard.step(step=state.global_step, scaler=self._scaler(args))
 
+        def on_save(self, args, state, control, **kwargs):
+            _save_guard(self, args, state)
+
     return PolicyCallback
+
+
+def _checkpoint_dir(args: Any, state: Any) -> str:
+    """The folder the Trainer saves step ``state.global_step`` in (no hyperparameter search)."""
+    return os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+
+
+def _save_guard(callback: Any, args: Any, state: Any) -> None:
+    # beside trainer_state.json; every rank holds the same guard state, one writes it
+    folder = _checkpoint_dir(args, state)
+    if callback.guard is not None and args.should_save and os.path.isdir(folder):
+        save_guard_state(callback.guard, folder)
+
+
+def _load_into_callback(callback: Any, checkpoint_dir: str | os.PathLike) -> None:
+    if callback.guard is None:
+        raise PolicyError("PolicyCallback(..., guard=None) has no guard state to load; pass "
+                          "guard=True.")
+    if not load_guard_state(callback.guard, checkpoint_dir):
+        raise PolicyError(f"{os.path.join(checkpoint_dir, GUARD_STATE_FILE)} does not exist; "
+                          "name the checkpoint folder a guarded run wrote.")
+    callback._restored = True
+
+
+def _resume_guard(callback: Any, args: Any, state: Any) -> None:
+    """Resumed at step N (``train(resume_from_checkpoint=...)``): the callback cannot see the
+    folder, so it takes the guard state of ``output_dir/checkpoint-N``."""
+    if callback.guard is None or callback._restored or not state.global_step:
+        return
+    callback._restored = True
+    folder = _checkpoint_dir(args, state)
+    if not load_guard_state(callback.guard, folder):
+        warnings.warn(
+            f"Resumed at step {state.global_step} but {folder} holds no {GUARD_STATE_FILE}: the "
+            "guard starts without the demotions it had. Call "
+            "callback.load_guard_state(CHECKPOINT_DIR) before train() when the checkpoint lies "
+            "elsewhere.", stacklevel=3)
 
 
 class _UnknownScale:
