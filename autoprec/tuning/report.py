@@ -46,6 +46,8 @@ class TrialResult:
     origin: str = "search"
     # the profile's prediction of its step time / fp32's (None: priced, or no prediction)
     predicted: float | None = None
+    # predicted peak training-step memory in bytes (autoprec.memory; None: not predicted)
+    memory: int | None = None
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -101,7 +103,8 @@ class TuneResult:
         b = self.best
         distinct = len({json.dumps(t.assignment, sort_keys=True) for t in self.trials})
         lines = [f"winner: trial {b.number} ({b.origin}): {self.speedup} fp32 step time, "
-                 f"loss {b.loss_increase:+.3%}, gradient error {b.grad_error:.3g}",
+                 f"loss {b.loss_increase:+.3%}, gradient error {b.grad_error:.3g}"
+                 + ("" if b.memory is None else f", peak memory {b.memory / 2**20:.1f} MiB"),
                  f"trials: {len(self.trials)} ({distinct} distinct policies, "
                  f"{sum(t.feasible for t in self.trials)} feasible), Pareto front: "
                  f"{len(self.pareto)}"]
@@ -127,14 +130,15 @@ class TuneResult:
         w = csv.writer(out)
         w.writerow(["trial", "origin", "step_seconds", "speedup_vs_fp32", "speedup_low",
                     "speedup_high", "timing_rounds", "predicted_ratio", "loss_increase",
-                    "grad_error", "feasible", "on_front", "assignment"])
+                    "grad_error", "peak_memory_bytes", "feasible", "on_front", "assignment"])
         front = {t.number for t in self.pareto}
         for t in sorted(self.trials, key=lambda t: t.step_seconds):
             s = t.speedup
             w.writerow([t.number, t.origin, f"{t.step_seconds:.6g}", f"{s.value:.4f}",
                         f"{s.low:.4f}", f"{s.high:.4f}", s.rounds,
                         "" if t.predicted is None else f"{t.predicted:.4f}",
-                        f"{t.loss_increase:.6g}", f"{t.grad_error:.6g}", t.feasible,
+                        f"{t.loss_increase:.6g}", f"{t.grad_error:.6g}",
+                        "" if t.memory is None else t.memory, t.feasible,
                         t.number in front, json.dumps(t.assignment, sort_keys=True)])
         return out.getvalue()
 
@@ -197,6 +201,9 @@ def provenance(task: Task, result: TuneResult, budget: Budget, target: str | Non
                if lp.fp8_blocker and result.policy.format_for(lp.fqn).is_fp8}
     if blocked:
         extra["fp8_runs_bf16"] = blocked
+    if result.best.memory is not None:
+        # predicted for one training step on the calibration batch (autoprec.memory)
+        extra["memory"] = {"predicted_peak_bytes": int(result.best.memory)}
     speedup = result.speedup
     if not math.isfinite(speedup.high):
         speedup = dataclasses.replace(speedup, high=speedup.value * 1e3)

@@ -11,9 +11,9 @@ import numpy as np
 
 from autoprec.formats import Format
 from autoprec.profiling import Profile
-from autoprec.tuning.space import SearchSpace
+from autoprec.tuning.space import SearchSpace, assignment_policy
 
-__all__ = ["warm_starts", "milp_assignments"]
+__all__ = ["warm_starts", "milp_assignments", "memory_warm_start"]
 
 
 def milp_assignments(prof: Profile, units: dict[str, list[str]], formats: Sequence[Format],
@@ -90,3 +90,15 @@ def warm_starts(prof: Profile, space: SearchSpace, fmts: Sequence[Format],
             seen.append(choice)
             distinct.append((origin, choice))
     return distinct
+
+
+def memory_warm_start(memory, space: SearchSpace) -> tuple[str, dict[str, str], int]:
+    """("warm:min-memory", assignment, predicted peak bytes): of each uniform format and the
+    unit-by-unit smallest mix, the one ``memory`` (an :class:`autoprec.memory.MemoryModel`)
+    predicts smallest: the policy that meets a memory budget if any does."""
+    fmts = dict.fromkeys(f for c in space.choices.values() for f in c)
+    candidates = [memory.lowest(space.choices, space.units),
+                  *(space.uniform(Format(f)) for f in fmts)]
+    peaks = [memory.predict(assignment_policy(space.units, c)) for c in candidates]
+    best = min(range(len(candidates)), key=lambda i: peaks[i])
+    return "warm:min-memory", candidates[best], peaks[best]

@@ -1,0 +1,368 @@
+"""Memory as an objective: the peak memory of one training step under a policy, measured and
+predicted.
+
+**Measured** (:func:`measure_step_memory`): one training step (forward, backward, optimizer
+step, ``zero_grad``) of a private model under the policy, after a first step has created the
+optimizer's state. On CUDA, ``torch.cuda.max_memory_allocated`` (the caching allocator's
+statistics) over each phase. Elsewhere, a ``torch.profiler`` trace with
+``profile_memory=True``: the allocation and free events of the step summed in time order give
+the bytes allocated at each instant, plus the bytes live when the step began (parameters and
+optimizer state, counted from their storages, since the trace sees only what is allocated
+while it runs). The step is split into two phases at a ``record_function`` marker: forward +
+backward (activations) and the optimizer step (gradients, state and its temporaries).
+
+**Predicted** (:class:`MemoryModel`): what a search can afford to ask of every trial.
+A pure formula over the captured layers cannot see everything a step allocates (the
+elementwise ops between layers, dropout masks, the loss, the allocator's temporaries), so the
+model is *calibrated*: it measures the all-fp32 step once, and predicts a policy as the fp32
+peak of forward + backward plus, per layer, the change in what that layer keeps for backward
+in the policy's format (each product's operands, from the layer's captured ``(batch, M, K,
+N)``):
+
+- fp32: the FP32 input (``4*b*M*K`` bytes) and, for products of two activations, both
+  operands; a weight is the parameter itself (no copy);
+- bf16 / fp16 (autocast): a 2-byte copy of the input *and of the weight* (autocast caches the
+  weight's cast for the forward and ``mm`` saves it); fp8 a kernel does not take: the same;
+- fp8 tensorwise on autoprec's engine: the E4M3 input and weight (1 byte each; the FP32
+  input is freed); rowwise recipes on autoprec's engine: FP32 copies of the operands (an alias
+  when the input is FP32 already, so the FP32 input stays); on torchao's ``Float8Linear``:
+  the BF16 input (the weight is the parameter);
+- layers reading one tensor (q/k/v after one norm) share its FP32 copy, while each
+  low-precision layer makes its own.
+
+What the formula does not see changes too: the elementwise work after a layer whose output
+stays in 16 bits (its parent region is not fp32) saves 16-bit tensors. That part is calibrated
+by a second measured step, all-bf16: its measured change minus the formula's is spread over
+the layers in proportion to their output elements, and a policy gets each layer's share when
+that layer's output stays low precision. The optimizer phase does not depend on the policy
+(gradients and state are FP32, the autocast cache is gone): the predicted peak is the larger
+of the two phases. Predictions are for the batch the steps run on (the task's first
+calibration batch), on the task's device.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoprec.formats import Format
+from autoprec.measure.capture import Layer
+from autoprec.policy import Policy
+
+__all__ = ["StepMemory", "MemoryModel", "measure_step_memory", "parse_size", "format_size"]
+
+_FP32 = Policy(default=Format.FP32)
+_BF16 = Policy(default=Format.BF16)
+# kinds whose second operand is a parameter (no copy in fp32); the others multiply activations
+_WEIGHT_KINDS = ("linear", "conv")
+_MARK = "autoprec::optimizer_step"
+
+
+# ============================================================================ sizes
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``"2GiB"``, ``"512MB"``, ``"1.5 gb"`` or ``"1048576"``; a ValueError that
+    names the text and the accepted units otherwise."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value, unit = float(text), ""
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{text!r} is not a size; give bytes or a number with a unit "
+                             "(KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 2GiB or 512MB.")
+        value, unit = float(m.group(1)), m.group(2).lower()
+    size = value * _UNITS[unit]
+    if not (math.isfinite(size) and size >= 1):
+        raise ValueError(f"{text!r} is not a positive size; give at least 1 byte, e.g. 2GiB.")
+    return int(size)
+
+
+def format_size(n: float) -> str:
+    """``n`` bytes in binary units: ``21.0 MiB``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+# ============================================================================ measuring
+@dataclass(frozen=True)
+class StepMemory:
+    """Peak bytes of one training step, by phase."""
+
+    # live when the step began: parameters, optimizer state (and on CUDA all else allocated)
+    persistent: int
+    # peak during forward + backward (activations saved for backward, gradients)
+    compute_peak: int
+    # peak during the optimizer step and zero_grad
+    optimizer_peak: int
+
+    @property
+    def peak(self) -> int:
+        return max(self.compute_peak, self.optimizer_peak)
+
+    def to_dict(self) -> dict:
+        return {"persistent": self.persistent, "compute_peak": self.compute_peak,
+                "optimizer_peak": self.optimizer_peak}
+
+
+def _live_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the distinct storages of parameters, buffers and optimizer state."""
+    storages: dict[int, int] = {}
+    state = [v for s in optimizer.state.values() for v in s.values()]
+    for t in [*model.parameters(), *model.buffers(), *state]:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            s = t.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+    return sum(storages.values())
+
+
+def measure_step_memory(model: nn.Module, batch: Any, policy: Policy,
+                        loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+                        make_optimizer: Callable[[Any], torch.optim.Optimizer]) -> StepMemory:
+    """The peak memory of one training step of ``model`` (a private copy; its weights stay put:
+    learning rate 0) on ``batch`` under ``policy``; see the module docstring."""
+    from autoprec.runtime import rewrite
+    from autoprec.task import optimizer_step
+
+    optimizer = make_optimizer(model.parameters())
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    scaler = None
+    device = next(model.parameters()).device
+    if policy.uses(Format.FP16):
+        scaler = policy.grad_scaler(device)
+    rewrite.apply(model, policy, strict=False)
+    try:
+        # the first step creates the optimizer's state, which every later step keeps
+        optimizer_step(loss_fn(model, batch), optimizer, scaler)
+        if device.type == "cuda":
+            return _cuda_step(model, batch, loss_fn, optimizer, scaler, device)
+        return _traced_step(model, batch, loss_fn, optimizer, scaler)
+    finally:
+        rewrite.remove(model)
+
+
+def _backward(loss: torch.Tensor, scaler) -> None:
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+
+
+def _opt_step(optimizer: torch.optim.Optimizer, scaler) -> None:
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _cuda_step(model, batch, loss_fn, optimizer, scaler, device) -> StepMemory:
+    torch.cuda.synchronize(device)
+    persistent = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    _backward(loss_fn(model, batch), scaler)
+    torch.cuda.synchronize(device)
+    compute = torch.cuda.max_memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    _opt_step(optimizer, scaler)
+    torch.cuda.synchronize(device)
+    return StepMemory(persistent, compute, torch.cuda.max_memory_allocated(device))
+
+
+def _traced_step(model, batch, loss_fn, optimizer, scaler) -> StepMemory:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    persistent = _live_bytes(model, optimizer)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        _backward(loss_fn(model, batch), scaler)
+        with record_function(_MARK):
+            _opt_step(optimizer, scaler)
+    events = prof.profiler.kineto_results.events()
+    split = min(e.start_ns() for e in events if e.name() == _MARK)
+    # frees of blocks allocated before the trace carry no size and are not in it; a step
+    # frees none that matter (gradients start as None, the state is updated in place)
+    allocs = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    now = peak_compute = peak_opt = 0
+    for t, nbytes in allocs:
+        now += nbytes
+        if t < split:
+            peak_compute = max(peak_compute, now)
+        else:
+            peak_opt = max(peak_opt, now)
+    return StepMemory(persistent, persistent + peak_compute, persistent + peak_opt)
+
+
+# ============================================================================ predicting
+def _torchao_runs(layer: Layer, policy: Policy) -> bool:
+    """Whether ``apply`` would run this fp8 layer on torchao's Float8Linear (see
+    :func:`autoprec.runtime.engines.engine_for`; shape rules from the captured products)."""
+    from autoprec.runtime.engines import torchao_available
+
+    return (layer.module_type == "Linear" and policy.fp8_engine != "autoprec"
+            and not any(layer.fp8_blockers()) and torchao_available())
+
+
+def _product_bytes(layer: Layer, fmt: Format, policy: Policy) -> tuple[int, bool]:
+    """(bytes this layer itself keeps for backward beyond its FP32 input, whether it keeps its
+    FP32 input alive). For weight layers the input is counted by the caller (it may be shared
+    with sibling layers); for products of two activations both operands are counted here."""
+    weighted = layer.kind in _WEIGHT_KINDS
+    own, keeps_fp32 = 0, False
+    blockers = layer.fp8_blockers()
+    torchao = fmt.is_fp8 and weighted and _torchao_runs(layer, policy)
+    for i, p in enumerate(layer.matmuls):
+        a, b = p.batch * p.m * p.k, p.batch * p.k * p.n
+        if fmt is Format.FP32:
+            own, keeps_fp32 = own + (0 if weighted else 4 * (a + b)), True
+        elif fmt.is_fp8 and torchao:
+            own += 2 * a
+        elif fmt.is_fp8 and not (i < len(blockers) and blockers[i]) and fmt.recipe != "tensorwise":
+            own, keeps_fp32 = own + (0 if weighted else 4 * (a + b)), True
+        elif fmt.is_fp8 and not (i < len(blockers) and blockers[i]):
+            own += a + b
+        else:  # bf16, fp16, or fp8 the kernel does not take: autocast's 16-bit copies
+            own += 2 * (a + b)
+    return own, keeps_fp32
+
+
+def _input_bytes(layer: Layer) -> int:
+    """FP32 bytes of a weight layer's input (its first product's activation operand)."""
+    if layer.kind not in _WEIGHT_KINDS or not layer.matmuls:
+        return 0
+    p = layer.matmuls[0]
+    return 4 * p.batch * p.m * p.k
+
+
+def _output_elements(layer: Layer) -> int:
+    return sum(p.batch * p.m * p.n for p in layer.matmuls)
+
+
+def _shared_inputs(layers: Sequence[Layer], edges: Iterable[tuple[str, str]]) -> list[list[str]]:
+    """Weight layers that read one tensor: the same producer and the same input shape."""
+    by_fqn = {lay.fqn: lay for lay in layers}
+    producer: dict[str, list[str]] = {}
+    for a, b in edges:
+        producer.setdefault(b, []).append(a)
+    groups: dict[tuple, list[str]] = {}
+    for lay in layers:
+        if lay.kind not in _WEIGHT_KINDS or not lay.matmuls:
+            continue
+        p = lay.matmuls[0]
+        src = tuple(sorted(producer.get(lay.fqn, ()))) or (f"?{lay.fqn}",)
+        groups.setdefault((src, p.batch * p.m, p.k), []).append(lay.fqn)
+    return [g for g in groups.values() if all(f in by_fqn for f in g)]
+
+
+def _parent(fqn: str) -> str:
+    return fqn.rsplit(".", 1)[0] if "." in fqn else ""
+
+
+@dataclass
+class MemoryModel:
+    """Predicts a policy's peak training-step memory from the captured layers, calibrated by
+    a measured all-fp32 step and a measured all-bf16 step (see the module docstring)."""
+
+    # the layers that compute, as captured at the batch the steps ran on
+    layers: tuple[Layer, ...]
+    # the measured all-fp32 step
+    fp32: StepMemory
+    # bytes per output element that the work after a layer saves less (or more) when the
+    # layer's output stays 16-bit: calibrated from the measured all-bf16 step
+    residual_per_element: float = 0.0
+    # weight layers reading one tensor (q/k/v after one norm)
+    groups: list[list[str]] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.layers = tuple(self.layers)
+        self._by_fqn = {lay.fqn: lay for lay in self.layers}
+        grouped = {f for g in self.groups for f in g}
+        self.groups = [list(g) for g in self.groups] + \
+            [[lay.fqn] for lay in self.layers if lay.fqn not in grouped]
+
+    @classmethod
+    def calibrate(cls, layers: Sequence[Layer], measure: Callable[[Policy], StepMemory], *,
+                  edges: Iterable[tuple[str, str]] = ()) -> MemoryModel:
+        """Measure the all-fp32 and all-bf16 steps with ``measure(policy)`` and fit the
+        residual of the work the formula does not see (see the module docstring)."""
+        model = cls(tuple(layers), measure(_FP32), groups=_shared_inputs(layers, edges))
+        bf16 = measure(_BF16)
+        formula = model.compute_peak(_BF16)
+        elements = sum(_output_elements(lay) for lay in model.layers)
+        if elements:
+            model.residual_per_element = (bf16.compute_peak - formula) / elements
+        return model
+
+    def layer_change(self, policy: Policy) -> dict[str, float]:
+        """Per layer (or group of layers sharing an input, keyed by the first), the predicted
+        change in bytes kept for backward against all-fp32."""
+        out: dict[str, float] = {}
+        for group in self.groups:
+            fp32_input = _input_bytes(self._by_fqn[group[0]])
+            keeps, change = False, 0.0
+            for fqn in group:
+                lay = self._by_fqn[fqn]
+                fmt = policy.format_for(fqn)
+                own, keeps_fp32 = _product_bytes(lay, fmt, policy)
+                base, _ = _product_bytes(lay, Format.FP32, policy)
+                keeps = keeps or keeps_fp32
+                change += own - base
+                if fmt is not Format.FP32 and policy.format_for(_parent(fqn)) is not Format.FP32:
+                    change += self.residual_per_element * _output_elements(lay)
+            out[group[0]] = change + (0 if keeps else -fp32_input)
+        return out
+
+    def compute_peak(self, policy: Policy) -> float:
+        """Predicted peak bytes of forward + backward under ``policy``."""
+        return self.fp32.compute_peak + sum(self.layer_change(policy).values())
+
+    def predict(self, policy: Policy) -> int:
+        """Predicted peak bytes of a training step under ``policy``."""
+        return int(max(self.compute_peak(policy), self.fp32.optimizer_peak))
+
+    def lowest(self, choices: Mapping[str, Sequence[str]],
+               units: Mapping[str, Sequence[str]]) -> dict[str, str]:
+        """The assignment of search units (unit -> offered formats, unit -> layer fqns) that
+        this model predicts smallest, unit by unit (the changes add up)."""
+        out = {}
+        for unit, offered in choices.items():
+            def cost(fmt: str, unit: str = unit) -> float:
+                # the unit's layers with their surroundings in the same format, as
+                # assignment_policy makes the commonest format the default
+                change = self.layer_change(Policy(default=fmt))
+                return sum(change.get(f, 0.0) for f in units[unit])
+            out[unit] = min(offered, key=cost)
+        return out
+
+
+def memory_model(task: Any, prof: Any = None) -> MemoryModel:
+    """A :class:`MemoryModel` of ``task`` at its first calibration batch: the layers of
+    ``prof`` when they were captured there (no ``shape_batch``), else captured again; steps
+    measured on a private copy of the model."""
+    import copy
+
+    from autoprec.measure.capture import capture
+    from autoprec.measure.numerics import prepare_for_measurement
+    from autoprec.task import default_loss
+
+    model = prepare_for_measurement(task.build_model())
+    batch = task.example_batch()
+    if prof is not None and task.shape_batch is None:
+        layers, edges = [lp.layer for lp in prof.layers], prof.edges
+    else:
+        graph = capture(copy.deepcopy(model), batch)
+        layers, edges = [lay for lay in graph.layers if lay.matmuls], graph.edges
+
+    def measure(policy: Policy) -> StepMemory:
+        return measure_step_memory(copy.deepcopy(model), batch, policy,
+                                   task.loss_fn or default_loss, task.make_optimizer)
+
+    return MemoryModel.calibrate(layers, measure, edges=edges)

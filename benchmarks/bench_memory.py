@@ -1,0 +1,88 @@
+"""Predicted vs measured peak training-step memory, per policy.
+
+The predictor (autoprec.memory.MemoryModel: the measured all-fp32 and all-bf16 steps plus
+per-layer changes from the captured shapes) against a measurement of the same step: on CUDA
+the allocator's ``max_memory_allocated``, elsewhere the peak of a ``torch.profiler`` memory
+trace. Models: the README's GPT-2 task (examples/gpt2_bytes.py:task, 4 x 256, batch 16 x 128)
+and a Llama with examples/llama_bytes.py's architecture at a width this machine trains
+(``--llama-hidden``; the 8B widths need a GPU's memory). Memory, not time: no interleaving.
+
+    python benchmarks/bench_memory.py [--llama-hidden 256] [--skip-llama]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import warnings
+
+import _common  # noqa: F401  (sets up sys.path)
+import torch
+from _common import device_line, print_table
+
+import autoprec
+from autoprec.measure.numerics import prepare_for_measurement
+from autoprec.memory import format_size, measure_step_memory, memory_model
+from autoprec.policy import Policy
+from autoprec.task import default_loss
+from examples import gpt2_bytes, llama_bytes
+from examples.data import byte_batches
+
+POLICIES = {
+    "gpt2": {"fp32": Policy(default="fp32"), "bf16": Policy(default="bf16"),
+             "fp8 tensorwise": Policy(default="fp8"),
+             "fp8 rowwise": Policy(default="fp8:rowwise"),
+             "bf16, head fp32": Policy(default="bf16", layers={"lm_head": "fp32"}),
+             "mlp fp8, rest fp32": Policy(default="fp32",
+                                          layers={"transformer.h.*.mlp.*": "fp8"})},
+    "llama": {"fp32": Policy(default="fp32"), "bf16": Policy(default="bf16"),
+              "fp8 tensorwise": Policy(default="fp8"),
+              "fp8 rowwise_with_gw_hp": Policy(default="fp8:rowwise_with_gw_hp"),
+              "mlp fp8, rest bf16": Policy(default="bf16",
+                                           layers={"model.layers.*.mlp.*": "fp8"}),
+              "attention fp32, rest bf16": Policy(default="bf16",
+                                                  layers={"model.layers.*.self_attn": "fp32"})},
+}
+
+
+def llama_task(hidden: int) -> autoprec.Task:
+    return autoprec.Task(
+        model=lambda: llama_bytes.make_model(2, hidden, hidden * 7 // 2, max(1, hidden // 64),
+                                             max(1, hidden // 256), seq_len=128),
+        batches=byte_batches(2, 8, 128, seed=1), name=f"llama-2x{hidden}-bytes")
+
+
+def rows_for(task: autoprec.Task, policies: dict[str, Policy]) -> list[list[str]]:
+    mm = memory_model(task)
+    model = prepare_for_measurement(task.build_model())
+    rows = []
+    for name, policy in policies.items():
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*can only emulate.*")
+            measured = measure_step_memory(copy.deepcopy(model), task.example_batch(), policy,
+                                           task.loss_fn or default_loss, task.make_optimizer)
+        predicted = mm.predict(policy)
+        rows.append([task.name, name, format_size(predicted), format_size(measured.peak),
+                     f"{predicted / measured.peak:.3f}",
+                     "(calibration)" if name in ("fp32", "bf16") else ""])
+        print(f"  {task.name} {name}: {predicted / measured.peak:.3f}", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama-hidden", type=int, default=256)
+    ap.add_argument("--skip-llama", action="store_true")
+    args = ap.parse_args()
+    print(device_line())
+    rows = rows_for(gpt2_bytes.task(), POLICIES["gpt2"])
+    if not args.skip_llama:
+        rows += rows_for(llama_task(args.llama_hidden), POLICIES["llama"])
+    print_table(rows, ["task", "policy", "predicted peak", "measured peak", "ratio", ""])
+    worst = max(abs(float(r[4]) - 1) for r in rows)
+    print(f"largest error: {worst:.1%} (measured: "
+          f"{'max_memory_allocated' if torch.cuda.is_available() else 'torch.profiler trace'})")
+
+
+if __name__ == "__main__":
+    main()

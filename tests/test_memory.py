@@ -1,0 +1,161 @@
+"""Memory as an objective: the predicted peak training-step memory against a torch.profiler
+trace of real training steps, the budget in tune, and the CLI's --max-memory."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import warnings
+
+import pytest
+import torch
+
+import autoprec
+from autoprec.cli import main
+from autoprec.measure.capture import capture
+from autoprec.measure.numerics import prepare_for_measurement
+from autoprec.memory import MemoryModel, measure_step_memory, memory_model, parse_size
+from autoprec.policy import Policy
+from autoprec.task import default_loss
+from autoprec.tuning import tune
+from examples import gpt2_bytes, llama_bytes
+from examples.data import byte_batches
+
+# 8 x 128 tokens: the activations saved for backward outweigh the parameters and optimizer
+# state, so a policy's formats move the peak
+BATCH, SEQ = 8, 128
+
+
+def _gpt2():
+    return gpt2_bytes.make_model(n_layer=2, n_embd=64, n_head=2, seq_len=SEQ)
+
+
+def _llama():
+    return llama_bytes.make_model(2, 64, 128, 4, 2, seq_len=SEQ)
+
+
+MIXED = {  # some layers low precision, inside fp32 and inside bf16 surroundings
+    "gpt2": Policy(default="fp32", layers={"transformer.h.*.mlp.*": "bf16",
+                                           "transformer.h.1.attn.c_attn": "fp8"}),
+    "llama": Policy(default="bf16", layers={"model.layers.*.mlp.*": "fp8",
+                                            "model.layers.0.self_attn": "fp32"}),
+}
+
+
+def _model_and_measure(make):
+    torch.manual_seed(0)
+    model = prepare_for_measurement(make())
+    batch = byte_batches(1, BATCH, SEQ, seed=0)[0]
+
+    def measure(policy):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*can only emulate.*")
+            return measure_step_memory(copy.deepcopy(model), batch, policy, default_loss,
+                                       lambda p: torch.optim.AdamW(p, lr=1e-3))
+    return model, batch, measure
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,make", [("gpt2", _gpt2), ("llama", _llama)])
+def test_prediction_within_15_percent_of_profiler_trace(name, make):
+    model, batch, measure = _model_and_measure(make)
+    graph = capture(copy.deepcopy(model), batch)
+    mm = MemoryModel.calibrate([lay for lay in graph.layers if lay.matmuls], measure,
+                               edges=graph.edges)
+    policies = {"fp32": Policy(default="fp32"), "bf16": Policy(default="bf16"),
+                "mixed": MIXED[name], "fp8": Policy(default="fp8"),
+                "fp8 rowwise, autoprec engine": Policy(default="fp8:rowwise",
+                                                      fp8_engine="autoprec")}
+    measured = {k: measure(p) for k, p in policies.items()}
+    for key, policy in policies.items():
+        m, p = measured[key].peak, mm.predict(policy)
+        assert abs(p / m - 1) <= 0.15, f"{name} {key}: predicted {p} B, traced {m} B ({p / m:.3f}x)"
+    # the step's peak is its activations here, and 16-bit copies make them smaller
+    assert measured["fp32"].compute_peak > measured["fp32"].optimizer_peak
+    assert measured["bf16"].peak < measured["fp32"].peak
+    assert mm.predict(policies["bf16"]) < mm.predict(policies["fp32"])
+    # the parameters and AdamW's two moments are live all along (fp32: 3 x 4 bytes each)
+    n = sum(p.numel() for p in model.parameters())
+    assert 12 * n <= measured["fp32"].persistent <= 12 * n * 1.1
+
+
+def test_trace_sees_the_activations_a_step_saves():
+    """The traced peak grows with the batch by what the formula says a Linear saves."""
+    lin = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 1))
+    peaks = []
+    for rows in (1024, 2048):
+        x = torch.randn(rows, 256)
+        m = measure_step_memory(copy.deepcopy(lin), x, Policy(default="fp32"),
+                                lambda mod, b: mod(b).square().mean(),
+                                lambda p: torch.optim.SGD(p, lr=0.1))
+        peaks.append(m.compute_peak)
+    # 1024 more rows: the first Linear's output and ReLU's output (512 floats each) saved,
+    # give or take the small temporaries of the backward
+    grown = peaks[1] - peaks[0]
+    assert 2 * 1024 * 512 * 4 * 0.9 <= grown <= 2 * 1024 * 512 * 4 * 1.6, grown
+
+
+def _task():
+    # 256 wide at 16 x 128 tokens: large enough that the cost model prices bf16 faster than
+    # fp32 on some layers (so the search can offer it), activations still the peak
+    return autoprec.Task(model=lambda: gpt2_bytes.make_model(1, 256, 4, seq_len=SEQ),
+                         batches=byte_batches(3, 16, SEQ, seed=1), name="memory-gpt2",
+                         device="cpu")
+
+
+@pytest.mark.slow
+def test_tune_under_a_memory_budget_returns_a_policy_under_it(tmp_path, capsys):
+    task = _task()
+    mm = memory_model(task)
+    fp32, bf16 = mm.predict(Policy(default="fp32")), mm.predict(Policy(default="bf16"))
+    assert bf16 < fp32
+    limit = (fp32 + bf16) // 2  # below all-fp32's predicted peak
+    out = tmp_path / "mem.yaml"
+    res = tune(task, target="cpu-amx", n_trials=6, formats=("fp32", "bf16"), max_memory=limit,
+               output=str(out), progress=False)
+    assert res.best.memory is not None and res.best.memory <= limit
+    assert mm.predict(res.policy) <= limit
+    fp32_trial = next(t for t in res.trials if t.origin == "warm:fp32")
+    assert fp32_trial.memory > limit and not fp32_trial.feasible
+    assert all(t.memory <= limit for t in res.trials if t.feasible)
+    res.save(out)
+    rows = list(csv.DictReader(open(tmp_path / "mem.pareto.csv")))
+    assert all(int(r["peak_memory_bytes"]) > 0 for r in rows)
+    assert res.policy.provenance.extra["memory"]["predicted_peak_bytes"] == res.best.memory
+    capsys.readouterr()
+    assert main(["show", str(out)]) == 0
+    assert "peak training memory (predicted" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_tune_fails_in_one_line_when_no_policy_fits(tmp_path):
+    with pytest.raises(ValueError, match="smallest predicted peak training memory") as e:
+        tune(autoprec.Task(model=_gpt2, batches=byte_batches(3, 2, 32, seed=1), device="cpu"),
+             target="h100", n_trials=2, formats=("fp32", "bf16"), max_memory=1000,
+             output=str(tmp_path / "x.yaml"), progress=False)
+    assert "\n" not in str(e.value) and "1000 B" in str(e.value)
+
+
+@pytest.mark.parametrize("text,size", [("2GiB", 2 * 2**30), ("512MB", 512 * 10**6),
+                                       ("1048576", 2**20), ("1.5 kib", 1536), ("3e3", 3000)])
+def test_parse_size(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text,says", [("2XB", "is not a size"), ("1.2.3GB", "is not a size"),
+                                       ("0", "is not a positive size"), ("GiB", "not a size")])
+def test_max_memory_flag_errors_are_one_line(text, says, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["tune", "examples/gpt2_bytes.py:task", "-o", str(tmp_path / "p.yaml"),
+              "--max-memory", text])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--max-memory" in err and says in err and repr(text) in err
+
+
+def test_config_rejects_a_bad_budget():
+    from autoprec.tuning import TuneConfig
+
+    with pytest.raises(ValueError, match="max_memory"):
+        TuneConfig(max_memory=0)
+    assert TuneConfig(max_memory=2**30).max_memory == 2**30
