@@ -1,10 +1,11 @@
-"""The ``autoprec`` command: profile, tune, validate, show, diff.
+"""The ``autoprec`` command: profile, tune, validate, show, diff, export.
 
     autoprec profile examples/gpt2_bytes.py:task -o gpt2.profile.json
     autoprec tune examples/gpt2_bytes.py:task -o policies/gpt2_bytes.yaml [--target h100]
     autoprec validate policies/gpt2_bytes.yaml --task examples/gpt2_bytes.py:task --steps 200
     autoprec show policies/gpt2_bytes.yaml
     autoprec diff policies/a.yaml policies/b.yaml
+    autoprec export policies/llama.yaml --to megatron --model examples/llama_bytes.py:gpu_task
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def _cmd_profile(args) -> int:
     if args.output:
         _writable_output(args.output)
     task = _load_task(args.task)
-    prof = profile(task, formats=args.formats, target=args.target, n_batches=args.batches)
+    prof = profile(task, formats=args.formats, target=args.target, n_batches=args.batches,
+                   sensitivity=args.sensitivity)
     print(prof.table())
     print(f"\nprofiled {len(prof.layers)} layers in {prof.elapsed:.1f} s "
           f"(capture: {prof.capture_method})")
@@ -71,7 +73,8 @@ def _cmd_tune(args) -> int:
                         n_trials=args.n_trials, timeout=args.timeout, storage=args.storage,
                         study_name=args.study, target=args.target, seed=args.seed,
                         grouping=args.groups, output=args.output,
-                        couple=tuple(tuple(names) for names in args.couple))
+                        couple=tuple(tuple(names) for names in args.couple),
+                        max_memory=args.max_memory, sensitivity=args.sensitivity)
     task = _load_task(args.task)
     result = tune(task, config)
     print(result.summary())
@@ -149,6 +152,12 @@ def _provenance_text(prov) -> str:
     if isinstance(study, dict):
         lines.append(f"  study: {study.get('name')} ({study.get('trials')} trials, "
                      f"{study.get('distinct', '?')} distinct policies)")
+    memory = extra.pop("memory", None)
+    if isinstance(memory, dict) and memory.get("predicted_peak_bytes") is not None:
+        from autoprec.memory import format_size
+
+        lines.append("  peak training memory (predicted, one step on the calibration batch): "
+                     f"{format_size(memory['predicted_peak_bytes'])}")
     timing = extra.pop("timing", None)
     if isinstance(timing, dict):
         drift = timing.get("fp32_drift")
@@ -172,17 +181,30 @@ def _layer_reasons(policy, prof, prof_path: str) -> str:
     for lp in prof.layers:
         fmt = policy.format_for(lp.fqn)
         why = prof.fp8_reason(lp.fqn, fmt, max_loss_change=limit)
-        rows.append((lp.fqn, lp.layer.kind, fmt.label, f"{lp.layer.flops / 1e9:.3f}", why))
+        rows.append((lp.fqn, lp.layer.kind, fmt.label, f"{lp.layer.flops / 1e9:.3f}", why,
+                     _sources(lp)))
         mix[fmt.label] = mix.get(fmt.label, 0.0) + lp.layer.flops
     total = max(sum(mix.values()), 1)
     where = f"cost model {prof.target}" if prof.target else f"measured on {prof.device}"
     shares = ", ".join(f"{name} {flops / total:.1%}" for name, flops in
                        sorted(mix.items(), key=lambda kv: -kv[1]))
     return (f"\nper layer (profile {prof_path}, {where}):\n"
-            + text_table(("layer", "kind", "format", "GFLOP", "why not fp8 / why this recipe"),
-                         rows, indent="  ", rule=False)
-            + "\n  (recipes: speed vs bf16 as profiled, loss change with the layer alone in it)"
+            + text_table(("layer", "kind", "format", "GFLOP", "why not fp8 / why this recipe",
+                          "sensitivity"), rows, indent="  ", rule=False)
+            + "\n  (recipes: speed vs bf16 as profiled, loss change with the layer alone in it;"
+            + "\n  sensitivity: est = first-order estimate, meas = measured exactly)"
+            + f"\n  {prof.sensitivity_summary()}"
             + f"\n\nmatmul FLOPs by format: {shares}")
+
+
+def _sources(lp) -> str:
+    """Which of a layer's numbers were estimated and which measured, and why measured."""
+    parts = []
+    for fmt, err in lp.sensitivity.items():
+        why = lp.exact_why.get(fmt)
+        parts.append(f"{fmt.label} {'est' if err.source == 'estimated' else 'meas'}"
+                     + (f" ({why})" if why else ""))
+    return ", ".join(parts) or "-"
 
 
 def _cmd_diff(args) -> int:
@@ -214,6 +236,30 @@ def _cmd_diff(args) -> int:
     return 1 if differ else 0
 
 
+def _cmd_export(args) -> int:
+    from autoprec.exporting import ExportError, export, load_name_map, structure_of
+    from autoprec.policy import load_policy
+
+    if args.output:
+        _writable_output(args.output)
+    policy = load_policy(args.policy)
+    names = load_name_map(args.name_map) if args.name_map else None
+    if args.model is None:
+        raise ExportError(f"autoprec export --to {args.to} names the model's modules: give "
+                          "--model TASK_SPEC (the task the policy was tuned on; its model is "
+                          "built on the meta device, without memory).")
+    model = structure_of(_load_task(args.model))
+    result = export(policy, args.to, model=model, strict=not args.no_strict, names=names)
+    for note in result.notes:
+        print(f"note: {note}", file=sys.stderr)
+    if args.output:
+        result.save(args.output)
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(result.text)
+    return 0
+
+
 def _names(text: str) -> tuple[str, ...]:
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     if len(names) < 2:
@@ -242,32 +288,20 @@ _positive_float = _number(float, "a number", lambda v: 0 < v < float("inf"),
                           "a finite number greater than 0")
 
 
-def _parser() -> argparse.ArgumentParser:
-    from autoprec.costmodel import DEVICES
-    from autoprec.formats import FP8_RECIPES
+def _size(text: str) -> int:
+    """An argparse type: bytes from 2GiB, 512MB or a plain number of bytes."""
+    from autoprec.memory import parse_size
 
-    ap = argparse.ArgumentParser(prog="autoprec", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    fmts = dict(nargs="+", default=["fp32", "bf16", "fp16", "fp8"],
-                choices=["fp32", "bf16", "fp16", "fp8", *(f"fp8:{r}" for r in FP8_RECIPES)],
-                help="formats to consider (default: all; fp8 means every FP8 recipe, "
-                     "fp8:<recipe> one of them)")
-    target = dict(default=None, choices=list(DEVICES),
-                  help="price speed with the cost model of this device instead of measuring "
-                       f"here: {', '.join(DEVICES)}")
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
-    p = sub.add_parser("profile", help="each layer's error and speed in each format")
-    p.add_argument("task", help="path/file.py:function or package.module:function")
-    p.add_argument("-o", "--output", help="write the profile as JSON")
-    p.add_argument("--formats", **fmts)
-    p.add_argument("--target", **target)
-    p.add_argument("--batches", type=_positive_int, default=2,
-                   help="calibration batches (default 2)")
-    p.set_defaults(fn=_cmd_profile)
 
+def _tune_parser(sub, fmts: dict, target: dict, sens: dict) -> None:
     p = sub.add_parser("tune", help="search a per-layer policy and write it as YAML")
     p.add_argument("task")
+    p.add_argument("--sensitivity", **sens)
     p.add_argument("-o", "--output", required=True, help="policy path, e.g. policies/NAME.yaml")
     p.add_argument("--formats", **fmts)
     p.add_argument("--target", **target)
@@ -289,10 +323,45 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--couple", type=_names, action="append", default=[], metavar="A,B,...",
                    help="sibling layers that share one choice because the model fuses them, "
                         "e.g. --couple q_proj,k_proj,v_proj (repeatable)")
+    p.add_argument("--max-memory", type=_size, default=None, metavar="SIZE",
+                   help="peak training-step memory the policy may need, as predicted for the "
+                        "task's calibration batch: bytes or 2GiB, 512MB (default: no limit)")
     p.add_argument("--validate-steps", type=int, default=0,
                    help="train this many steps to validate the winner; fall back along the "
                         "Pareto front if it fails")
     p.set_defaults(fn=_cmd_tune)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from autoprec.costmodel import DEVICES
+    from autoprec.formats import FP8_RECIPES
+
+    ap = argparse.ArgumentParser(prog="autoprec", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    fmts = dict(nargs="+", default=["fp32", "bf16", "fp16", "fp8"],
+                choices=["fp32", "bf16", "fp16", "fp8", *(f"fp8:{r}" for r in FP8_RECIPES)],
+                help="formats to consider (default: all; fp8 means every FP8 recipe, "
+                     "fp8:<recipe> one of them)")
+    target = dict(default=None, choices=list(DEVICES),
+                  help="price speed with the cost model of this device instead of measuring "
+                       f"here: {', '.join(DEVICES)}")
+
+    sens = dict(choices=["auto", "fast", "exact"], default="auto",
+                help="how each layer x format's sensitivity is obtained: auto (default: "
+                     "first-order estimates from one reference pass, those near the budget or "
+                     "doubtful measured exactly), fast (estimates only), exact (all measured)")
+    p = sub.add_parser("profile", help="each layer's error and speed in each format")
+    p.add_argument("task", help="path/file.py:function or package.module:function")
+    p.add_argument("-o", "--output", help="write the profile as JSON")
+    p.add_argument("--formats", **fmts)
+    p.add_argument("--target", **target)
+    p.add_argument("--batches", type=_positive_int, default=2,
+                   help="calibration batches (default 2)")
+    p.add_argument("--sensitivity", **sens)
+    p.set_defaults(fn=_cmd_profile)
+
+    _tune_parser(sub, fmts, target, sens)
 
     p = sub.add_parser("validate", help="train with a policy and in FP32; compare loss curves")
     p.add_argument("policy")
@@ -315,6 +384,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("a")
     p.add_argument("b")
     p.set_defaults(fn=_cmd_diff)
+
+    p = sub.add_parser("export", help="write a policy for torchao, Megatron-Core or any stack "
+                                      "(a JSON map of module name -> format)")
+    p.add_argument("policy")
+    p.add_argument("--to", required=True, choices=["torchao", "megatron", "fqn"],
+                   help="torchao: a Python module whose convert(model) gives each fp8 layer "
+                        "its recipe; megatron: a --te-precision-config-file; fqn: JSON")
+    p.add_argument("--model", default=None, metavar="TASK_SPEC",
+                   help="the task whose model names the layers (path/file.py:function)")
+    p.add_argument("-o", "--output", default=None, help="write here (default: stdout)")
+    p.add_argument("--name-map", default=None, metavar="FILE",
+                   help="megatron: YAML of HF-name regex -> Megatron module path, tried before "
+                        "the built-in Llama and GPT-2 names")
+    p.add_argument("--no-strict", action="store_true",
+                   help="export what the target cannot express exactly anyway, with notes")
+    p.set_defaults(fn=_cmd_export)
     return ap
 
 

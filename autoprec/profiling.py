@@ -12,9 +12,12 @@ by the search (its integer program treats it as additive) and by ``autoprec show
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import os
+import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,11 +27,16 @@ from autoprec._util import ProgressBar, check_schema, log, read_json, text_table
 from autoprec.costmodel import estimate_layer, estimate_step
 from autoprec.formats import FORMAT_ORDER, Format, device_name, expand_formats
 from autoprec.measure.capture import Layer, LayerGraph, capture
-from autoprec.measure.sensitivity import LayerSensitivity, measure_sensitivity
+from autoprec.measure.sensitivity import (
+    SENSITIVITY_MODES,
+    LayerSensitivity,
+    measure_sensitivity,
+)
 from autoprec.measure.timing import LayerTime, measure_layers
+from autoprec.policy import Budget
 from autoprec.runtime.calls import COMPUTING_KINDS
 
-__all__ = ["Profile", "LayerProfile", "profile", "PROFILE_SCHEMA"]
+__all__ = ["Profile", "LayerProfile", "profile", "split_units", "PROFILE_SCHEMA"]
 
 # Version 2: LayerProfile's `errors` became `sensitivity`, LayerTime's `fmt` became `format`,
 # layers carry the registered call of each matmul. Version 1 files are read and migrated.
@@ -48,6 +56,10 @@ class LayerProfile:
     # format -> why its numerics were not measured: it cannot win on this device (emulated,
     # far slower than fp32, or fp8 the kernel does not take), so the search never offers it
     skipped: dict[Format, str] = field(default_factory=dict)
+    # format -> why its first-order estimate was re-measured exactly (sensitivity="auto"),
+    # and the estimate's loss change it replaced
+    exact_why: dict[Format, str] = field(default_factory=dict)
+    estimated_loss: dict[Format, float] = field(default_factory=dict)
 
     @property
     def fqn(self) -> str:
@@ -65,7 +77,9 @@ class LayerProfile:
         return {"layer": self.layer.to_dict(),
                 "sensitivity": {f.value: e.to_dict() for f, e in self.sensitivity.items()},
                 "times": {f.value: t.to_dict() for f, t in self.times.items()},
-                "skipped": {f.value: why for f, why in self.skipped.items()}}
+                "skipped": {f.value: why for f, why in self.skipped.items()},
+                "exact_why": {f.value: why for f, why in self.exact_why.items()},
+                "estimated_loss": {f.value: _encode(v) for f, v in self.estimated_loss.items()}}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LayerProfile:
@@ -73,7 +87,15 @@ class LayerProfile:
         return cls(layer=Layer.from_dict(d["layer"]),
                    sensitivity={Format(k): LayerSensitivity.from_dict(v) for k, v in sens.items()},
                    times={Format(k): LayerTime.from_dict(v) for k, v in d["times"].items()},
-                   skipped={Format(k): str(v) for k, v in d.get("skipped", {}).items()})
+                   skipped={Format(k): str(v) for k, v in d.get("skipped", {}).items()},
+                   exact_why={Format(k): str(v) for k, v in d.get("exact_why", {}).items()},
+                   estimated_loss={Format(k): _decode(v)
+                                   for k, v in d.get("estimated_loss", {}).items()})
+
+    def source(self, fmt: Format) -> str:
+        """"measured", "estimated", or "" (no numbers) for this layer in ``fmt``."""
+        err = self.sensitivity.get(fmt)
+        return "" if err is None else err.source
 
 
 @dataclass
@@ -99,6 +121,11 @@ class Profile:
     # seconds the profile took
     elapsed: float = 0.0
     torch_version: str = str(torch.__version__)
+    # how the sensitivities were obtained: "exact", "fast" (first-order estimates) or "auto"
+    # (estimates, the doubtful and near-budget ones measured exactly); see measure_sensitivity
+    sensitivity_mode: str = "exact"
+    # how the work was split: units of layers, and who did each ("host:pid", tries)
+    units: list[dict] = field(default_factory=list)
 
     def __post_init__(self):
         self._index = {lp.fqn: lp for lp in self.layers}
@@ -228,8 +255,9 @@ class Profile:
             row = [L.fqn, L.kind, shape, f"{L.flops / 1e9:.3f}"]
             for f in low:
                 e = lp.sensitivity.get(f)
+                mark = "~" if e is not None and e.source == "estimated" else ""
                 row.append(("skip" if f in lp.skipped else "-") if e is None else
-                           ("NONFINITE" if not e.finite else f"{e.loss_rel_change:+.1e}"))
+                           ("NONFINITE" if not e.finite else f"{mark}{e.loss_rel_change:+.1e}"))
             for f in fmts:
                 t = lp.times.get(f)
                 row.append("-" if t is None else f"{t.seconds * 1e6:.0f}" + ("*" if t.emulated
@@ -237,8 +265,26 @@ class Profile:
             rows.append([*row, self._verdict(lp, fmts)])
         src = f"cost model {self.target}" if self.target else f"measured on {self.device}"
         return (text_table(header, rows) + "\nerr: relative loss change with the layer alone in "
-                f"the format; us: fwd+bwd microseconds ({src}); * emulated (never counted as "
-                "fast); skip: not measured, the format cannot win here (see `skipped`).")
+                f"the format (~ first-order estimate, else measured); us: fwd+bwd microseconds "
+                f"({src}); * emulated (never counted as fast); skip: not measured, the format "
+                f"cannot win here (see `skipped`).\n{self.sensitivity_summary()}")
+
+    def sensitivity_summary(self) -> str:
+        """One line: how many layer x format numbers were estimated and how many measured,
+        and why the measured ones were (for ``autoprec show``)."""
+        est = sum(1 for lp in self.layers for e in lp.sensitivity.values()
+                  if e.source == "estimated")
+        meas = sum(1 for lp in self.layers for e in lp.sensitivity.values()
+                   if e.source == "measured")
+        skipped = sum(len(lp.skipped) for lp in self.layers)
+        why: dict[str, int] = {}
+        for lp in self.layers:
+            for reason in lp.exact_why.values():
+                why[reason] = why.get(reason, 0) + 1
+        detail = f" ({'; '.join(f'{r}: {n}' for r, n in why.items())})" if why else ""
+        return (f"sensitivity ({self.sensitivity_mode}): {est} layer x format pairs estimated "
+                f"to first order, {meas} measured exactly{detail}, {skipped} not measured "
+                "(cannot win here)")
 
     def _verdict(self, lp: LayerProfile, fmts) -> str:
         """Fastest format whose solo loss change stays under 1%."""
@@ -264,7 +310,8 @@ class Profile:
                 "formats": [f.value for f in self.formats],
                 "layers": [lp.to_dict() for lp in self.layers],
                 "edges": [list(e) for e in self.edges], "fixed": dict(self.fixed),
-                "elapsed": self.elapsed, "torch_version": self.torch_version}
+                "elapsed": self.elapsed, "torch_version": self.torch_version,
+                "sensitivity_mode": self.sensitivity_mode, "units": list(self.units)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Profile:
@@ -276,7 +323,9 @@ class Profile:
                        formats=tuple(Format(f) for f in d["formats"]),
                        layers=[LayerProfile.from_dict(x) for x in d["layers"]],
                        edges=[tuple(e) for e in d.get("edges", [])], fixed=d.get("fixed", {}),
-                       elapsed=d.get("elapsed", 0.0), torch_version=d.get("torch_version", ""))
+                       elapsed=d.get("elapsed", 0.0), torch_version=d.get("torch_version", ""),
+                       sensitivity_mode=d.get("sensitivity_mode", "exact"),
+                       units=list(d.get("units", [])))
         except (KeyError, TypeError) as e:
             raise ValueError(f"a malformed profile record ({type(e).__name__}: {e})") from None
 
@@ -299,17 +348,28 @@ def _device_name(device: torch.device) -> str:
 def profile(task, formats: Sequence[Format | str] = ("fp32", "bf16", "fp16", "fp8"), *,
             target: str | None = None, batches: Sequence[Any] | None = None,
             layers: Sequence[str] | None = None, n_batches: int = 1, progress: bool = True,
-            repeats: int = 8, budget_s: float = 5.0) -> Profile:
+            repeats: int = 8, budget_s: float = 5.0, sensitivity: str = "auto",
+            budget: Budget | None = None, share: UnitRunner | None = None) -> Profile:
     """Measure every layer of ``task``'s model that computes, in every format.
 
     ``target=None`` times layers on the task's device; ``target="h100"`` (etc.) prices them
     with the cost model instead (numerics are still measured here). ``batches`` defaults to the
     task's first ``n_batches`` calibration batches. ``layers`` restricts the profile to these
     fqns. ``repeats`` and ``budget_s``: timing rounds per layer and seconds per layer x format.
+    ``sensitivity``: "auto" (default: first-order estimates, the doubtful and those near
+    ``budget`` measured exactly), "fast" (estimates only) or "exact" (every pair measured);
+    see :func:`autoprec.measure.sensitivity.measure_sensitivity`.
+
+    ``share``: runs the profile's units of layers, possibly split with other workers (see
+    :mod:`autoprec.tuning.share`); ``share(units, work)`` returns each unit's rows and who did
+    it. Without it this process does every layer in one unit.
     """
     for name, value in (("n_batches", n_batches), ("repeats", repeats)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"profile({name}=...) must be a positive integer, got {value!r}.")
+    if sensitivity not in SENSITIVITY_MODES:
+        raise ValueError(f"Unknown sensitivity mode {sensitivity!r}; expected one of "
+                         f"{', '.join(SENSITIVITY_MODES)}.")
     if target is not None:
         from autoprec.costmodel import resolve_target
 
@@ -318,43 +378,121 @@ def profile(task, formats: Sequence[Format | str] = ("fp32", "bf16", "fp16", "fp
     fmts = expand_formats(formats, where="in profile(formats=...)")
     if Format.FP32 not in fmts:
         fmts = (Format.FP32, *fmts)
-    model = task.build_model()
-    # what the loss function runs the model on: `(inputs, labels)` batches whose loss_fn calls
-    # model(inputs) are captured and timed as model(inputs)
-    example = task.model_call(model, task.example_batch())
-    graph: LayerGraph = capture(model, example)
-    chosen = _computing_layers(graph, layers)
-    fqns = [L.fqn for L in chosen]
-    calib = list(batches) if batches is not None else list(task.batches[:n_batches])
-    # Speed first (measured, or priced at production shapes), then the numerics of only the
-    # formats that can win: a format far slower than fp32 is never chosen for speed.
-    if target is not None and task.shape_batch is not None:
-        chosen = _at_production_shapes(model, task.model_call(model, task.shape_batch), fqns)
-    if target is None:
-        log(f"timing {len(fqns)} layers x {len(fmts)} formats", progress)
-        times = _own_times(measure_layers(model, example, fqns, fmts, repeats=repeats,
+    ctx = _Context.build(task, fmts, target, batches, layers, n_batches, progress)
+    work = functools.partial(_profile_unit, ctx, repeats=repeats, budget_s=budget_s,
+                             mode=sensitivity, budget=budget or Budget())
+    fqns = [L.fqn for L in ctx.chosen]
+    if share is None:
+        rows, units = work(fqns), [{"layers": len(fqns), "by": _worker(), "tries": 1}]
+    else:
+        rows, units = share(split_units(fqns), work)
+    ctx.release()
+    by_fqn = {r["layer"]["fqn"]: r for r in rows}
+    return Profile(task_name=task.name, model_name=ctx.graph.model_name,
+                   device=_device_name(task.device), target=target,
+                   capture_method=ctx.graph.method, formats=fmts,
+                   layers=[LayerProfile.from_dict(by_fqn[f]) for f in fqns],
+                   edges=[tuple(e) for e in ctx.graph.edges],
+                   fixed={L.fqn: L.kind for L in ctx.graph.layers if L.fqn not in set(fqns)},
+                   elapsed=time.perf_counter() - t_start, sensitivity_mode=sensitivity,
+                   units=units)
+
+
+# A UnitRunner: (units of layer fqns, work on one unit -> its rows) -> (all rows, who did what)
+UnitRunner = Callable[[list[list[str]], Callable[[list[str]], list[dict]]],
+                      tuple[list[dict], list[dict]]]
+
+
+def _worker() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def split_units(fqns: Sequence[str], n: int = 8) -> list[list[str]]:
+    """About ``n`` units of consecutive layers (fewer for small models), never splitting a
+    layer from its listed descendants (a parent's own time is its time minus theirs). A fixed
+    number of units, not a fixed size: each unit pays one reference pass, so per-layer cost
+    stays flat in depth."""
+    size = max(1, math.ceil(len(fqns) / n))
+    units: list[list[str]] = []
+    for f in fqns:
+        cur = units[-1] if units else None
+        inside = cur is not None and any(f.startswith(p + ".") for p in cur)
+        if cur is None or (len(cur) >= size and not inside):
+            units.append([f])
+        else:
+            cur.append(f)
+    return units
+
+
+@dataclass
+class _Context:
+    """What every unit of one worker's profile shares: the model, its capture, the batches."""
+
+    task: Any
+    fmts: tuple[Format, ...]
+    target: str | None
+    model: Any
+    example: Any
+    graph: LayerGraph
+    chosen: list[Layer]
+    calib: list
+    progress: bool
+
+    @classmethod
+    def build(cls, task, fmts, target, batches, layers, n_batches, progress) -> _Context:
+        model = task.build_model()
+        # what the loss function runs the model on: `(inputs, labels)` batches whose loss_fn
+        # calls model(inputs) are captured and timed as model(inputs)
+        example = task.model_call(model, task.example_batch())
+        graph: LayerGraph = capture(model, example)
+        chosen = _computing_layers(graph, layers)
+        if target is not None and task.shape_batch is not None:
+            chosen = _at_production_shapes(model, task.model_call(model, task.shape_batch),
+                                           [L.fqn for L in chosen])
+        calib = list(batches) if batches is not None else list(task.batches[:n_batches])
+        return cls(task, fmts, target, model, example, graph, chosen, calib, progress)
+
+    def release(self) -> None:
+        self.model = self.example = None
+
+
+def _profile_unit(ctx: _Context, fqns: list[str], *, repeats: int, budget_s: float, mode: str,
+                  budget: Budget) -> list[dict]:
+    """One unit's rows (LayerProfile dicts): speed first (measured, or priced at production
+    shapes), then the numerics of only the formats that can win: a format far slower than
+    fp32 is never chosen for speed."""
+    fmts, layer_of = ctx.fmts, {L.fqn: L for L in ctx.chosen}
+    chosen = [layer_of[f] for f in fqns]
+    if ctx.target is None:
+        log(f"timing {len(fqns)} layers x {len(fmts)} formats", ctx.progress)
+        times = _own_times(measure_layers(ctx.model, ctx.example, fqns, fmts, repeats=repeats,
                                           budget_s=budget_s), fqns)
     else:
         # without the casts in and out of each layer: the search prices the step with the
         # graph's edges, where a cast is paid only between layers of different dtypes
-        times = {L.fqn: {fmt: estimate_layer(L, fmt, target, boundary_casts=False)
+        times = {L.fqn: {fmt: estimate_layer(L, fmt, ctx.target, boundary_casts=False)
                          for fmt in fmts} for L in chosen}
     skipped = {L.fqn: _cannot_win(L, times.get(L.fqn, {}), fmts) for L in chosen}
-    # the sensitivity measurement builds its own copy: one model in memory at a time
-    del model, example
     low = [f for f in fmts if f is not Format.FP32]
-    bar = ProgressBar("sensitivity", enabled=progress)
-    errors = measure_sensitivity(task, fqns, low, batches=calib, progress=bar,
-                                 only={f: [x for x in low if x not in skipped[f]] for f in fqns})
+    bar = ProgressBar("sensitivity", enabled=ctx.progress)
+    why: dict[str, dict[Format, tuple[str, float]]] = {}
+    only = {f: [x for x in low if x not in skipped[f]] for f in fqns}
+    errors = measure_sensitivity(ctx.task, fqns, low, batches=ctx.calib, progress=bar,
+                                 only=only, mode=mode, budget=budget, exact_why=why)
     rows = [LayerProfile(layer=L, sensitivity=dict(errors.get(L.fqn, {})),
-                         times=dict(times.get(L.fqn, {})), skipped=skipped[L.fqn])
+                         times=dict(times.get(L.fqn, {})), skipped=skipped[L.fqn],
+                         exact_why={f: w for f, (w, _) in why.get(L.fqn, {}).items()},
+                         estimated_loss={f: e for f, (_, e) in why.get(L.fqn, {}).items()})
             for L in chosen]
-    return Profile(task_name=task.name, model_name=graph.model_name,
-                   device=_device_name(task.device), target=target,
-                   capture_method=graph.method, formats=fmts, layers=rows,
-                   edges=[tuple(e) for e in graph.edges],
-                   fixed={L.fqn: L.kind for L in graph.layers if L.fqn not in set(fqns)},
-                   elapsed=time.perf_counter() - t_start)
+    return [r.to_dict() for r in rows]
+
+
+def _encode(x: float) -> float | str:
+    return x if math.isfinite(x) else str(x)
+
+
+def _decode(x: float | str) -> float:
+    return float(x)
 
 
 def _or_inf(x: float) -> float:

@@ -62,8 +62,9 @@ from torch.overrides import TorchFunctionMode
 
 from autoprec._util import ProgressFn, check_keys, floating, move_to
 from autoprec.formats import FP8_E4M3, FP8_E5M2, FP8_FORMATS, Format
+from autoprec.measure.estimate import estimate_during_reference, needs_exact
 from autoprec.measure.numerics import Deviation, Numerics, prepare_for_measurement
-from autoprec.policy import LossScaling, Policy
+from autoprec.policy import Budget, LossScaling, Policy
 from autoprec.runtime import calls, rewrite
 from autoprec.runtime.fp8 import rowwise_scale, tensorwise_scale
 from autoprec.task import Task, default_loss
@@ -72,7 +73,11 @@ __all__ = [
     "LayerSensitivity",
     "measure_sensitivity",
     "DEFAULT_N_BATCHES",
+    "SENSITIVITY_MODES",
 ]
+
+# How the profile gets each layer x format's numbers (see measure_sensitivity).
+SENSITIVITY_MODES = ("auto", "fast", "exact")
 
 # One batch keeps the profile of GPT-2 4x256 (17-21 layers x 3 formats) near a minute on
 # 2 CPU cores. The comparison is paired (same batch, same seed), so batch-to-batch noise
@@ -120,6 +125,10 @@ class LayerSensitivity:
     finite: bool
     # Calibration batches the numbers average over.
     n_batches: int
+    # "measured": this layer switched alone in a whole forward+backward; "estimated": the
+    # first-order estimate from the FP32 reference pass (autoprec.measure.estimate), whose
+    # loss and whole-model gradient error are approximations (SQNR and range stats are exact).
+    source: str = "measured"
 
     def __post_init__(self):
         object.__setattr__(self, "format",
@@ -130,6 +139,9 @@ class LayerSensitivity:
                 raise ValueError(f"LayerSensitivity.{name} is a fraction of elements, so it must lie "
                                  f"in [0, 1] or be None; got {value!r} for layer "
                                  f"`{self.layer}` in {self.format}.")
+        if self.source not in ("measured", "estimated"):
+            raise ValueError(f"LayerSensitivity.source must be 'measured' or 'estimated', got "
+                             f"{self.source!r} for layer `{self.layer}`.")
         if int(self.n_batches) != self.n_batches or self.n_batches < 1:
             raise ValueError(f"LayerSensitivity.n_batches must be a positive integer, got "
                              f"{self.n_batches!r} for layer `{self.layer}`.")
@@ -172,8 +184,11 @@ class LayerSensitivity:
     def from_dict(cls, data: Mapping[str, Any]) -> LayerSensitivity:
         """Inverse of :meth:`to_dict`; unknown or missing keys are errors that name them."""
         names = [f.name for f in fields(cls)]
-        check_keys(data, "LayerSensitivity", known=names, required=names)
-        values = {k: _decode_float(v) if k not in ("layer", "format", "finite", "n_batches")
+        # `source` is new in this version: older profiles were all measured
+        check_keys(data, "LayerSensitivity", known=names,
+                   required=[n for n in names if n != "source"])
+        values = {k: _decode_float(v) if k not in ("layer", "format", "finite", "n_batches",
+                                                    "source")
                   else v for k, v in data.items()}
         values["finite"] = bool(values["finite"])
         values["n_batches"] = int(values["n_batches"])
@@ -262,7 +277,8 @@ class _ReferenceProbe:
     activations its rounded calls take and give and of the gradients arriving at them."""
 
     def __init__(self, module: nn.Module, range_formats: Sequence[Format],
-                 active: list[_ReferenceProbe]):
+                 active: list[_ReferenceProbe], keep_outputs: bool = True):
+        self.keep_outputs = keep_outputs
         self.outputs: list[torch.Tensor] = []  # this batch's outputs, one entry per call
         self.batches: list[torch.Tensor | None] = []  # concatenated outputs per batch
         self.act = {f: _RangeCounter(f, "act") for f in range_formats}
@@ -278,6 +294,8 @@ class _ReferenceProbe:
     def _exit(self, module, args, output):
         if self.active and self.active[-1] is self:
             self.active.pop()
+        if not self.keep_outputs:
+            return
         flat = _flat_output(output)
         if flat is not None:
             self.outputs.append(flat)
@@ -378,6 +396,9 @@ def measure_sensitivity(
     seed: int | None = None,
     progress: ProgressFn | None = None,
     only: Mapping[str, Sequence[Format | str]] | None = None,
+    mode: str = "exact",
+    budget: Budget | None = None,
+    exact_why: dict[str, dict[Format, tuple[str, float]]] | None = None,
 ) -> dict[str, dict[Format, LayerSensitivity]]:
     """Measure every ``layer`` x ``format`` with only that layer switched; see the module
     docstring for what is measured and how.
@@ -400,9 +421,62 @@ def measure_sensitivity(
     covers only parameters no listed descendant owns. ``include_children=True`` switches the
     whole subtree instead. A descendant that is not in ``layers`` always follows its parent.
 
-    Returns ``{layer: {format: LayerSensitivity}}`` in the order given. Costs one
+    ``mode``: ``"exact"`` measures every pair as above; ``"fast"`` estimates every pair from
+    the reference pass (:mod:`autoprec.measure.estimate`, cost flat in depth); ``"auto"``
+    also measures exactly those whose estimate is doubtful or near ``budget``; ``exact_why``
+    receives why, and the estimate replaced. Each result's ``source`` says which it is.
+
+    Returns ``{layer: {format: LayerSensitivity}}`` in the order given. Exact mode costs one
     forward+backward per batch for the reference plus one per layer x format x batch.
     """
+    fmts = _check_options(formats, loss_scale, mode)
+    model, calib, fn, base_seed = _setup(task_or_model, batches, loss_fn, n_batches)
+    numerics = Numerics(prepare_for_measurement(model), calib, fn,
+                        seed=base_seed if seed is None else seed)
+    names = _check_layers(model, layers)
+    pinned = {name: [] if include_children else _listed_descendants(name, names)
+              for name in names}
+    own = _own_params(numerics, model, names, pinned)
+    todo = [(name, fmt) for name in names for fmt in fmts
+            if only is None or name not in only
+            or fmt in {Format.parse(f) for f in only[name]}]
+    range_fmts = [f for f in _RANGE_FORMATS if f in fmts]
+    results: dict[str, dict[Format, LayerSensitivity]] = {name: {} for name in names}
+    if mode != "exact":
+        ranges, estimates = _estimate_all(numerics, names, todo, pinned, own, range_fmts,
+                                          include_children, loss_scale, progress)
+        for (name, fmt), value in estimates.items():
+            results[name][fmt] = value
+        todo = _exact_pairs(estimates, ranges, budget or Budget(), exact_why) \
+            if mode == "auto" else []
+        outputs = {name: None for name in names}
+    else:
+        outputs, ranges = _reference(numerics, names, range_fmts, include_children)
+        if progress is not None:
+            progress(1, 1 + len(todo), "fp32 reference")
+    for done, (name, fmt) in enumerate(todo, start=2):
+        old = results[name].get(fmt)
+        results[name][fmt] = _measure_one(
+            numerics, name, fmt, pinned[name], own[name], outputs[name],
+            ranges[name].get(fmt), LossScaling(init_scale=loss_scale),
+            sqnr_db=None if old is None else old.output_sqnr_db)
+        if progress is not None:
+            progress(done, 1 + len(todo), f"{name or '<model>'} {fmt} (exact)")
+    return results
+
+
+def _own_params(numerics, model, names, pinned) -> dict[str, list[int]]:
+    """Per layer, the indices of the parameters it owns (less its listed descendants')."""
+    own = {}
+    for name in names:
+        theirs = {id(p) for child in pinned[name]
+                  for p in model.get_submodule(child).parameters()}
+        own[name] = numerics.index_of(p for p in model.get_submodule(name).parameters()
+                                      if id(p) not in theirs)
+    return own
+
+
+def _check_options(formats, loss_scale: float, mode: str) -> list[Format]:
     fmts = list(dict.fromkeys(Format.parse(f, where="in measure_sensitivity(formats=...)")
                               for f in formats))
     if not fmts:
@@ -411,37 +485,63 @@ def measure_sensitivity(
     if not (loss_scale >= 1.0 and math.isfinite(loss_scale)):
         raise ValueError(f"loss_scale must be a finite number >= 1 (GradScaler starts at "
                          f"65536), got {loss_scale!r}.")
-    model, calib, fn, base_seed = _setup(task_or_model, batches, loss_fn, n_batches)
-    numerics = Numerics(prepare_for_measurement(model), calib, fn,
-                        seed=base_seed if seed is None else seed)
-    names = _check_layers(model, layers)
-    pinned = {name: [] if include_children else _listed_descendants(name, names)
-              for name in names}
-    own = {}
-    for name in names:
-        theirs = {id(p) for child in pinned[name]
-                  for p in model.get_submodule(child).parameters()}
-        own[name] = numerics.index_of(p for p in model.get_submodule(name).parameters()
-                                      if id(p) not in theirs)
-    todo = [(name, fmt) for name in names for fmt in fmts
-            if only is None or name not in only
-            or fmt in {Format.parse(f) for f in only[name]}]
-    total = 1 + len(todo)
-    outputs, ranges = _reference(numerics, names, [f for f in _RANGE_FORMATS if f in fmts],
-                                 include_children)
-    if progress is not None:
-        progress(1, total, "fp32 reference")
-    results: dict[str, dict[Format, LayerSensitivity]] = {name: {} for name in names}
-    for done, (name, fmt) in enumerate(todo, start=2):
-        try:
-            results[name][fmt] = _measure_one(numerics, name, fmt, pinned[name], own[name],
-                                              outputs[name], ranges[name].get(fmt),
-                                              LossScaling(init_scale=loss_scale))
-        except Exception as e:
-            raise RuntimeError(f"Measuring layer `{name}` in {fmt} failed: {e}") from e
+    if mode not in SENSITIVITY_MODES:
+        raise ValueError(f"Unknown sensitivity mode {mode!r}; expected one of "
+                         f"{', '.join(SENSITIVITY_MODES)}.")
+    return fmts
+
+
+def _estimate_all(numerics, names, todo, pinned, own, range_fmts, subtree, loss_scale,
+                  progress) -> tuple[dict, dict]:
+    """Every pair of ``todo`` estimated to first order during the FP32 reference pass, with
+    the range statistics of that pass."""
+    if any(name == "" for name in names):
+        raise ValueError("The first-order estimate is per layer; measure the whole model "
+                         "(layer '') with mode='exact'.")
+    fmts_for = {name: [f for n, f in todo if n == name] for name in names}
+    total = 1 + len(names) * len(numerics.batches)
+    done = [1]
+
+    def tick(name: str) -> None:
+        done[0] += 1
         if progress is not None:
-            progress(done, total, f"{name or '<model>'} {fmt}")
-    return results
+            progress(min(done[0], total), total, f"{name} (first-order estimate)")
+
+    with estimate_during_reference(numerics, names, fmts_for, pinned, own,
+                                   loss_scale=loss_scale, progress=tick) as (around, results):
+        _, ranges = _reference(numerics, names, range_fmts, subtree, keep_outputs=False,
+                               extra=around)
+        estimates, upstream = results()
+    ref = numerics.reference()
+    total_sq = [float(g.sum()) for g in ref.grad_sq]
+    out = {}
+    for name in names:
+        used_before, x_total = upstream[name]
+        up = [float(g[used_before].sum()) if used_before else 0.0 for g in ref.grad_sq]
+        for fmt, e in estimates[name].items():
+            a_over, a_under, g_over, g_under = ranges[name].get(fmt, (None,) * 4)
+            out[(name, fmt)] = LayerSensitivity(
+                layer=name, format=fmt, loss_rel_change=e.loss_rel_change(ref.losses),
+                grad_rel_error=e.grad_rel_error(up, total_sq, x_total),
+                layer_grad_rel_error=e.layer_grad_rel_error(), output_sqnr_db=e.sqnr_db(),
+                act_overflow=a_over, act_underflow=a_under, grad_overflow=g_over,
+                grad_underflow=g_under, finite=e.finite, n_batches=len(ref.losses),
+                source="estimated")
+    return ranges, out
+
+
+def _exact_pairs(estimates: Mapping, ranges: Mapping, budget: Budget,
+                 exact_why: dict | None) -> list[tuple[str, Format]]:
+    """The estimated pairs to measure exactly (see :func:`needs_exact`), in order."""
+    todo = []
+    for (name, fmt), e in estimates.items():
+        over = sum(x or 0.0 for x in (e.act_overflow, e.grad_overflow))
+        why = needs_exact(e.loss_rel_change, e.grad_rel_error, e.finite, over, budget)
+        if why:
+            todo.append((name, fmt))
+            if exact_why is not None:
+                exact_why.setdefault(name, {})[fmt] = (why, e.loss_rel_change)
+    return todo
 
 
 def _setup(task_or_model, batches, loss_fn, n_batches):
@@ -505,19 +605,22 @@ def _listed_descendants(name: str, names: Sequence[str]) -> list[str]:
 
 
 def _reference(numerics: Numerics, names: list[str], range_fmts: list[Format],
-               subtree: bool) -> tuple[dict[str, list], dict[str, dict]]:
-    """The FP32 reference, with probes on every listed layer: each layer's outputs per batch,
-    and per layer and range format (act_overflow, act_underflow, grad_overflow,
-    grad_underflow)."""
+               subtree: bool, *, keep_outputs: bool = True,
+               extra: Callable[[int], Any] | None = None) -> tuple[dict[str, list], dict[str, dict]]:
+    """The FP32 reference, with probes on every listed layer: each layer's outputs per batch
+    (unless not ``keep_outputs``), and per layer and range format (act_overflow,
+    act_underflow, grad_overflow, grad_underflow). ``extra(b)``: another context around batch
+    ``b``'s forward (the first-order estimate's hooks)."""
     model = numerics.model
     active: list[_ReferenceProbe] = []
-    probes = {n: _ReferenceProbe(model.get_submodule(n), range_fmts, active) for n in names}
+    probes = {n: _ReferenceProbe(model.get_submodule(n), range_fmts, active, keep_outputs)
+              for n in names}
     counter = _RoundedCallCounter(active, {id(p) for p in model.parameters()}, subtree) \
         if range_fmts else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def around(b: int):
-        with counter:
+        with counter, (extra(b) if extra is not None else contextlib.nullcontext()):
             yield
         for probe in probes.values():
             probe.end_batch()
@@ -533,8 +636,19 @@ def _reference(numerics: Numerics, names: list[str], range_fmts: list[Format],
 
 
 def _measure_one(numerics: Numerics, name: str, fmt: Format, pinned: list[str],
-                 own: list[int], ref_outputs: list, ranges: tuple | None,
-                 loss_scaling: LossScaling) -> LayerSensitivity:
+                 own: list[int], ref_outputs: list | None, ranges: tuple | None,
+                 loss_scaling: LossScaling, sqnr_db: float | None = None) -> LayerSensitivity:
+    """One pair measured exactly. Without ``ref_outputs`` the output SQNR is ``sqnr_db``
+    (the estimate's, which is exact: the layer's inputs are the reference's)."""
+    try:
+        return _measure(numerics, name, fmt, pinned, own, ref_outputs, ranges, loss_scaling,
+                        sqnr_db)
+    except Exception as e:
+        raise RuntimeError(f"Measuring layer `{name}` in {fmt} failed: {e}") from e
+
+
+def _measure(numerics, name, fmt, pinned, own, ref_outputs, ranges, loss_scaling,
+             sqnr_db) -> LayerSensitivity:
     keep_fp32 = {child: Format.FP32 for child in pinned}
     # FP8 numerics on autoprec's own engine whatever is installed: torchao's computes the same
     # recipes to BF16 rounding (tests/test_engines.py), and a profile must not depend on an
@@ -543,22 +657,28 @@ def _measure_one(numerics: Numerics, name: str, fmt: Format, pinned: list[str],
                      fp8_engine="autoprec") if name == ""
               else Policy(default=Format.FP32, layers={name: fmt, **keep_fp32},
                           loss_scaling=loss_scaling, fp8_engine="autoprec"))
-    probe = _OutputProbe(numerics.model.get_submodule(name))
-    sqnr = _SQNR(name, fmt, ref_outputs)
-    try:
-        dev: Deviation = numerics.compare(policy, after_forward=lambda b: sqnr.add(b, probe.take()))
-    finally:
-        probe.handle.remove()
+    if ref_outputs is None:
+        dev: Deviation = numerics.compare(policy)
+        sqnr_finite = sqnr_db is None or not math.isnan(sqnr_db)
+        db = math.nan if sqnr_db is None else sqnr_db
+    else:
+        probe = _OutputProbe(numerics.model.get_submodule(name))
+        sqnr = _SQNR(name, fmt, ref_outputs)
+        try:
+            dev = numerics.compare(policy, after_forward=lambda b: sqnr.add(b, probe.take()))
+        finally:
+            probe.handle.remove()
+        sqnr_finite, db = sqnr.finite, sqnr.db()
     a_over, a_under, g_over, g_under = ranges if ranges is not None else (None,) * 4
     return LayerSensitivity(
         layer=name, format=fmt,
         loss_rel_change=dev.loss_rel_change,
         grad_rel_error=dev.grad_rel_error,
         layer_grad_rel_error=dev.grad_error_of(own),
-        output_sqnr_db=sqnr.db(),
+        output_sqnr_db=db,
         act_overflow=a_over, act_underflow=a_under,
         grad_overflow=g_over, grad_underflow=g_under,
-        finite=dev.finite and sqnr.finite, n_batches=dev.n_batches)
+        finite=dev.finite and sqnr_finite, n_batches=dev.n_batches)
 
 
 class _SQNR:

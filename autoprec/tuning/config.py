@@ -109,7 +109,13 @@ class TuneConfig:
     milp_budgets: tuple[float, ...] = (0.25, 0.5, 1.0)
     # Calibration batches held out to judge trials (the rest are profiled).
     n_holdout: int = 2
+    # How the profile gets each layer x format's sensitivity: "auto" (first-order estimates,
+    # those near the budget or doubtful measured exactly), "fast" or "exact".
+    sensitivity: str = "auto"
     timing: TimingConfig = field(default_factory=TimingConfig)
+    # Peak training-step memory the winner may need, in bytes, as autoprec.memory predicts it
+    # (None: no limit).
+    max_memory: int | None = None
 
     def __post_init__(self):
         fmts = expand_formats(self.formats, where="in TuneConfig.formats")
@@ -135,7 +141,12 @@ class TuneConfig:
                 raise ValueError(f"Unknown grouping {self.grouping!r}; expected one of "
                                  f"{', '.join(g.value for g in Grouping)} or a mapping of "
                                  "unit name -> layer fqns.") from None
+        if self.sensitivity not in ("auto", "fast", "exact"):
+            raise ValueError(f"Unknown sensitivity mode {self.sensitivity!r}; expected one of "
+                             "auto, fast, exact.")
         _positive_int("n_trials", self.n_trials)
+        if self.max_memory is not None:
+            _positive_int("max_memory (bytes)", self.max_memory)
         _positive_int("n_holdout", self.n_holdout)
         if self.timeout is not None and not (isinstance(self.timeout, (int, float))
                                              and self.timeout > 0):

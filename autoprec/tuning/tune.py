@@ -26,6 +26,7 @@ import math
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 import warnings
@@ -46,14 +47,16 @@ from autoprec.tuning.config import TuneConfig
 from autoprec.tuning.evaluate import Evaluator
 from autoprec.tuning.report import TrialResult, TuneResult, pareto, provenance
 from autoprec.tuning.select import NOISE_ADVICE, Finalist, select
+from autoprec.tuning.share import SharedUnits, unit_studies
 from autoprec.tuning.space import SearchSpace, assignment_policy
 from autoprec.tuning.storage import open_storage
-from autoprec.tuning.warmstart import warm_starts
+from autoprec.tuning.warmstart import memory_warm_start, warm_starts
 
 __all__ = ["tune", "evaluate_policy"]
 
 # A non-finite trial still needs finite objective values for Optuna's samplers.
 _PENALTY = 1e6
+_FP32_POLICY = Policy(default=Format.FP32)
 _COMPLETE = (optuna.trial.TrialState.COMPLETE,)
 
 
@@ -83,7 +86,7 @@ def _tune(task: Task, config: TuneConfig, prof: Profile | None, progress: bool,
     space = SearchSpace.build(prof, config.formats, config.grouping, config.couple)
     log(f"search space: {len(space.units)} units over {len(prof.layers)} layers x "
         f"{len(config.formats)} formats")
-    for line in space.pruned_summary():
+    for line in [*space.split_summary(), *space.pruned_summary()]:
         log(line)
     ev = Evaluator(task, task.batches[-n_holdout:], prof=prof, target=config.target,
                    timing=config.timing)
@@ -133,9 +136,13 @@ def _open_study(task: Task, config: TuneConfig, log: Callable[[str], None]) -> o
                "groups": str(config.grouping), **identity}
         if config.couple:
             key["couple"] = [list(c) for c in config.couple]
+        if config.sensitivity != "auto":  # the profile stored in the study depends on it
+            key["sensitivity"] = config.sensitivity
+        if config.max_memory is not None:  # feasibility depends on it
+            key["max_memory"] = config.max_memory
         key = json.dumps(key, sort_keys=True)
         name = f"{task.name}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
-    others = [s.study_name for s in storage.get_all_studies()]
+    others = [s.study_name for s in storage.get_all_studies() if not unit_studies(s.study_name)]
     sampler = optuna.samplers.TPESampler(seed=config.seed, multivariate=True,
                                          n_startup_trials=8)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -168,12 +175,23 @@ def _stored_profile(study: optuna.Study, task: Task, config: TuneConfig, prof: P
         log(f"reusing the profile stored in study {study.study_name}")
     if prof is None:
         log(f"profiling {task.name} ({', '.join(f.value for f in config.formats)}"
-            f"{', target ' + config.target if config.target else ''})")
+            f"{', target ' + config.target if config.target else ''}; sensitivity "
+            f"{config.sensitivity}), shared with any worker on study {study.study_name}")
+        # the units of the profile are claimed through the storage, so workers started on the
+        # same study split them (a killed worker's unit is redone once its lease runs out)
+        share = SharedUnits(study._storage, study.study_name, worker=_worker_name(),
+                            progress=progress)
         prof = run_profile(task, formats=config.formats, target=config.target, batches=batches,
-                           progress=progress)
+                           progress=progress, sensitivity=config.sensitivity,
+                           budget=config.budget, share=share)
+        log(prof.sensitivity_summary())
     if "profile" not in study.user_attrs:
         study.set_user_attr("profile", json.dumps(prof.to_dict()))
     return prof
+
+
+def _worker_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def _enqueue_warm_starts(study: optuna.Study, prof: Profile, space: SearchSpace,
@@ -207,14 +225,32 @@ class _Objective:
 
     def __init__(self, ev: Evaluator, space: SearchSpace, config: TuneConfig,
                  log: Callable[[str], None]):
+        from autoprec.memory import format_size, memory_model
+
         self.ev, self.space, self.config, self.log = ev, space, config, log
+        # every trial's predicted peak memory (reported; a constraint under max_memory)
+        self.memory = memory_model(ev.task, ev.prof)
+        self.memory_start = memory_warm_start(self.memory, space)
+        limit = config.max_memory
+        if limit is not None and self.memory_start[2] > limit:
+            raise ValueError(f"No policy fits --max-memory {format_size(limit)}: the smallest "
+                             f"predicted peak training memory is "
+                             f"{format_size(self.memory_start[2])} ({self.memory_start[2]} bytes); "
+                             "raise the budget, allow more formats, or use smaller batches.")
+        log(f"peak training memory: fp32 {format_size(self.memory.predict(_FP32_POLICY))}, "
+            f"smallest predicted {format_size(self.memory_start[2])}")
 
     def __call__(self, trial: optuna.Trial) -> tuple[float, float]:
+        if self.config.max_memory is not None and self.memory_start is not None:
+            # the policy predicted smallest, so a search under a tight budget has a start
+            trial.study.enqueue_trial(self.memory_start[1],
+                                      user_attrs={"origin": self.memory_start[0]})
+            self.memory_start = None
         choice = {u: trial.suggest_categorical(u, c) for u, c in self.space.choices.items()}
         old = _earlier(trial.study, choice)
         if old is not None:
             # The sampler proposed a policy already measured: reuse it instead of re-running.
-            for key in ("constraints", "grad_error", "finite", "speedup", "predicted"):
+            for key in ("constraints", "grad_error", "finite", "speedup", "predicted", "memory"):
                 trial.set_user_attr(key, old.user_attrs.get(key))
             _set_constraints(trial, old.user_attrs.get("constraints"))
             trial.set_user_attr("origin", f"repeat of {old.number}")
@@ -232,17 +268,21 @@ class _Objective:
         else:
             li, ge, sec = _PENALTY, _PENALTY, self.ev.fp32_seconds * 10
             speedup, predicted = Interval(0.1, 0.1, 0.1, 0), None
+        mem, limit = self.memory.predict(policy), self.config.max_memory
         cons = (li - budget.max_loss_increase,
-                (ge - budget.max_grad_error) if budget.max_grad_error is not None else -1.0)
+                (ge - budget.max_grad_error) if budget.max_grad_error is not None else -1.0,
+                (mem - limit) / limit if limit is not None else -1.0)
         for key, value in (("constraints", cons), ("grad_error", ge), ("finite", finite),
-                           ("speedup", speedup.to_dict()), ("predicted", predicted)):
+                           ("speedup", speedup.to_dict()), ("predicted", predicted),
+                           ("memory", mem)):
             trial.set_user_attr(key, value)
         _set_constraints(trial, cons)
         origin = trial.user_attrs.get("origin", "search")
         trial.set_user_attr("origin", origin)
         feasible = finite and all(c <= 0 for c in cons)
         self.log(f"trial {trial.number:3d}  {speedup}  loss {li:+.3%}  grad err {ge:.3g}  "
-                 f"{'ok' if feasible else 'over budget'}  [{origin}]")
+                 f"memory {mem / 2**20:.1f} MiB  {'ok' if feasible else 'over budget'}  "
+                 f"[{origin}]")
         return sec, li
 
 
@@ -257,6 +297,8 @@ def _set_constraints(trial: optuna.Trial, cons) -> None:
     if cons is not None:
         trial.set_constraint("loss_increase", float(cons[0]))
         trial.set_constraint("grad_error", float(cons[1]))
+        if len(cons) > 2:  # studies from before the memory constraint have two
+            trial.set_constraint("memory", float(cons[2]))
 
 
 class _Stop:
@@ -357,7 +399,8 @@ def _trial_result(t: optuna.trial.FrozenTrial, fp32_seconds: float) -> TrialResu
         Interval(fp32_seconds / sec, fp32_seconds / sec, fp32_seconds / sec, 0)
     return TrialResult(t.number, dict(t.params), sec, speedup, li, ge,
                        finite and all(c <= 0 for c in cons), finite,
-                       t.user_attrs.get("origin", "search"), t.user_attrs.get("predicted"))
+                       t.user_attrs.get("origin", "search"), t.user_attrs.get("predicted"),
+                       t.user_attrs.get("memory"))
 
 
 # ------------------------------------------------------------------------- the verdict
