@@ -121,3 +121,30 @@ def test_estimates_round_trip_and_older_records_read_as_measured(gpt2, gpt2_batc
     with pytest.raises(ValueError, match="sensitivity mode 'quick'"):
         measure_sensitivity(gpt2, ["lm_head"], ["bf16"], batches=[gpt2_batch], mode="quick")
     assert math.isfinite(rec.loss_rel_change)
+
+
+def test_profile_records_estimated_and_measured_numbers_and_show_says_so(tmp_path, capsys):
+    from tasks import overflow_gpt2_task
+
+    from autoprec.cli import main
+    from autoprec.policy import Policy
+    from autoprec.profiling import Profile, profile
+
+    prof = profile(overflow_gpt2_task(), formats=("fp32", "bf16", "fp16"), target="h100",
+                   progress=False)
+    assert prof.sensitivity_mode == "auto"
+    planted = prof.layer("transformer.h.1.mlp.c_proj")
+    assert planted.source(F16) == "measured" and F16 in planted.exact_why
+    assert F16 in planted.estimated_loss  # the estimate the measurement replaced
+    others = [lp for lp in prof.layers if lp.fqn != planted.fqn]
+    assert all(lp.source(Format.BF16) == "estimated" for lp in others)
+    path = tmp_path / "p.profile.json"
+    prof.save(path)
+    again = Profile.load(path)
+    assert again.layer(planted.fqn).exact_why == planted.exact_why
+    pol = tmp_path / "p.yaml"
+    Policy(default=Format.BF16).save(pol)
+    assert main(["show", str(pol), "--profile", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "bf16 est" in out and "fp16 meas (" in out, out
+    assert "sensitivity (auto):" in out and "measured exactly" in out, out
