@@ -23,6 +23,7 @@ import logging
 import warnings
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from autoprec.formats import Format, Support, supported_formats
@@ -76,6 +77,20 @@ def engine_for(module: nn.Module, fmt: Format, engine: str) -> str:
         return "autoprec"
     if module.in_features % KERNEL_MULTIPLE or module.out_features % KERNEL_MULTIPLE:
         return "autoprec"
+    if _sharded(module):
+        # FSDP2 keeps a reference to the module that owns each sharded parameter and
+        # all-gathers into it; a Float8Linear swapped in after fully_shard would multiply the
+        # sharded DTensor weight (a mixed Tensor/DTensor error)
+        if engine == "torchao":
+            raise RuntimeError(
+                "The policy asks for the torchao engine (fp8: {engine: torchao}) but the model "
+                "is already sharded (fully_shard): torchao's Float8Linear must be swapped in "
+                "first. Apply the policy before fully_shard, or use engine auto or autoprec.")
+        warnings.warn(
+            "Policy applied after fully_shard: its fp8 nn.Linear layers run on autoprec's FP8 "
+            "engine (the same numbers), not torchao's Float8Linear, which must be swapped in "
+            "before sharding. Apply the policy before fully_shard to use torchao.", stacklevel=5)
+        return "autoprec"
     if torchao_available():
         return "torchao"
     if engine == "torchao":
@@ -83,6 +98,17 @@ def engine_for(module: nn.Module, fmt: Format, engine: str) -> str:
                            "torchao is not installed: pip install 'autoprec[torchao]', or set "
                            "the engine to auto or autoprec.")
     return "autoprec"
+
+
+def _sharded(module: nn.Module) -> bool:
+    """Whether ``module``'s weight is already a DTensor (FSDP2's fully_shard, or tensor
+    parallelism)."""
+    weight = getattr(module, "weight", None)
+    if weight is None or not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(weight, DTensor)
 
 
 @dataclass
@@ -127,5 +153,14 @@ def swap_to_torchao(model: nn.Module, targets: dict[str, Format]) -> list[Swap]:
 
 def restore(swaps: list[Swap]) -> None:
     """Put back the modules torchao replaced (in reverse order)."""
+    for swap in swaps:
+        # fully_shard after the swap gave the Float8Linear sharded parameters the original
+        # Linear never sees: put back, it would run its stale weight and train nothing
+        if _sharded(swap.replacement) and \
+                getattr(swap.original, "weight", None) is not swap.replacement.weight:
+            raise RuntimeError(
+                "Cannot remove or re-apply a policy whose fp8 layers run on torchao's "
+                "Float8Linear after the model was sharded (fully_shard): apply the final policy "
+                "once before fully_shard, or use engine autoprec to change it later.")
     for swap in reversed(swaps):
         setattr(swap.parent, swap.name, swap.original)
