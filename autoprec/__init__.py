@@ -65,6 +65,8 @@ __all__ = [
     "get_guard",
     "training_kit",
     "PolicyCallback",
+    # export
+    "export",
 ]
 
 _LAZY = {
@@ -76,6 +78,7 @@ _LAZY = {
     "validate": "autoprec.validation", "ValidationResult": "autoprec.validation",
     "training_kit": "autoprec.runtime.integrations",
     "PolicyCallback": "autoprec.runtime.integrations",
+    "export": "autoprec.exporting",
 }
 
 
