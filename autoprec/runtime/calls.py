@@ -78,7 +78,9 @@ Shape = Sequence[int]
 
 
 def _prod(xs) -> int:
-    return math.prod(int(x) for x in xs)
+    # a list, not a generator: torch.compile cannot trace a generator passed to a builtin and
+    # broke the graph at every fp8 matmul
+    return math.prod([int(x) for x in xs])
 
 
 def _shape(value: Any) -> tuple[int, ...] | None:

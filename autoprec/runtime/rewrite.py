@@ -62,6 +62,7 @@ __all__ = ["apply", "remove", "applied_formats", "applied_policy", "regions", "R
 _REGIONS_ATTR = "_autoprec_regions"
 _SWAPS_ATTR = "_autoprec_swaps"
 _POLICY_ATTR = "_autoprec_policy"
+_REENTRY_ATTR = "_autoprec_reentry"
 _tls = threading.local()
 
 
@@ -197,11 +198,30 @@ class Region:
         return f"<autoprec region {self.format.value}{engine} around {self.fqn or 'root'}>"
 
 
+class _Reentry(Region):
+    """The forward of a module inside an fp8 region that has no region of its own.
+
+    Activation checkpointing recomputes a module's forward during backward, outside the region
+    that enclosed it in the forward pass: ``torch.utils.checkpoint`` restores the autocast
+    state but not the format stack nor the FP8 router, so the recomputed matmuls would run in
+    bf16 (a CheckpointError without reentrant, silently different gradients with it). HF's
+    ``gradient_checkpointing_enable`` checkpoints a layer's class forward, inside the
+    instance forward a region replaces, so even a layer's own region is not re-entered. In the
+    forward pass the stack already says this format and this is a pass-through; in a
+    recomputation it opens the region again.
+    """
+
+    def __call__(self, *args, **kwargs):
+        if current_format() is self.format:
+            return self.orig(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+
 def _install(module: nn.Module, fmt: Format, fqn: str, cast_out: bool,
-             engine: str = "autoprec") -> Region:
+             engine: str = "autoprec", kind: type[Region] = Region) -> Region:
     had_own = "forward" in module.__dict__
     orig = module.__dict__["forward"] if had_own else module.forward
-    region = Region(module, orig, fmt, fqn, cast_out=cast_out, had_own=had_own, engine=engine)
+    region = kind(module, orig, fmt, fqn, cast_out=cast_out, had_own=had_own, engine=engine)
     module.forward = region
     return region
 
@@ -260,9 +280,20 @@ def apply(model: nn.Module, policy: Policy | str | os.PathLike, *,
                                   and own is not Format.FP32,
                                   engine="torchao" if fqn in torchao else "autoprec"))
     model.__dict__[_REGIONS_ATTR] = installed
+    model.__dict__[_REENTRY_ATTR] = _install_reentry(model, policy, installed)
     model.__dict__[_SWAPS_ATTR] = swaps
     model.__dict__[_POLICY_ATTR] = policy
     return model
+
+
+def _install_reentry(model: nn.Module, policy: Policy, installed: list[Region]) -> list[Region]:
+    """A :class:`_Reentry` on every module that inherits an fp8 format, so that a checkpointed
+    recomputation entering at any of them computes in fp8 again; not listed by
+    :func:`regions` (they change no format)."""
+    own = {id(region.module) for region in installed}
+    return [_install(module, fmt, fqn, cast_out=False, kind=_Reentry)
+            for fqn, module in model.named_modules()
+            if fqn and id(module) not in own and (fmt := policy.format_for(fqn)).is_fp8]
 
 
 def remove(model: nn.Module) -> nn.Module:
@@ -271,13 +302,15 @@ def remove(model: nn.Module) -> nn.Module:
 
 
 def _remove_regions(model: nn.Module) -> nn.Module:
-    for region in reversed(model.__dict__.get(_REGIONS_ATTR) or []):
+    # swaps first: restore refuses (sharded since) before anything has changed
+    engines.restore(model.__dict__.get(_SWAPS_ATTR) or [])
+    for region in reversed([*(model.__dict__.get(_REGIONS_ATTR) or []),
+                            *(model.__dict__.get(_REENTRY_ATTR) or [])]):
         if region.had_own:
             region.module.forward = region.orig
         else:
             region.module.__dict__.pop("forward", None)
-    engines.restore(model.__dict__.get(_SWAPS_ATTR) or [])
-    for key in (_REGIONS_ATTR, _SWAPS_ATTR, _POLICY_ATTR):
+    for key in (_REGIONS_ATTR, _REENTRY_ATTR, _SWAPS_ATTR, _POLICY_ATTR):
         model.__dict__.pop(key, None)
     return model
 

@@ -1,0 +1,107 @@
+"""Graph breaks under torch.compile: a policy must compile to as many graphs, with as many
+breaks, as the model without one.
+
+HF GPT-2 (4 layers, 256 wide, batch 4x128) and HF Llama (2 layers, 64 wide), training forward
+and loss, counted with ``torch._dynamo.explain`` (dynamo's tracing only; no kernels are
+compiled, so the counts do not depend on the machine), for no policy, all-bf16, bf16 with fp32
+layers, and fp8-containing policies on both FP8 engines; each with and without the runtime
+guard (``autoprec.apply(..., guard=True)``), and with HF activation checkpointing
+(``gradient_checkpointing_enable``, non-reentrant).
+
+Compiled step-time ratios against ``torch.autocast`` are benchmarks/bench_apply.py's.
+
+    python benchmarks/bench_compile.py [--no-guard] [--no-checkpointing]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+
+import _common  # noqa: F401  (sets up sys.path)
+import torch
+from _common import device_line, print_table
+
+import autoprec
+from autoprec import Policy
+from examples import gpt2_bytes, llama_bytes
+from examples.data import byte_batches
+
+POLICIES = {
+    "gpt2": {
+        "no policy": None,
+        "all-bf16": Policy(default="bf16"),
+        "bf16 + fp32 head, h.0.mlp": Policy(default="bf16", layers={
+            "transformer.h.0.mlp": "fp32", "lm_head": "fp32"}),
+        "bf16 + fp8 mlp/attn + fp32": Policy(default="bf16", layers={
+            "transformer.h.*.mlp": "fp8", "transformer.h.1.attn": "fp8:rowwise",
+            "transformer.h.0.mlp.c_proj": "fp32", "lm_head": "fp32"}),
+        "fp8 default + bf16 + fp32": Policy(default="fp8", layers={
+            "transformer.h.1": "bf16", "transformer.h.0.mlp.c_proj": "fp32",
+            "lm_head": "fp32"}),
+    },
+    "llama": {
+        "no policy": None,
+        "bf16 + fp8 mlp (autoprec) + fp32": Policy(default="bf16", fp8_engine="autoprec", layers={
+            "model.layers.*.mlp.*": "fp8", "lm_head": "fp32"}),
+        "bf16 + fp8 mlp (torchao) + fp32": Policy(default="bf16", fp8_engine="torchao", layers={
+            "model.layers.*.mlp.*": "fp8", "lm_head": "fp32"}),
+    },
+}
+
+
+def make(name: str):
+    torch.manual_seed(0)
+    if name == "gpt2":
+        return gpt2_bytes.make_model(n_layer=4, n_embd=256, n_head=4, seq_len=128).train()
+    return llama_bytes.make_model(2, 64, 128, 4, 2, seq_len=128).train()
+
+
+def counts(name: str, policy, *, guard: bool, checkpointing: bool) -> tuple[int, int, float]:
+    model = make(name)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if policy is not None:
+        autoprec.apply(model, policy, guard=guard)
+    batch = byte_batches(1, 4, 128, seed=0)[0]
+    torch._dynamo.reset()
+    t0 = time.perf_counter()
+    explained = torch._dynamo.explain(lambda b: model(**b).loss)(batch)
+    return explained.graph_count, explained.graph_break_count, time.perf_counter() - t0
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--no-guard", action="store_true")
+    ap.add_argument("--no-checkpointing", action="store_true")
+    args = ap.parse_args()
+    warnings.simplefilter("ignore")  # fp8 emulated on CPU, HF deprecations: not the subject
+    print(device_line())
+    setups = [(False, False)] + ([] if args.no_guard else [(True, False)]) + \
+        ([] if args.no_checkpointing else [(False, True)])
+    rows, bases = [], {}
+    for name, policies in POLICIES.items():
+        for guard, ckpt in setups:
+            if ckpt and name != "gpt2":
+                continue
+            for label, policy in policies.items():
+                if policy is None and guard:
+                    continue  # the guard needs a policy; the no-policy row is the anchor
+                g, b, secs = counts(name, policy, guard=guard, checkpointing=ckpt)
+                if policy is None:
+                    bases[name, ckpt] = (g, b)
+                base = bases.get((name, ckpt))
+                setup = "+".join(s for s, on in (("guard", guard), ("checkpointing", ckpt))
+                                 if on) or "-"
+                same = "" if base is None or policy is None else (
+                    "same" if (g, b) == base else f"MORE (no policy: {base[0]}/{base[1]})")
+                rows.append([name, setup, label, str(g), str(b), same, f"{secs:.0f} s"])
+                print(*rows[-1], sep="  |  ", flush=True)
+    print()
+    print_table(rows, ["model", "with", "policy", "graphs", "breaks", "vs no policy",
+                       "trace time"])
+
+
+if __name__ == "__main__":
+    main()
