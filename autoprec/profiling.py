@@ -11,6 +11,7 @@ by the search (its integer program treats it as additive) and by ``autoprec show
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -450,10 +451,14 @@ class _Context:
             chosen = _at_production_shapes(model, task.model_call(model, task.shape_batch),
                                            [L.fqn for L in chosen])
         calib = list(batches) if batches is not None else list(task.batches[:n_batches])
-        return cls(task, fmts, target, model, example, graph, chosen, calib, progress)
+        # every unit's sensitivity copies this model instead of building a fresh one (a
+        # seconds-long init on a large model, once per unit)
+        copying = copy.copy(task)
+        copying.model = model
+        return cls(copying, fmts, target, model, example, graph, chosen, calib, progress)
 
     def release(self) -> None:
-        self.model = self.example = None
+        self.model = self.example = self.task = None
 
 
 def _profile_unit(ctx: _Context, fqns: list[str], *, repeats: int, budget_s: float, mode: str,
