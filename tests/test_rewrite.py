@@ -180,6 +180,25 @@ def test_gpt2_each_layer_computes_in_its_format(gpt2, gpt2_batch):
     assert all(p.grad.dtype == torch.float32 for p in gpt2.parameters() if p.grad is not None)
 
 
+@pytest.mark.parametrize("outer,inner", [("fp16", "bf16"), ("bf16", "fp16"), ("fp8", "fp16")])
+def test_a_16_bit_region_inside_the_other_16_bit_dtype_trains(outer, inner, gpt2_batch):
+    # Llama's attention in one 16-bit dtype with q/k projections in the other: rotary's
+    # torch.cat promotes under autocast and rejected the other dtype ("Unexpected floating
+    # ScalarType in at::autocast::prioritize"); an Optuna search proposed exactly this.
+    model = tiny_llama()
+    policy = Policy(default=Format.FP32, layers={"model.layers.*.self_attn": outer,
+                                                 "model.layers.*.self_attn.q_proj": inner,
+                                                 "model.layers.*.self_attn.k_proj": inner})
+    autoprec.apply(model, policy)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*can only emulate.*")
+        loss = model(**gpt2_batch).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
+
+
 def test_minilm_each_layer_computes_in_its_format(minilm_model, minilm_batch):
     policy = Policy(default="fp32", layers={
         "bert.encoder.layer.*.intermediate.dense": "fp8",

@@ -153,8 +153,7 @@ class Region:
         self.format = fmt
         self.fqn = fqn
         self.module = module
-        # Inside an fp32 region autocast is off, so a bf16 output reaching an fp32 op would be
-        # a dtype error: a low-precision region nested in fp32 hands back FP32 tensors.
+        # Hand back FP32 tensors (see _casts_out: nested in fp32, or in the other 16-bit dtype)
         self.cast_out = cast_out
         # Whether the module had an instance forward of its own before (restored by remove).
         self.had_own = had_own
@@ -217,6 +216,16 @@ class _Reentry(Region):
         return super().__call__(*args, **kwargs)
 
 
+def _casts_out(own: Format, inherited: Format | None) -> bool:
+    """Whether a region hands back FP32: when nested in fp32 (autocast off there: a bf16
+    tensor reaching an fp32 op is a dtype error) or in a region of the other 16-bit dtype
+    (autocast's promoting ops, ``cat`` in a rotary embedding, reject a bf16 tensor inside an
+    fp16 region and vice versa)."""
+    if inherited is None or own is Format.FP32:
+        return False
+    return inherited is Format.FP32 or inherited.autocast_dtype != own.autocast_dtype
+
+
 def _install(module: nn.Module, fmt: Format, fqn: str, cast_out: bool,
              engine: str = "autoprec", kind: type[Region] = Region) -> Region:
     had_own = "forward" in module.__dict__
@@ -276,8 +285,7 @@ def apply(model: nn.Module, policy: Policy | str | os.PathLike, *,
         inherited = None if fqn == "" else policy.format_for(fqn.rpartition(".")[0])
         if own is inherited and fqn not in torchao:
             continue  # same format as the enclosing region: a region would only cost time
-        installed.append(_install(module, own, fqn, cast_out=inherited is Format.FP32
-                                  and own is not Format.FP32,
+        installed.append(_install(module, own, fqn, cast_out=_casts_out(own, inherited),
                                   engine="torchao" if fqn in torchao else "autoprec"))
     model.__dict__[_REGIONS_ATTR] = installed
     model.__dict__[_REENTRY_ATTR] = _install_reentry(model, policy, installed)
