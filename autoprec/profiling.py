@@ -26,7 +26,14 @@ import torch
 
 from autoprec._util import ProgressBar, check_schema, log, read_json, text_table, write_json
 from autoprec.costmodel import estimate_layer, estimate_step
-from autoprec.formats import FORMAT_ORDER, Format, device_name, expand_formats
+from autoprec.formats import (
+    FORMAT_ORDER,
+    Format,
+    Support,
+    device_name,
+    expand_formats,
+    supported_formats,
+)
 from autoprec.measure.capture import Layer, LayerGraph, capture
 from autoprec.measure.sensitivity import (
     SENSITIVITY_MODES,
@@ -469,9 +476,7 @@ def _profile_unit(ctx: _Context, fqns: list[str], *, repeats: int, budget_s: flo
     fmts, layer_of = ctx.fmts, {L.fqn: L for L in ctx.chosen}
     chosen = [layer_of[f] for f in fqns]
     if ctx.target is None:
-        log(f"timing {len(fqns)} layers x {len(fmts)} formats", ctx.progress)
-        times = _own_times(measure_layers(ctx.model, ctx.example, fqns, fmts, repeats=repeats,
-                                          budget_s=budget_s), fqns)
+        times = _measured_times(ctx, fqns, repeats, budget_s)
     else:
         # without the casts in and out of each layer: the search prices the step with the
         # graph's edges, where a cast is paid only between layers of different dtypes
@@ -490,6 +495,26 @@ def _profile_unit(ctx: _Context, fqns: list[str], *, repeats: int, budget_s: flo
                          estimated_loss={f: e for f, (_, e) in why.get(L.fqn, {}).items()})
             for L in chosen]
     return [r.to_dict() for r in rows]
+
+
+def _measured_times(ctx: _Context, fqns: list[str], repeats: int, budget_s: float):
+    """Each layer's time in each format the device runs natively; a format it only emulates
+    (FP8 on CPU) is not timed: it is never faster than fp32 there, so its time is fp32's (the
+    floor measure_layers would report too) and timing it would only cost seconds per layer."""
+    support = supported_formats(ctx.task.device)
+    native = [f for f in ctx.fmts if support[f] is Support.NATIVE]
+    log(f"timing {len(fqns)} layers x {len(native)} formats", ctx.progress)
+    times = _own_times(measure_layers(ctx.model, ctx.example, fqns, native, repeats=repeats,
+                                      budget_s=budget_s), fqns)
+    for fqn in fqns:
+        t32 = times[fqn].get(Format.FP32)
+        for fmt in ctx.fmts:
+            if fmt not in native and t32 is not None:
+                times[fqn][fmt] = LayerTime(
+                    fqn, fmt, t32.seconds, math.nan, math.nan, emulated=True,
+                    note=f"{fmt} only emulated on {ctx.task.device}: not timed, never faster "
+                         "than fp32 (its time is fp32's)")
+    return times
 
 
 def _encode(x: float) -> float | str:
