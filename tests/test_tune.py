@@ -185,8 +185,12 @@ def _two_workers(tmp_path, storage, name, n_trials=16):
     warm = [t.user_attrs.get("origin") for t in trials
             if str(t.user_attrs.get("origin", "")).startswith("warm")]
     assert len(warm) == len(set(warm)), f"warm starts enqueued twice: {warm}"
-    # both workers really worked on the one study
-    assert all("trial" in e for _, e in outs)
+    # both workers really worked on the one study: trials, or units of the shared profile
+    # (a worker that profiled may find the trials all taken by the other, priced ones are fast)
+    assert all("trial" in e or "profile: unit" in e for _, e in outs), \
+        [e[-1500:] for _, e in outs]
+    units = json.loads(study.user_attrs["profile"])["units"]
+    assert sum(u["tries"] for u in units) == len(units), units  # each unit done once
     return study
 
 
