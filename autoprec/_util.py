@@ -9,6 +9,7 @@ import contextlib
 import json
 import math
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -253,3 +254,33 @@ class ProgressBar:
 
 
 ProgressFn = Callable[[int, int, str], None]
+
+
+_NONFINITE_NAMES = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+
+def encode_float(value: Any) -> Any:
+    """A float for JSON: inf and NaN become "inf", "-inf", "nan" (JSON has no literal for
+    them, and ``json.dumps(allow_nan=False)`` must accept the result); anything else as is."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value
+
+
+def decode_float(value: Any, what: str) -> Any:
+    """Inverse of :func:`encode_float` for a field of a ``what`` record (None and bools pass
+    through); an unknown string is a ValueError naming it."""
+    if isinstance(value, str):
+        try:
+            return _NONFINITE_NAMES[value.strip().lower()]
+        except KeyError:
+            raise ValueError(f"Expected a number or one of 'inf', '-inf', 'nan' in a "
+                             f"{what}, got the string {value!r}.") from None
+    if value is None or isinstance(value, bool):
+        return value
+    return float(value)
+
+
+def worker_id() -> str:
+    """This process, as shared work records who did it: ``host:pid``."""
+    return f"{socket.gethostname()}:{os.getpid()}"

@@ -335,6 +335,7 @@ def _tune_parser(sub, fmts: dict, target: dict, sens: dict) -> None:
 def _parser() -> argparse.ArgumentParser:
     from autoprec.costmodel import DEVICES
     from autoprec.formats import FP8_RECIPES
+    from autoprec.measure.sensitivity import SENSITIVITY_MODES
 
     ap = argparse.ArgumentParser(prog="autoprec", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -347,7 +348,7 @@ def _parser() -> argparse.ArgumentParser:
                   help="price speed with the cost model of this device instead of measuring "
                        f"here: {', '.join(DEVICES)}")
 
-    sens = dict(choices=["auto", "fast", "exact"], default="auto",
+    sens = dict(choices=list(SENSITIVITY_MODES), default="auto",
                 help="how each layer x format's sensitivity is obtained: auto (default: "
                      "first-order estimates from one reference pass, those near the budget or "
                      "doubtful measured exactly), fast (estimates only), exact (all measured)")

@@ -15,8 +15,6 @@ import copy
 import dataclasses
 import functools
 import math
-import os
-import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +22,17 @@ from typing import Any
 
 import torch
 
-from autoprec._util import ProgressBar, check_schema, log, read_json, text_table, write_json
+from autoprec._util import (
+    ProgressBar,
+    check_schema,
+    decode_float,
+    encode_float,
+    log,
+    read_json,
+    text_table,
+    worker_id,
+    write_json,
+)
 from autoprec.costmodel import estimate_layer, estimate_step
 from autoprec.formats import (
     FORMAT_ORDER,
@@ -36,8 +44,8 @@ from autoprec.formats import (
 )
 from autoprec.measure.capture import Layer, LayerGraph, capture
 from autoprec.measure.sensitivity import (
-    SENSITIVITY_MODES,
     LayerSensitivity,
+    check_sensitivity_mode,
     measure_sensitivity,
 )
 from autoprec.measure.timing import LayerTime, measure_layers
@@ -87,7 +95,8 @@ class LayerProfile:
                 "times": {f.value: t.to_dict() for f, t in self.times.items()},
                 "skipped": {f.value: why for f, why in self.skipped.items()},
                 "exact_why": {f.value: why for f, why in self.exact_why.items()},
-                "estimated_loss": {f.value: _encode(v) for f, v in self.estimated_loss.items()}}
+                "estimated_loss": {f.value: encode_float(v)
+                                   for f, v in self.estimated_loss.items()}}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LayerProfile:
@@ -97,7 +106,7 @@ class LayerProfile:
                    times={Format(k): LayerTime.from_dict(v) for k, v in d["times"].items()},
                    skipped={Format(k): str(v) for k, v in d.get("skipped", {}).items()},
                    exact_why={Format(k): str(v) for k, v in d.get("exact_why", {}).items()},
-                   estimated_loss={Format(k): _decode(v)
+                   estimated_loss={Format(k): decode_float(v, "profile layer")
                                    for k, v in d.get("estimated_loss", {}).items()})
 
     def source(self, fmt: Format) -> str:
@@ -375,9 +384,7 @@ def profile(task, formats: Sequence[Format | str] = ("fp32", "bf16", "fp16", "fp
     for name, value in (("n_batches", n_batches), ("repeats", repeats)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"profile({name}=...) must be a positive integer, got {value!r}.")
-    if sensitivity not in SENSITIVITY_MODES:
-        raise ValueError(f"Unknown sensitivity mode {sensitivity!r}; expected one of "
-                         f"{', '.join(SENSITIVITY_MODES)}.")
+    check_sensitivity_mode(sensitivity)  # before any model is built
     if target is not None:
         from autoprec.costmodel import resolve_target
 
@@ -391,7 +398,7 @@ def profile(task, formats: Sequence[Format | str] = ("fp32", "bf16", "fp16", "fp
                              mode=sensitivity, budget=budget or Budget())
     fqns = [L.fqn for L in ctx.chosen]
     if share is None:
-        rows, units = work(fqns), [{"layers": len(fqns), "by": _worker(), "tries": 1}]
+        rows, units = work(fqns), [{"layers": len(fqns), "by": worker_id(), "tries": 1}]
     else:
         rows, units = share(split_units(fqns), work)
     ctx.release()
@@ -409,10 +416,6 @@ def profile(task, formats: Sequence[Format | str] = ("fp32", "bf16", "fp16", "fp
 # A UnitRunner: (units of layer fqns, work on one unit -> its rows) -> (all rows, who did what)
 UnitRunner = Callable[[list[list[str]], Callable[[list[str]], list[dict]]],
                       tuple[list[dict], list[dict]]]
-
-
-def _worker() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def split_units(fqns: Sequence[str], n: int = 8) -> list[list[str]]:
@@ -515,14 +518,6 @@ def _measured_times(ctx: _Context, fqns: list[str], repeats: int, budget_s: floa
                     note=f"{fmt} only emulated on {ctx.task.device}: not timed, never faster "
                          "than fp32 (its time is fp32's)")
     return times
-
-
-def _encode(x: float) -> float | str:
-    return x if math.isfinite(x) else str(x)
-
-
-def _decode(x: float | str) -> float:
-    return float(x)
 
 
 def _or_inf(x: float) -> float:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 import autoprec
 from examples.data import byte_batches
 
@@ -63,6 +65,15 @@ def gpu_task(n_layer: int = 4, n_embd: int = 1024, batch_size: int = 8,
         train_batches=lambda n, seed: byte_batches(n, calib_batch, calib_len, seed=seed),
         eval_batches=byte_batches(2, calib_batch, calib_len, seed=10_000, skip=3_000_000),
     )
+
+
+def model_and_policy(args: argparse.Namespace):
+    """The model (seeded) and the policy a training example's parsed ``training_arg_parser``
+    arguments name."""
+    torch.manual_seed(0)
+    model = make_model(n_layer=args.layers, n_embd=args.width, n_head=max(1, args.width // 64),
+                       seq_len=args.seq_len)
+    return model, autoprec.load_policy(args.policy)
 
 
 def training_arg_parser(description: str | None, *, policy: str, steps: int,

@@ -21,11 +21,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import autoprec  # noqa: E402
 from autoprec.runtime.guard import GuardConfig  # noqa: E402
 from autoprec.runtime.integrations import training_kit  # noqa: E402
 from examples.data import byte_batches  # noqa: E402
-from examples.gpt2_bytes import make_model, training_arg_parser  # noqa: E402
+from examples.gpt2_bytes import model_and_policy, training_arg_parser  # noqa: E402
 
 
 def train(model, policy, batches, *, steps: int, lr: float = 1e-3, guard=None,
@@ -77,10 +76,7 @@ def main(argv=None):
     ap.add_argument("--amended", default=None, help="write the guard's amended policy here")
     args = ap.parse_args(argv)
 
-    torch.manual_seed(0)
-    model = make_model(n_layer=args.layers, n_embd=args.width, n_head=max(1, args.width // 64),
-                       seq_len=args.seq_len)
-    policy = autoprec.load_policy(args.policy)
+    model, policy = model_and_policy(args)
     guard = GuardConfig(save_to=args.amended) if args.guard else None
     batches = byte_batches(8, args.batch_size, args.seq_len, seed=0)
     out = train(model, policy, batches, steps=args.steps, lr=args.lr, guard=guard,

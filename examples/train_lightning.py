@@ -27,10 +27,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import autoprec  # noqa: E402
 from autoprec.runtime.guard import GuardConfig  # noqa: E402
 from examples.data import byte_batches  # noqa: E402
-from examples.gpt2_bytes import make_model, training_arg_parser  # noqa: E402
+from examples.gpt2_bytes import model_and_policy, training_arg_parser  # noqa: E402
 from examples.train_plain import PLANT_LAYER, plant_overflow  # noqa: E402
 
 
@@ -99,10 +98,7 @@ def main(argv=None):
     ap.add_argument("--plant-overflow", type=int, default=None, metavar="STEP")
     args = ap.parse_args(argv)
 
-    torch.manual_seed(0)
-    model = make_model(n_layer=args.layers, n_embd=args.width, n_head=max(1, args.width // 64),
-                       seq_len=args.seq_len)
-    policy = autoprec.load_policy(args.policy)
+    model, policy = model_and_policy(args)
     if args.plant_overflow is not None:
         policy = policy.with_layers({PLANT_LAYER: "fp16"})
     guard = GuardConfig() if args.guard else None

@@ -188,14 +188,18 @@ class _Watch:
 
 
 class _Estimator:
-    def __init__(self, numerics: Numerics, watches: dict, loss_scale: float):
+    """The state the watches share: whether the reference forward is being recorded, which
+    batch, the order parameters are first used in, and the local re-runs."""
+
+    def __init__(self, numerics: Numerics, loss_scale: float,
+                 progress: Callable[[str], None] | None):
         self.numerics = numerics
         self.loss_scale = loss_scale
+        self.progress = progress
         self.capturing = False
         self.batch = 0
         self.seen: list[int] = []
-        self.watches: dict[str, _Watch] = watches
-        self.progress: Callable[[str], None] | None = None
+        self.watches: dict[str, _Watch] = {}
 
     # ------------------------------------------------------------------ first use of params
     def track_first_use(self, model: nn.Module) -> list:
@@ -328,8 +332,7 @@ def estimate_during_reference(numerics: Numerics, names: Sequence[str],
     to :meth:`Numerics.reference`; after the block, ``results()`` gives ``{layer: {format:
     Estimate}}`` and the per-batch upstream and total squared gradient norms to finish them."""
     model = numerics.model
-    est = _Estimator(numerics, {}, loss_scale)
-    est.progress = progress
+    est = _Estimator(numerics, loss_scale, progress)
     for name in names:
         ids = {id(numerics.params[i]) for i in own[name]}
         est.watches[name] = _Watch(est, name, model.get_submodule(name), list(pinned[name]),

@@ -60,7 +60,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from autoprec._util import ProgressFn, check_keys, floating, move_to
+from autoprec._util import ProgressFn, check_keys, decode_float, encode_float, floating, move_to
 from autoprec.formats import FP8_E4M3, FP8_E5M2, FP8_FORMATS, Format
 from autoprec.measure.estimate import estimate_during_reference, needs_exact
 from autoprec.measure.numerics import Deviation, Numerics, prepare_for_measurement
@@ -74,6 +74,7 @@ __all__ = [
     "measure_sensitivity",
     "DEFAULT_N_BATCHES",
     "SENSITIVITY_MODES",
+    "check_sensitivity_mode",
 ]
 
 # How the profile gets each layer x format's numbers (see measure_sensitivity).
@@ -178,7 +179,7 @@ class LayerSensitivity:
         literal for them, and ``json.dumps(allow_nan=False)`` must accept the result)."""
         out = asdict(self)
         out["format"] = self.format.value
-        return {k: _encode_float(v) for k, v in out.items()}
+        return {k: encode_float(v) for k, v in out.items()}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> LayerSensitivity:
@@ -187,33 +188,12 @@ class LayerSensitivity:
         # `source` is new in this version: older profiles were all measured
         check_keys(data, "LayerSensitivity", known=names,
                    required=[n for n in names if n != "source"])
-        values = {k: _decode_float(v) if k not in ("layer", "format", "finite", "n_batches",
-                                                    "source")
-                  else v for k, v in data.items()}
+        plain = ("layer", "format", "finite", "n_batches", "source")
+        values = {k: v if k in plain else decode_float(v, "LayerSensitivity")
+                  for k, v in data.items()}
         values["finite"] = bool(values["finite"])
         values["n_batches"] = int(values["n_batches"])
         return cls(**values)
-
-
-_NONFINITE_NAMES = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
-
-
-def _encode_float(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    return value
-
-
-def _decode_float(value: Any) -> Any:
-    if isinstance(value, str):
-        try:
-            return _NONFINITE_NAMES[value.strip().lower()]
-        except KeyError:
-            raise ValueError(f"Expected a number or one of 'inf', '-inf', 'nan' in a "
-                             f"LayerSensitivity, got the string {value!r}.") from None
-    if value is None or isinstance(value, bool):
-        return value
-    return float(value)
 
 
 # ------------------------------------------------------------------------------ range stats
@@ -485,10 +465,15 @@ def _check_options(formats, loss_scale: float, mode: str) -> list[Format]:
     if not (loss_scale >= 1.0 and math.isfinite(loss_scale)):
         raise ValueError(f"loss_scale must be a finite number >= 1 (GradScaler starts at "
                          f"65536), got {loss_scale!r}.")
+    check_sensitivity_mode(mode)
+    return fmts
+
+
+def check_sensitivity_mode(mode: str) -> None:
+    """A mode not in :data:`SENSITIVITY_MODES` is a ValueError that lists them."""
     if mode not in SENSITIVITY_MODES:
         raise ValueError(f"Unknown sensitivity mode {mode!r}; expected one of "
                          f"{', '.join(SENSITIVITY_MODES)}.")
-    return fmts
 
 
 def _estimate_all(numerics, names, todo, pinned, own, range_fmts, subtree, loss_scale,

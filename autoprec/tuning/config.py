@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autoprec.formats import FORMAT_ORDER, Format, expand_formats
+from autoprec.measure.sensitivity import check_sensitivity_mode
 from autoprec.policy import Budget
 
 __all__ = ["TuneConfig", "TimingConfig", "Grouping"]
@@ -141,9 +142,7 @@ class TuneConfig:
                 raise ValueError(f"Unknown grouping {self.grouping!r}; expected one of "
                                  f"{', '.join(g.value for g in Grouping)} or a mapping of "
                                  "unit name -> layer fqns.") from None
-        if self.sensitivity not in ("auto", "fast", "exact"):
-            raise ValueError(f"Unknown sensitivity mode {self.sensitivity!r}; expected one of "
-                             "auto, fast, exact.")
+        check_sensitivity_mode(self.sensitivity)
         _positive_int("n_trials", self.n_trials)
         if self.max_memory is not None:
             _positive_int("max_memory (bytes)", self.max_memory)

@@ -26,7 +26,6 @@ import math
 import os
 import re
 import signal
-import socket
 import sys
 import threading
 import warnings
@@ -37,7 +36,7 @@ from typing import Any
 import optuna
 
 from autoprec._util import log as _log
-from autoprec._util import tensors
+from autoprec._util import tensors, worker_id
 from autoprec.formats import Format, Support, supported_formats
 from autoprec.policy import Interval, Policy, model_fingerprint
 from autoprec.profiling import Profile
@@ -179,7 +178,7 @@ def _stored_profile(study: optuna.Study, task: Task, config: TuneConfig, prof: P
             f"{config.sensitivity}), shared with any worker on study {study.study_name}")
         # the units of the profile are claimed through the storage, so workers started on the
         # same study split them (a killed worker's unit is redone once its lease runs out)
-        share = SharedUnits(study._storage, study.study_name, worker=_worker_name(),
+        share = SharedUnits(study._storage, study.study_name, worker=worker_id(),
                             progress=progress)
         prof = run_profile(task, formats=config.formats, target=config.target, batches=batches,
                            progress=progress, sensitivity=config.sensitivity,
@@ -188,10 +187,6 @@ def _stored_profile(study: optuna.Study, task: Task, config: TuneConfig, prof: P
     if "profile" not in study.user_attrs:
         study.set_user_attr("profile", json.dumps(prof.to_dict()))
     return prof
-
-
-def _worker_name() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def _enqueue_warm_starts(study: optuna.Study, prof: Profile, space: SearchSpace,
