@@ -110,3 +110,17 @@ def _probe_fqns() -> list[str]:
     model = task.build_model()
     graph = capture(model, task.model_call(model, task.example_batch()))
     return [L.fqn for L in graph.layers if L.kind in COMPUTING_KINDS and L.flops > 0]
+
+
+def test_a_study_profiled_for_other_layers_is_a_one_line_error(tmp_path):
+    db = str(tmp_path / "study.db")
+    storage = _storage(db)
+    n = len(split_units(_probe_fqns()))
+    for i in range(n):  # every unit finished, by a worker that profiled another model
+        sid = storage.create_new_study(directions=[optuna.study.StudyDirection.MINIMIZE],
+                                       study_name=f"study.profile.u{i:03d}of{n:03d}.try0")
+        storage.set_study_user_attr(sid, "layers", [f"other.{i}"])
+        storage.set_study_user_attr(sid, "by", "elsewhere:1")
+        storage.set_study_user_attr(sid, "rows", "[]")
+    with pytest.raises(ValueError, match="profile different models; give this tune its own"):
+        _profile(db, "here:1")

@@ -82,9 +82,10 @@ class SharedUnits:
         for i in range(n):
             unit = state[i]
             if unit["layers"] != units[i]:
-                raise RuntimeError(f"Unit {i} of the shared profile in {self.prefix} covers "
-                                   "other layers than this worker's: the workers profile "
-                                   "different models; give this tune its own --study.")
+                # the user's doing (one --study for two models), so a one-line error
+                raise ValueError(f"Unit {i} of the shared profile in {self.prefix} covers "
+                                 "other layers than this worker's: the workers profile "
+                                 "different models; give this tune its own --study.")
             rows.extend(unit["rows"])
             who.append({"layers": len(units[i]), "by": unit["by"], "tries": unit["tries"]})
         return rows, who
