@@ -5,6 +5,7 @@ HF GPT-2 (4 layers, 256 wide, batch 16x128), training steps (forward, backward, 
 variants of one table timed round-robin in one run:
 
     policy + guard            vs  the same policy, no guard            (target ratio <= 1.03)
+    the same two, both under torch.compile (inductor)                  (target ratio <= 1.03)
     all-fp32 policy           vs  no policy, in a plain loop           (the pass's own cost)
     all-fp32 policy           vs  no policy, Accelerate-prepared (mixed_precision="no")
     PolicyCallback(all-fp32)  vs  no callback, steps inside HF Trainer.train() (runs of a few)
@@ -14,6 +15,7 @@ only makes the guard's share smaller; the per-layer checks are the same). An all
 asks for nothing but the regions themselves, so its ratio is the rewriting pass's overhead.
 
     python benchmarks/bench_guard.py [--rounds 25] [--trainer-steps 4] [--trainer-rounds 8]
+                                     [--no-compile]
 """
 
 from __future__ import annotations
@@ -109,7 +111,8 @@ class _HookClock:
         from autoprec.runtime import guard as g
 
         self._saved = {}
-        for cls, names in ((g._Watch, ("forward_hook", "grad_hook", "weight_grad_hook")),
+        for cls, names in ((g._Watch, ("pre_hook", "forward_hook", "grad_hook",
+                                       "weight_grad_hook")),
                            (g.Guard, ("step",))):
             for name in names:
                 fn = getattr(cls, name)
@@ -146,11 +149,26 @@ def cmp_row(table, name, anchor, cmp, limit=None):
     return row(table, name, anchor, cmp.ratio(name, anchor), cmp.seconds(anchor), limit)
 
 
+def compiled_guard_row(base, batch, rounds: int) -> list:
+    """The guard's cost under torch.compile (inductor): both models compiled whole (the
+    guard's first training forward, which finds the attention cores, runs in the warm-up)."""
+    unguarded = autoprec.apply(copy.deepcopy(base), GUARD_POLICY)
+    guarded = autoprec.apply(copy.deepcopy(base), GUARD_POLICY, guard=True)
+    guard = autoprec.get_guard(guarded)
+    steps = {"compiled policy + guard": plain_step(torch.compile(guarded), batch, guard),
+             "compiled policy": plain_step(torch.compile(unguarded), batch)}
+    times = interleaved(steps, warmup=3, rounds=rounds)
+    assert guard.events == [], guard.events
+    return cmp_row(f"guard, compiled ({len(guard.watched)} layers)", "compiled policy + guard",
+                   "compiled policy", times, 1.03)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=25)
     ap.add_argument("--trainer-steps", type=int, default=4)
     ap.add_argument("--trainer-rounds", type=int, default=8)
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled guard row")
     args = ap.parse_args()
     warnings.filterwarnings("ignore", message=".*can only emulate.*")
     print(device_line())
@@ -183,6 +201,9 @@ def main():
     rows.append([f"guard ({len(guard.watched)} layers)", "1 + time in guard hooks / step time",
                  f"{1 + share:.3f} ({clock.seconds / n * 1e3:.2f} ms per step)", "<= 1.03",
                  "ok" if share <= 0.03 else "OVER", f"{total / n * 1e3:.1f} ms"])
+
+    if not args.no_compile:
+        rows.append(compiled_guard_row(base, batch, args.rounds))
 
     # 2. apply under each integration: an all-fp32 policy against none
     times = interleaved({"all-fp32 policy": plain_step(autoprec.apply(copy.deepcopy(base), FP32),

@@ -191,15 +191,15 @@ def test_guard_records_nothing_in_evaluation_and_steps_without_training_are_no_o
     assert set(guard.watched) == projections
     with torch.no_grad():
         model(**gpt2_batch)
-    assert all(not v for v in guard._amax.values())
+    assert all(not v for v in guard._records.values())
     assert guard.step() == []
     assert set(guard.watched) == projections, "an evaluation forward must not count"
     model(**gpt2_batch).loss.backward()
     assert set(guard.watched) == projections | {"transformer.h.0.attn", "transformer.h.1.attn"}
-    assert set(guard._amax["out"]) == set(guard.watched)
-    assert set(guard._amax["grad"]) == set(guard.watched)
+    assert set(guard._records["out"]) == set(guard.watched)
+    assert set(guard._records["grad"]) == set(guard.watched)
     # weight gradients: fp16 layers' own only (lm_head's weight is tied to the embedding)
-    assert set(guard._amax["wgrad"]) == {"transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj"}
+    assert set(guard._records["wgrad"]) == {"transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj"}
     assert guard.step() == [] and guard.events == []
 
 
@@ -214,7 +214,7 @@ def test_apply_without_guard_or_remove_detaches_it(gpt2_batch):
     hooked = model.transformer.h[0].mlp.c_fc
     model(**gpt2_batch).loss.backward()  # the first training forward settles what is watched
     guard.step()
-    assert len(hooked._forward_hooks) == 1 and hooks() == len(guard.watched)
+    assert len(hooked._forward_hooks) == 1 and hooks() == 2 * len(guard.watched)  # a forward hook and a pre-hook each
     autoprec.apply(model, policy, guard=guard)  # re-attaching keeps the same guard
     assert get_guard(model) is guard and len(hooked._forward_hooks) == 1
     autoprec.apply(model, policy)
@@ -236,7 +236,7 @@ def test_deepcopy_of_a_guarded_model_gets_its_own_guard(gpt2_batch):
     twin = copy.deepcopy(model)
     assert get_guard(twin) is not get_guard(model) and get_guard(twin).model is twin
     twin(**gpt2_batch).loss.backward()
-    assert get_guard(twin)._amax["out"] and not get_guard(model)._amax["out"]
+    assert get_guard(twin)._records["out"] and not get_guard(model)._records["out"]
 
 
 def test_bad_guard_arguments_are_clear_errors():

@@ -53,11 +53,20 @@ rank must call ``step()``. ``state_dict()``/``load_state_dict()`` carry the demo
 a checkpoint (see ``autoprec.runtime.integrations`` for the Trainer and Accelerate).
 
 Cost: one fused reduction per watched output, output gradient and own weight gradient, kept on
-the device: ``torch.aminmax`` for fp16 layers (a finite FP32 value can exceed 65504), a plain
-``sum`` elsewhere (non-finite exactly when a value is; about twice as fast). ``step()`` reads
-them all with one host sync per device. Nothing is watched while autograd is off (evaluation).
+the device: a count of the values above the limit (or NaN) for fp16 layers (a finite FP32 value
+can exceed 65504) and for suspects (it gives the share of failing values), a plain ``sum``
+elsewhere (non-finite exactly when a value is; about half the cost). ``step()`` reads them all
+with one host sync per device. Nothing is watched while autograd is off (evaluation).
 Measured on GPT-2 4x256, batch 16x128, 20 layers watched: about 1-2% of a CPU training step
 (``benchmarks/bench_guard.py``).
+
+Under ``torch.compile`` the checks add no graph break: while dynamo traces, a watched layer's
+output goes through a custom autograd function (``_Probe``) whose backward hands the checks,
+forward and backward, to a small leaf tensor of the watch as its gradient; ``step()`` reads
+those with the eager records. Python state changes only between steps (suspects, demotions:
+a recompile then). The order in which layers ran (for blame) is the one seen eagerly, else the
+order modules finish. The first training forward finds the modules that compute by what they
+run (attention cores): compiled, that one call breaks into pieces; the next compile is whole.
 """
 
 from __future__ import annotations
@@ -76,6 +85,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autoprec._util import atomic_write, tensors
 from autoprec.formats import FP8_FORMATS, Format
@@ -148,7 +158,7 @@ class GuardEvent:
     fqn: str
     old: Format
     new: Format
-    # What was measured, e.g. "26% of outputs overflow fp16 max 65504 (amax inf); 2 steps in
+    # What was measured, e.g. "26% of outputs overflow fp16 max 65504 or are NaN; 2 steps in
     # a row".
     reason: str
     # "outputs", "gradients" (at the layer's output, beyond its format's range), "weight
@@ -178,50 +188,79 @@ def _first_tensor(obj: Any) -> torch.Tensor | None:
     return found[0] if found else None
 
 
-def _record(store: dict, fqn: str, t: torch.Tensor, exact: bool = False) -> None:
-    """Fold a check of ``t`` into ``store[fqn]``, on t's device; NaN and inf propagate.
+def _replace_first(obj: Any, new: torch.Tensor) -> Any:
+    """``obj`` (a tensor, or a tuple/list/dict of them, as modules return) with its first
+    tensor replaced by ``new``."""
+    leaves, spec = tree_flatten(obj)
+    i = next(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
+    return tree_unflatten([new if j == i else leaf for j, leaf in enumerate(leaves)], spec)
 
-    ``exact``: the (min, max) of ``t`` (``torch.aminmax``), for layers whose limit is below
-    FP32's range (fp16: 65504). Otherwise ``t.sum()``, twice as fast, stands for both: it is
-    non-finite exactly when some value is (or when the values are so large that their sum
-    overflows FP32 - an overflow of BF16's range too).
+
+def _stat(t: torch.Tensor, count: bool, limit: float) -> torch.Tensor:
+    """One FP32 number on ``t``'s device that sums over calls and says whether ``t`` failed.
+
+    ``count``: how many values are NaN or above ``limit`` in magnitude (infinite: how many are
+    non-finite; exact, gives the share
+    of failing values; used for fp16 layers, whose limit 65504 a finite FP32 value can exceed,
+    and for suspects). Otherwise ``t.sum()``, about half the cost: non-finite exactly when
+    some value is (or when the values are so large that their sum overflows FP32, an overflow
+    of BF16's range too).
     """
-    if t.numel() == 0:
-        return
-    if exact:
-        mn, mx = torch.aminmax(t)
-    else:
-        mn = mx = t.sum()
-    prev = store.get(fqn)
-    store[fqn] = (mn, mx) if prev is None else (torch.minimum(prev[0], mn),
-                                                torch.maximum(prev[1], mx))
+    t = t.detach()
+    if count:
+        ok = torch.isfinite(t) if math.isinf(limit) else t.abs() <= limit  # NaN is never ok
+        return (~ok).sum(dtype=torch.float32)
+    return t.sum().float()
 
 
-def _record_fraction(store: dict, fqn: str, t: torch.Tensor, limit: float) -> None:
-    """Fraction of ``t``'s values that are NaN or above ``limit`` in magnitude (suspects only)."""
-    if t.numel() == 0:
-        return
-    bad = ~torch.isfinite(t) if math.isinf(limit) else (t.abs() > limit) | t.isnan()
-    frac = bad.float().mean()
-    prev = store.get(fqn)
-    store[fqn] = frac if prev is None else torch.maximum(prev, frac)
+# Layout of a compiled step's record of one watched layer (see _Probe): the failure number of
+# _stat and the count of values it covers, for outputs, gradients at the output, inputs and
+# gradients sent to the input.
+_OUT, _GRAD, _IN, _INGRAD = 0, 2, 4, 6
+_ROW = 8
+_SLOTS = {"out": _OUT, "grad": _GRAD, "in": _IN, "ingrad": _INGRAD}
 
 
-def _read(tensors: list[torch.Tensor]) -> list[float]:
-    """Host values of many 0-d tensors: one stack per (device, dtype), one transfer (one sync)
-    per device."""
-    out: list[float] = [0.0] * len(tensors)
-    groups: dict[tuple, list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    by_device: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
-    for (device, _), idx in groups.items():
-        stacked = torch.stack([tensors[i] for i in idx]).float()
-        by_device.setdefault(device, []).append((idx, stacked))
-    for parts in by_device.values():
-        values = torch.cat([t for _, t in parts]).tolist()
-        for i, v in zip((i for idx, _ in parts for i in idx), values):
-            out[i] = v
+class _Probe(torch.autograd.Function):
+    """How a watched layer reports under ``torch.compile``: without Python side effects.
+
+    Identity on ``t`` (a copy: a view returned by a custom Function may not be modified in
+    place, and a layer's output often is); its backward hands ``sink`` (a leaf of the watch)
+    the gradient ``row`` (what the forward measured) plus, at ``slot``, the check of the
+    gradient reaching ``t``. The numbers arrive in ``sink.grad``, summed over calls and
+    micro-batches, and ``Guard.step`` reads them. Forward and backward stay one graph (no dict
+    writes, no tensor hooks), inside activation checkpointing too.
+    """
+
+    @staticmethod
+    def forward(ctx, t, sink, row, slot, count, limit):
+        ctx.save_for_backward(row)
+        ctx.slot, ctx.count, ctx.limit = slot, count, limit
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (row,) = ctx.saved_tensors
+        if ctx.slot is not None:
+            found = torch.stack([_stat(grad, ctx.count, ctx.limit),
+                                 row.new_ones(()) * grad.numel()])
+            row = torch.cat([row[:ctx.slot], found, row[ctx.slot + 2:]])
+        return grad, row, None, None, None, None
+
+
+def _read(values: list[torch.Tensor]) -> list[list[float]]:
+    """Host values of many small tensors, each flattened: one transfer (one host sync) per
+    device."""
+    out: list[list[float]] = [[] for _ in values]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(values):
+        by_device.setdefault(t.device, []).append(i)
+    for idx in by_device.values():
+        flat = torch.cat([values[i].detach().float().reshape(-1) for i in idx]).tolist()
+        pos = 0
+        for i in idx:
+            n = values[i].numel()
+            out[i], pos = flat[pos:pos + n], pos + n
     return out
 
 
@@ -230,66 +269,116 @@ def _is_ancestor(a: str, b: str) -> bool:
     return a == "" or b.startswith(a + ".")
 
 
-def _amax(mn: float, mx: float) -> float:
-    if math.isnan(mn) or math.isnan(mx):
-        return math.nan
-    return max(abs(mn), abs(mx))
+def _bad(level: float, limit: float) -> bool:
+    return not math.isfinite(level) or level > limit
 
 
-def _bad(amax: float, limit: float) -> bool:
-    return not math.isfinite(amax) or amax > limit
+def _finish_order(model: nn.Module) -> dict[str, int]:
+    """fqn -> rank in the order modules finish their forward when each runs its children in
+    definition order (children before their parent): where a forward order is needed before
+    the guard has seen one eagerly."""
+    order: dict[str, int] = {}
+
+    def visit(module: nn.Module, fqn: str) -> None:
+        for name, child in module.named_children():
+            visit(child, f"{fqn}.{name}" if fqn else name)
+        order.setdefault(fqn, len(order))
+
+    visit(model, "")
+    return order
 
 
 class _Watch:
     """The hooks of one watched module. Bound methods rather than closures, so that
-    ``copy.deepcopy(model)`` gives the copy hooks that report to the copy's guard."""
+    ``copy.deepcopy(model)`` gives the copy hooks that report to the copy's guard.
 
-    def __init__(self, guard: Guard, fqn: str, limit: float):
+    Eagerly, each check is folded into the guard's records as it is made (and the order in
+    which layers ran is learned); while ``torch.compile`` traces, the checks travel through
+    :class:`_Probe` into ``sink.grad`` instead, so that they add no graph break.
+    """
+
+    def __init__(self, guard: Guard, fqn: str, limit: float, device: torch.device):
         self.guard = guard
         self.fqn = fqn
         self.limit = limit
         self.exact = limit < _BF16_MAX  # fp16: a finite FP32 value can exceed the limit
+        self.sink = torch.zeros(_ROW, device=device, requires_grad=True)
+
+    def _counts(self, kind: str) -> bool:
+        """Whether checks of ``kind`` count failing values (see _stat) rather than sum."""
+        if kind == "in":
+            return True
+        if kind == "ingrad":
+            return False
+        return (self.exact and kind != "wgrad") or self.fqn in self.guard._suspects
+
+    def _check(self, kind: str, t: torch.Tensor) -> torch.Tensor:
+        limit = self.limit if kind in ("out", "grad") else math.inf
+        return _stat(t, self._counts(kind), limit)
+
+    def _record(self, kind: str, t: torch.Tensor) -> None:
+        if t.numel():
+            self.guard._record(kind, self.fqn, self._check(kind, t), t.numel())
+
+    def pre_hook(self, module, args, kwargs):
+        """Compiled, for suspects: route the input through a probe that reports the gradient
+        this layer's backward sends upstream (eagerly a tensor hook does, in forward_hook)."""
+        g = self.guard
+        if not (torch.compiler.is_compiling() and torch.is_grad_enabled()
+                and g.config.check_gradients and self.fqn in g._suspects):
+            return None
+        x = _first_tensor((args, kwargs))
+        if x is None or not x.is_floating_point() or not x.requires_grad or not x.numel():
+            return None
+        probed = _Probe.apply(x, self.sink.to(x.device), x.new_zeros(_ROW, dtype=torch.float32),
+                              _INGRAD, False, math.inf)
+        return _replace_first((args, kwargs), probed)
 
     def forward_hook(self, module, args, kwargs, output):
         if not torch.is_grad_enabled():
             return None  # evaluation: not watched
         out = _first_tensor(output)
-        if out is None or not out.is_floating_point():
+        if out is None or not out.is_floating_point() or not out.numel():
             return None
+        x = None
+        if self.fqn in self.guard._suspects:
+            x = _first_tensor((args, kwargs))
+            x = x if x is not None and x.is_floating_point() and x.numel() else None
+        if torch.compiler.is_compiling():
+            return _replace_first(output, self._probe(out, x))
         g = self.guard
-        d = out.detach()
-        _record(g._amax["out"], self.fqn, d, self.exact)
-        if self.fqn in g._suspects:
-            x = _first_tensor(args)
-            if x is None:
-                x = _first_tensor(kwargs)
-            if x is not None and x.is_floating_point():
-                _record(g._amax["in"], self.fqn, x.detach())
-                if g.config.check_gradients and x.requires_grad:
-                    # the gradient this layer's backward sends upstream (plus what other
-                    # readers of x add): finite means its backward did not make it non-finite
-                    x.register_hook(self.input_grad_hook)
-            _record_fraction(g._frac["out"], self.fqn, d, self.limit)
+        g._seen(g._fwd_order, self.fqn)
+        self._record("out", out)
+        if x is not None:
+            self._record("in", x)
+            if g.config.check_gradients and x.requires_grad:
+                # the gradient this layer's backward sends upstream (plus what other readers
+                # of x add): finite means its backward did not make it non-finite
+                x.register_hook(self.input_grad_hook)
         if g.config.check_gradients and out.requires_grad:
             out.register_hook(self.grad_hook)
         return None
 
+    def _probe(self, out: torch.Tensor, x: torch.Tensor | None) -> torch.Tensor:
+        zero = out.new_zeros((), dtype=torch.float32)
+        seen_in = [self._check("in", x), zero + x.numel()] if x is not None else [zero, zero]
+        row = torch.stack([self._check("out", out), zero + out.numel(), zero, zero, *seen_in,
+                           zero, zero])
+        slot = _GRAD if self.guard.config.check_gradients else None
+        return _Probe.apply(out, self.sink.to(out.device), row, slot, self._counts("grad"),
+                            self.limit)
+
     def grad_hook(self, grad):
-        g = self.guard
-        _record(g._amax["grad"], self.fqn, grad, self.exact)
-        if self.fqn in g._suspects:
-            _record_fraction(g._frac["grad"], self.fqn, grad, self.limit)
+        self.guard._seen(self.guard._bwd_order, self.fqn)
+        self._record("grad", grad)
         return None
 
     def input_grad_hook(self, grad):
-        _record(self.guard._amax["ingrad"], self.fqn, grad)
+        self._record("ingrad", grad)
         return None
 
     def weight_grad_hook(self, grad):
-        g = self.guard
-        _record(g._amax["wgrad"], self.fqn, grad)
-        if self.fqn in g._suspects:
-            _record_fraction(g._frac["wgrad"], self.fqn, grad, math.inf)
+        self._record("wgrad", grad)
         return None
 
 
@@ -321,7 +410,7 @@ class _Diagnosis:
 
     def culprit(self) -> str | None:
         values = _read([t for _, x, o in self.records for t in (o, x) if t is not None])
-        it = iter(values)
+        it = (v[0] for v in values)
         for fqn, x, _ in self.records:
             out_ok = math.isfinite(next(it))
             in_ok = True if x is None else math.isfinite(next(it))
@@ -339,7 +428,7 @@ class _Diagnosis:
 class _Failure:
     fqn: str
     where: str  # "outputs" | "gradients" | "weight gradients" | "backward"
-    amax: float
+    level: float  # the check's number: non-finite or above the limit when failing
     fraction: float | None
     scale: float | None = None
 
@@ -392,7 +481,7 @@ class _Discovery(TorchFunctionMode):
                 calls.layer_kind(module, own) in calls.COMPUTING_KINDS:
             watch = self.guard._discovered(fqn, module, own)
             if watch is not None:
-                watch.forward_hook(module, args, kwargs, output)
+                return watch.forward_hook(module, args, kwargs, output)
         return None
 
     def _finish(self, module, args, output):
@@ -425,6 +514,12 @@ class Guard:
         # GradScaler consulted by step() when none is passed (set by autoprec.runtime.integrations).
         self.scaler: torch.amp.GradScaler | None = None
         self._watched: dict[str, Format] = {}
+        self._watches: dict[str, _Watch] = {}
+        # The order in which watched layers ran, forward and backward, as first seen eagerly;
+        # layers not seen yet fall back to the order modules finish (_finish_order).
+        self._fwd_order: dict[str, int] = {}
+        self._bwd_order: dict[str, int] = {}
+        self._finish: dict[str, int] = {}
         # fqn -> kind of every module of the model that computes (None: not attached yet).
         self._layers: dict[str, str] | None = None
         self._discovery_done = False
@@ -464,13 +559,15 @@ class Guard:
         if self.model is not None and self.model is not model:
             self.detach()
             self._layers, self._discovery_done = None, False
+            self._fwd_order, self._bwd_order = {}, {}
         self._remove_hooks()
         self.model = model
         self.policy = policy
         if not self._reapplying:
             self._base = policy
-        self._watched = {}
+        self._watched, self._watches = {}, {}
         modules = dict(model.named_modules())
+        self._finish = _finish_order(model)
         if self._layers is None:
             # By class now; the modules that compute by what they run, on the first forward.
             self._layers = {fqn: kind for fqn, m in modules.items()
@@ -494,7 +591,11 @@ class Guard:
         if fmt not in self.config.formats:
             return None
         self._watched[fqn] = fmt
-        watch = _Watch(self, fqn, _limit(fmt))
+        param = next(module.parameters(), None)
+        param = param if param is not None else next(self.model.parameters(), None)
+        device = param.device if param is not None else torch.device("cpu")
+        watch = self._watches[fqn] = _Watch(self, fqn, _limit(fmt), device)
+        self._handles.append(module.register_forward_pre_hook(watch.pre_hook, with_kwargs=True))
         self._handles.append(module.register_forward_hook(watch.forward_hook, with_kwargs=True))
         # Weight gradients of fp16 layers only: their FP16 products (a sum over every token)
         # can overflow where the gradient at the output does not. A bf16 product has FP32's
@@ -537,12 +638,22 @@ class Guard:
         self._probes = {}
 
     def _reset_records(self) -> None:
-        # fqn -> (min, max), or (sum, sum), as 0-d tensors on the device (see _record), folded
-        # over the calls of one step, of: outputs, inputs (suspects only), gradients at the
-        # output, gradients of own parameters.
-        self._amax: dict[str, dict[str, tuple]] = {k: {} for k in _KINDS}
-        # fqn -> share of failing values (suspects only), for the log
-        self._frac: dict[str, dict[str, torch.Tensor]] = {k: {} for k in _KINDS}
+        # kind -> fqn -> [check, count of values checked], the check a 0-d tensor on the
+        # device (see _stat), folded over the eager calls of one step; in the order recorded.
+        # Compiled calls report through each watch's sink instead (see _Probe).
+        self._records: dict[str, dict[str, list]] = {k: {} for k in _KINDS}
+        for watch in self._watches.values():
+            watch.sink.grad = None
+
+    def _record(self, kind: str, fqn: str, check: torch.Tensor, numel: int) -> None:
+        prev = self._records[kind].get(fqn)
+        self._records[kind][fqn] = [check, numel] if prev is None else \
+            [prev[0] + check, prev[1] + numel]
+
+    @staticmethod
+    def _seen(order: dict[str, int], fqn: str) -> None:
+        if fqn not in order:
+            order[fqn] = len(order)
 
     @property
     def watched(self) -> dict[str, Format]:
@@ -589,30 +700,71 @@ class Guard:
     def _judge(self, scaler) -> tuple[bool, _Failure | None]:
         """This rank's verdict on the step: whether it trained (anything recorded since the
         last call) and the layer it blames; updates the suspects and warnings."""
-        recorded, fractions = self._amax, self._frac
         diagnosis, self._diagnosis = self._diagnosis, None
-        self._reset_records()
-        if not recorded["out"] and not recorded["grad"] and not recorded["wgrad"]:
+        level, frac = self._collect()
+        if not level["out"] and not level["grad"] and not level["wgrad"]:
             if diagnosis is not None:
                 diagnosis.close()
             return False, None
 
-        # one host sync for everything recorded in this step
-        tensors = [t for k in _KINDS for pair in recorded[k].values() for t in pair]
-        tensors += [t for k in _KINDS for t in fractions[k].values()]
-        values = iter(_read(tensors))
-        amax = {k: {fqn: _amax(next(values), next(values)) for fqn in recorded[k]}
-                for k in _KINDS}
-        frac = {k: {fqn: next(values) for fqn in fractions[k]} for k in _KINDS}
-
         self._child_faults = {fqn: c for fqn, p in self._probes.items()
                               if (c := p.culprit()) is not None}
         self._origin = None
-        failure, cleared = self._blame(amax, frac, scaler)
+        failure, cleared = self._blame(level, frac, scaler)
         self._suspects = cleared | ({failure.fqn} if failure is not None else set())
         self._probe_suspects()
         self._explain(diagnosis, failed=failure is None and bool(cleared))
         return True, failure
+
+    def _collect(self) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+        """This step's checks, eager records and compiled probes' sinks together, read with one
+        host sync: per kind, fqn -> level (non-finite, or above the layer's limit, when it
+        failed) and fqn -> share of failing values (where values were counted), each in the
+        order the layers ran (forward for outputs and inputs, backward for gradients)."""
+        records = self._records
+        sinks = [(fqn, w.sink.grad) for fqn, w in self._watches.items()
+                 if w.sink.grad is not None]
+        self._reset_records()
+        entries = [(k, fqn, n) for k in _KINDS for fqn, (_, n) in records[k].items()]
+        values = _read([records[k][fqn][0] for k, fqn, _ in entries] + [g for _, g in sinks])
+        totals: dict[str, dict[str, list[float]]] = {k: {} for k in _KINDS}
+        found = [(k, fqn, v[0], n) for (k, fqn, n), v in zip(entries, values)]
+        found += [(k, fqn, row[s], row[s + 1]) for (fqn, _), row in zip(sinks, values[len(entries):])
+                  for k, s in _SLOTS.items() if row[s + 1] > 0]
+        for k, fqn, v, n in found:
+            prev = totals[k].setdefault(fqn, [0.0, 0])
+            prev[0], prev[1] = prev[0] + v, prev[1] + n
+        level: dict[str, dict[str, float]] = {}
+        frac: dict[str, dict[str, float]] = {}
+        for k in _KINDS:
+            level[k], frac[k] = {}, {}
+            for fqn in sorted(totals[k], key=self._order_key(k)):
+                v, n = totals[k][fqn]
+                watch = self._watches.get(fqn)
+                if watch is not None and watch._counts(k):
+                    level[k][fqn] = math.inf if v > 0 else 0.0
+                    frac[k][fqn] = v / n if n else 0.0
+                else:
+                    level[k][fqn] = v
+        return level, frac
+
+    def _order_key(self, kind: str):
+        """Sort key of layers in the order they ran: as seen eagerly, else as modules finish;
+        gradients backward (as seen, else the forward order reversed); own weight gradients
+        as recorded (their hooks always run eagerly)."""
+        fwd = self._fwd_order
+        finish = self._finish
+
+        def forward(fqn: str):
+            return (0, fwd[fqn]) if fqn in fwd else (1, finish.get(fqn, 0))
+
+        if kind in ("out", "in"):
+            return forward
+        if kind == "wgrad":
+            return lambda fqn: 0  # a stable sort keeps the recorded order
+        bwd = self._bwd_order
+        return lambda fqn: (0, bwd[fqn], 0) if fqn in bwd else \
+            (1, -forward(fqn)[0], -forward(fqn)[1])
 
     # ---------------------------------------------------------------- agreement across ranks
     def _world(self) -> int:
@@ -658,13 +810,13 @@ class Guard:
         dist.all_gather_object(seen, mine)
         return seen
 
-    def _blame(self, amax, frac, scaler) -> tuple[_Failure | None, set[str]]:
+    def _blame(self, level, frac, scaler) -> tuple[_Failure | None, set[str]]:
         """The layer to blame for this step (or None) and the layers cleared of blame."""
         cleared: set[str] = set()
         limits = {fqn: _limit(fmt) for fqn, fmt in self._watched.items()}
 
         def bad(kind: str, fqn: str) -> bool:
-            a = amax[kind].get(fqn)
+            a = level[kind].get(fqn)
             limit = math.inf if kind == "wgrad" else limits.get(fqn)
             return a is not None and limit is not None and _bad(a, limit)
 
@@ -675,7 +827,7 @@ class Guard:
         # child the policy keeps in fp32) made the first non-finite values is cleared too.
         fwd_failed = False
         last_cleared = None
-        for fqn, a in amax["out"].items():
+        for fqn, a in level["out"].items():
             if not bad("out", fqn):
                 continue
             fwd_failed = True
@@ -685,7 +837,7 @@ class Guard:
                 cleared.add(fqn)
                 self._origin = self._child_faults[fqn]
                 break
-            a_in = amax["in"].get(fqn)
+            a_in = level["in"].get(fqn)
             if a_in is not None and not math.isfinite(a_in):
                 cleared.add(fqn)  # its input was already non-finite: the fault is upstream
                 last_cleared = fqn
@@ -700,12 +852,12 @@ class Guard:
         # finite, its format is too narrow for it (its fault); non-finite, it arrived that way
         # (not its fault): the layer whose backward ran just before, its own output gradient
         # finite, made it so, unless its input gradient was seen finite.
-        own = [f for f in amax["wgrad"] if bad("wgrad", f) and not bad("grad", f)]
+        own = [f for f in level["wgrad"] if bad("wgrad", f) and not bad("grad", f)]
         if own:
-            failure = _Failure(own[0], "weight gradients", amax["wgrad"][own[0]],
+            failure = _Failure(own[0], "weight gradients", level["wgrad"][own[0]],
                                frac["wgrad"].get(own[0]))
         else:
-            failure = self._backward_culprit(amax, frac, bad, cleared)
+            failure = self._backward_culprit(level, frac, bad, cleared)
         if failure is None:
             return None, cleared
         if scaler is not None and scaler.is_enabled():
@@ -717,12 +869,12 @@ class Guard:
                 return None, cleared
         return failure, cleared
 
-    def _backward_culprit(self, amax, frac, bad, cleared: set[str]) -> _Failure | None:
-        order = list(amax["grad"])
+    def _backward_culprit(self, level, frac, bad, cleared: set[str]) -> _Failure | None:
+        order = list(level["grad"])
         for i, fqn in enumerate(order):
             if not bad("grad", fqn):
                 continue
-            a = amax["grad"][fqn]
+            a = level["grad"][fqn]
             if i == 0 and not math.isfinite(a):
                 cleared.add(fqn)
                 return None  # non-finite from the loss, or layers the guard does not watch
@@ -733,11 +885,11 @@ class Guard:
             # non-finite in a layer whose gradients have FP32's range: it arrived that way
             cleared.add(fqn)
             before = order[i - 1]
-            ingrad = amax["ingrad"].get(before)
+            ingrad = level["ingrad"].get(before)
             if ingrad is not None and math.isfinite(ingrad):
                 cleared.add(before)
                 return None
-            return _Failure(before, "backward", amax["grad"][before], frac["grad"].get(before))
+            return _Failure(before, "backward", level["grad"][before], frac["grad"].get(before))
         return None
 
     def _probe_suspects(self) -> None:
@@ -781,17 +933,14 @@ class Guard:
                 "finite; check its weights and inputs.")
 
     def _describe(self, f: _Failure) -> str:
-        """What was measured, e.g. "12% of outputs overflow fp16 max 65504 (amax inf)"."""
+        """What was measured, e.g. "12% of outputs overflow fp16 max 65504 or are NaN"."""
         fmt = self._watched.get(f.fqn, Format.FP32)
         if f.where == "backward":
             return ("the gradients its backward sent upstream were non-finite, the gradient "
                     "reaching it was finite" + (f", loss scale {f.scale:g}" if f.scale else ""))
         share = None if f.fraction is None else f"{_pct(f.fraction)} of {f.where}"
-        exact = fmt is Format.FP16 and f.where != "weight gradients"  # checked by aminmax
-        if exact and math.isnan(f.amax):
-            text = f"non-finite {f.where} (NaN" + (f"; {share} NaN or inf)" if share else ")")
-        elif exact:
-            text = f"{share or f.where} overflow fp16 max {_limit(fmt):g} (amax {f.amax:g})"
+        if fmt is Format.FP16 and f.where != "weight gradients":  # values counted (_stat)
+            text = f"{share or f.where} overflow fp16 max {_limit(fmt):g} or are NaN"
         elif fmt is Format.FP16:  # an fp16 layer's own weight gradient went non-finite
             text = f"{share or f.where} overflow fp16 max {_limit(fmt):g} (non-finite)"
         else:
@@ -851,7 +1000,12 @@ class Guard:
             if fwd is not None and not isinstance(fwd, rewrite.Region) and fqn is not None \
                     and policy.format_for(fqn) is self.policy.format_for(fqn):
                 foreign[region.module] = fwd
-        with warnings.catch_warnings():
+        from autoprec.runtime import engines
+
+        # keeping_sharded_swaps: under FSDP2, torchao's Float8Linear layers swapped in before
+        # fully_shard stay (FSDP gathers into them); a demoted one computes as nn.Linear in its
+        # new format inside its region, where a plain re-apply would refuse to put it back
+        with warnings.catch_warnings(), engines.keeping_sharded_swaps():
             # the policy was checked when first applied; its warnings need not repeat
             warnings.simplefilter("ignore")
             rewrite.apply(model, policy, strict=False)
