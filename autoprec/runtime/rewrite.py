@@ -26,9 +26,14 @@ What a region does, by format:
   HF's ``Conv1D`` (``torch.addmm``) as well as ``nn.Linear``. Convolutions, SDPA and
   ``baddbmm`` run in bf16 (PyTorch has no FP8 kernels for them).
 
-Regions nest and the innermost wins: a per-thread stack of formats tells the FP8 router
-whether the call it sees is in an fp8 region or in a region nested inside one. On a device type
-without autocast (``meta``) a region only keeps the format stack and the fp32 upcasts.
+Regions nest and the innermost wins. A region carries its format in a ``TorchFunctionMode``
+(``_FormatMode``) where that is free or needed: in an fp8 region (its mode is the FP8 router),
+in any region opened inside one (its mode, replacing the enclosing one for its extent, routes
+nothing), and under ``torch.compile``, where dynamo traces modes away and where a push onto a
+Python list inside a checkpointed block would break the graph. Elsewhere (eager mode, no fp8
+region open) a per-thread stack carries it, so that an all-bf16 model pays no Python call per
+op. :func:`current_format` reads the mode first, then the stack. On a device type without
+autocast (``meta``) a region only carries its format and does the fp32 upcasts.
 
 The public surface other parts use (the guard, the integrations, measurements):
 :func:`apply`, :func:`remove`, :func:`applied_policy`, :func:`regions` and :class:`Region`.
@@ -73,25 +78,76 @@ def _stack() -> list[Format]:
     return stack
 
 
-def current_format() -> Format | None:
-    """The format of the innermost region the calling code runs in (None outside any)."""
-    stack = _stack()
-    return stack[-1] if stack else None
+class _FormatMode(TorchFunctionMode):
+    """A region's format on torch's function-mode stack, where dynamo traces it (a push onto a
+    Python list inside a checkpointed block is a side effect dynamo refuses: a graph break).
+    In an fp8 region of autoprec's engine (``routes``) it sends the matmul-like calls that the
+    registry gives an FP8 route through the FP8 autograd function; everything else, and every
+    call in any other format, runs as it is (autocast decides the dtype).
 
+    At most one is on the stack: a region replaces the enclosing region's mode for its extent
+    (:func:`_enter_mode`), so the innermost region decides alone; a mode nested under another
+    would see the calls the inner one passes on, its FP8 function's own matmuls included.
+    """
 
-class _FP8Router(TorchFunctionMode):
-    """Sends the matmul-like calls made inside an fp8 region that the registry gives an FP8
-    route through the FP8 autograd function; everything else runs as it is (bf16 autocast)."""
+    def __init__(self, fmt: Format, routes: bool):
+        super().__init__()
+        self.format = fmt
+        self.routes = routes
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        fmt = current_format()
-        if fmt is not None and fmt.is_fp8:
+        if self.routes:
             call = calls.lookup(func)
             form = calls.matmul_form(call, args, kwargs) if call is not None else None
             if form is not None:
-                return fp8_matmul(*form, recipe=fmt.recipe)
+                return fp8_matmul(*form, recipe=self.format.recipe)
         return func(*args, **kwargs)
+
+
+def _innermost_mode() -> tuple[int, _FormatMode] | None:
+    """(stack index, mode) of the format mode on torch's function-mode stack (None if none).
+    While a mode's own ``__torch_function__`` runs, torch has popped it: not seen there."""
+    for i in range(torch._C._len_torch_function_stack() - 1, -1, -1):
+        mode = torch._C._get_function_stack_at(i)
+        if isinstance(mode, _FormatMode):
+            return i, mode
+    return None
+
+
+def _enter_mode(mode: _FormatMode, found: tuple[int, _FormatMode] | None) -> list:
+    """Push ``mode`` in place of the enclosing format mode ``found`` (taken off the stack, the
+    modes entered above it kept in their order); returns what :func:`_exit_mode` restores."""
+    popped = []
+    if found is not None:
+        for _ in range(torch._C._len_torch_function_stack() - found[0]):
+            popped.append(torch._C._pop_torch_function_stack())
+        for above in reversed(popped[:-1]):
+            torch._C._push_on_torch_function_stack(above)
+    torch._C._push_on_torch_function_stack(mode)
+    return popped
+
+
+def _exit_mode(popped: list) -> None:
+    """Undo :func:`_enter_mode`: the region's mode off, the enclosing one back in its place."""
+    torch._C._pop_torch_function_stack()
+    for _ in popped[:-1]:
+        torch._C._pop_torch_function_stack()
+    for mode in reversed(popped):
+        torch._C._push_on_torch_function_stack(mode)
+
+
+def current_format() -> Format | None:
+    """The format of the innermost region the calling code runs in (None outside any).
+
+    Read from the format mode where a region carries its format in one, else from the
+    per-thread stack (regions outside any fp8 region, in eager mode: see Region.__call__).
+    """
+    found = _innermost_mode()
+    if found is not None:
+        return found[1].format
+    stack = getattr(_tls, "formats", None)
+    return stack[-1] if stack else None
 
 
 # ------------------------------------------------------------------------- regions
@@ -158,7 +214,7 @@ class Region:
         # Whether the module had an instance forward of its own before (restored by remove).
         self.had_own = had_own
         # "torchao": the module is torchao's Float8Linear and computes its FP8 itself; inside it
-        # nothing is routed (the stack says bf16, the autocast dtype around it)
+        # nothing is routed (its format says bf16, the autocast dtype around it)
         self.engine = engine
 
     def __call__(self, *args, **kwargs):
@@ -179,17 +235,26 @@ class Region:
             args, kwargs = tree_map(_upcast, args), tree_map(_upcast, kwargs)
         region = _autocast(_device_type(args, kwargs, self.module),
                            Format.FP32 if torchao else fmt)
-        stack = _stack()
-        stack.append(Format.BF16 if torchao else fmt)
+        own, routes = (Format.BF16 if torchao else fmt), fmt.is_fp8 and not torchao
+        found = _innermost_mode()
+        # The format travels in a mode where the router has to see the calls anyway (an fp8
+        # region, a region inside one) and under torch.compile (traced away: free at run
+        # time; dynamo refuses the list push inside a checkpointed block, a graph break).
+        # Elsewhere a mode would cost a Python call per op in eager mode (an all-bf16 tiny GPT-2
+        # step 1.19x): the per-thread stack carries it, always outside every format mode.
+        in_mode = routes or found is not None or torch.compiler.is_compiling()
+        if in_mode:
+            popped = _enter_mode(_FormatMode(own, routes), found)
+        else:
+            _stack().append(own)
         try:
             with region:
-                if fmt.is_fp8 and not torchao:
-                    with _FP8Router():
-                        out = run(*args, **kwargs)
-                else:
-                    out = run(*args, **kwargs)
+                out = run(*args, **kwargs)
         finally:
-            stack.pop()
+            if in_mode:
+                _exit_mode(popped)
+            else:
+                _stack().pop()
         return tree_map(_upcast, out) if self.cast_out else out
 
     def __repr__(self):
@@ -202,12 +267,13 @@ class _Reentry(Region):
 
     Activation checkpointing recomputes a module's forward during backward, outside the region
     that enclosed it in the forward pass: ``torch.utils.checkpoint`` restores the autocast
-    state but not the format stack nor the FP8 router, so the recomputed matmuls would run in
-    bf16 (a CheckpointError without reentrant, silently different gradients with it). HF's
-    ``gradient_checkpointing_enable`` checkpoints a layer's class forward, inside the
-    instance forward a region replaces, so even a layer's own region is not re-entered. In the
-    forward pass the stack already says this format and this is a pass-through; in a
-    recomputation it opens the region again.
+    state but not the region's format mode (the FP8 router) nor the per-thread stack, so the
+    recomputed matmuls would run in bf16 (a CheckpointError without reentrant, silently
+    different gradients with it). HF's ``gradient_checkpointing_enable`` checkpoints a layer's
+    class forward, inside the instance forward a region replaces, so even a layer's own region
+    is not re-entered. In the forward pass :func:`current_format` already says this format and
+    this is a pass-through; in a recomputation it opens the region again. (Under torch.compile
+    the recomputation replays the traced graph: no Python runs again.)
     """
 
     def __call__(self, *args, **kwargs):
