@@ -24,8 +24,12 @@ N)``):
 - bf16 / fp16 (autocast): a 2-byte copy of the input *and of the weight* (autocast caches the
   weight's cast for the forward and ``mm`` saves it); fp8 a kernel does not take: the same;
 - fp8 tensorwise on autoprec's engine: the E4M3 input and weight (1 byte each; the FP32
-  input is freed); rowwise recipes on autoprec's engine: FP32 copies of the operands (an alias
-  when the input is FP32 already, so the FP32 input stays); on torchao's ``Float8Linear``:
+  input is freed); rowwise recipes on autoprec's engine: the operands as they came (it casts
+  them to FP32 again in backward), so an FP32 input stays and the weight is the parameter,
+  while an input that arrives in 16 bits keeps 2 bytes an element: a layer whose producers
+  (the captured edges) are all layers computing in a 16-bit or FP8 format, as an MLP's down
+  projection after its up projection, or attention after its projections; anything else (a
+  norm, an embedding, no edge) is taken to hand over FP32. On torchao's ``Float8Linear``:
   the BF16 input (the weight is the parameter);
 - layers reading one tensor (q/k/v after one norm) share its FP32 copy, while each
   low-precision layer makes its own.
@@ -211,10 +215,13 @@ def _torchao_runs(layer: Layer, policy: Policy) -> bool:
             and not any(layer.fp8_blockers()) and torchao_available())
 
 
-def _product_bytes(layer: Layer, fmt: Format, policy: Policy) -> tuple[int, bool]:
+def _product_bytes(layer: Layer, fmt: Format, policy: Policy,
+                   low_input: bool = False) -> tuple[int, bool]:
     """(bytes this layer itself keeps for backward beyond its FP32 input, whether it keeps its
     FP32 input alive). For weight layers the input is counted by the caller (it may be shared
-    with sibling layers); for products of two activations both operands are counted here."""
+    with sibling layers); for products of two activations both operands are counted here.
+    ``low_input``: the layer's inputs arrive in 16 bits, which only the rowwise recipes on
+    autoprec's engine keep as they are (the other formats copy, cast or are FP32 anyway)."""
     weighted = layer.kind in _WEIGHT_KINDS
     own, keeps_fp32 = 0, False
     blockers = layer.fp8_blockers()
@@ -226,7 +233,11 @@ def _product_bytes(layer: Layer, fmt: Format, policy: Policy) -> tuple[int, bool
         elif fmt.is_fp8 and torchao:
             own += 2 * a
         elif fmt.is_fp8 and not (i < len(blockers) and blockers[i]) and fmt.recipe != "tensorwise":
-            own, keeps_fp32 = own + (0 if weighted else 4 * (a + b)), True
+            # rowwise saves its operands as they came: the weight is the parameter
+            if low_input:
+                own += 2 * a if weighted else 2 * (a + b)
+            else:
+                own, keeps_fp32 = own + (0 if weighted else 4 * (a + b)), True
         elif fmt.is_fp8 and not (i < len(blockers) and blockers[i]):
             own += a + b
         else:  # bf16, fp16, or fp8 the kernel does not take: autocast's 16-bit copies
@@ -280,6 +291,8 @@ class MemoryModel:
     residual_per_element: float = 0.0
     # weight layers reading one tensor (q/k/v after one norm)
     groups: list[list[str]] = field(default_factory=list)
+    # the layers (or other modules) whose outputs each layer reads, from the captured edges
+    producers: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self):
         self.layers = tuple(self.layers)
@@ -293,7 +306,12 @@ class MemoryModel:
                   edges: Iterable[tuple[str, str]] = ()) -> MemoryModel:
         """Measure the all-fp32 and all-bf16 steps with ``measure(policy)`` and fit the
         residual of the work the formula does not see (see the module docstring)."""
-        model = cls(tuple(layers), measure(_FP32), groups=_shared_inputs(layers, edges))
+        edges = list(edges)
+        producers: dict[str, tuple[str, ...]] = {}
+        for a, b in edges:
+            producers[b] = (*producers.get(b, ()), a)
+        model = cls(tuple(layers), measure(_FP32), groups=_shared_inputs(layers, edges),
+                    producers=producers)
         bf16 = measure(_BF16)
         formula = model.compute_peak(_BF16)
         elements = sum(_output_elements(lay) for lay in model.layers)
@@ -311,7 +329,7 @@ class MemoryModel:
             for fqn in group:
                 lay = self._by_fqn[fqn]
                 fmt = policy.format_for(fqn)
-                own, keeps_fp32 = _product_bytes(lay, fmt, policy)
+                own, keeps_fp32 = _product_bytes(lay, fmt, policy, self._low_input(fqn, policy))
                 base, _ = _product_bytes(lay, Format.FP32, policy)
                 keeps = keeps or keeps_fp32
                 change += own - base
@@ -319,6 +337,13 @@ class MemoryModel:
                     change += self.residual_per_element * _output_elements(lay)
             out[group[0]] = change + (0 if keeps else -fp32_input)
         return out
+
+    def _low_input(self, fqn: str, policy: Policy) -> bool:
+        """Whether layer ``fqn``'s inputs arrive in 16 bits under ``policy``: every producer is
+        a layer that computes in a 16-bit or FP8 format (they return BF16/FP16)."""
+        producers = self.producers.get(fqn, ())
+        return bool(producers) and all(p in self._by_fqn and policy.format_for(p) is not
+                                       Format.FP32 for p in producers)
 
     def compute_peak(self, policy: Policy) -> float:
         """Predicted peak bytes of forward + backward under ``policy``."""

@@ -147,3 +147,30 @@ def test_fp8_sqnr_floor_against_float64():
     ref = a.double() @ b.double()
     s = sqnr_db(ref, fp8_matmul(a, b, native=False))
     assert 20 < s < 40, f"FP8 E4M3 matmul SQNR {s:.1f} dB outside the expected 20-40 dB band"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shapes", [((2, 32, 64), (64, 48)), ((2, 2, 32, 16), (1, 2, 16, 32))])
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
+def test_rowwise_saves_its_inputs_not_fp32_copies(recipe, shapes, dtype):
+    """The rowwise function keeps for backward the tensors it was given, nothing more: an FP32
+    copy of a BF16 input doubles what the layer keeps, and an FP32 ``.to(float32)`` alias of an
+    FP32 input is what dynamo failed to capture under the guard's hooks."""
+    a = torch.randn(*shapes[0], dtype=dtype, requires_grad=True)
+    b = torch.randn(*shapes[1], dtype=dtype, requires_grad=True)
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = fp8_matmul(a, b, native=False, recipe=recipe)
+    inputs = {a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()}
+    extra = sum(t.untyped_storage().nbytes() for t in saved
+                if t.untyped_storage().data_ptr() not in inputs)
+    assert len(saved) == 2, f"{recipe} saved {len(saved)} tensors, expected its 2 inputs"
+    assert extra == 0, (f"{recipe} saves {extra} B beyond its {dtype} inputs: "
+                        f"{[(t.dtype, tuple(t.shape)) for t in saved]}")
+    y.float().sum().backward()  # the backward runs from the inputs as saved
+    assert a.grad.dtype == dtype and torch.isfinite(a.grad).all() and b.grad.count_nonzero()

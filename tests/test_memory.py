@@ -14,7 +14,13 @@ import autoprec
 from autoprec.cli import main
 from autoprec.measure.capture import capture
 from autoprec.measure.numerics import prepare_for_measurement
-from autoprec.memory import MemoryModel, measure_step_memory, memory_model, parse_size
+from autoprec.memory import (
+    MemoryModel,
+    StepMemory,
+    measure_step_memory,
+    memory_model,
+    parse_size,
+)
 from autoprec.policy import Policy
 from autoprec.task import default_loss
 from autoprec.tuning import tune
@@ -93,6 +99,35 @@ def test_trace_sees_the_activations_a_step_saves():
     # give or take the small temporaries of the backward
     grown = peaks[1] - peaks[0]
     assert 2 * 1024 * 512 * 4 * 0.9 <= grown <= 2 * 1024 * 512 * 4 * 1.6, grown
+
+
+def test_rowwise_keeps_its_operands_as_they_came():
+    """autoprec's rowwise FP8 saves its inputs as they came (no FP32 copy): a layer after a
+    norm keeps its FP32 input, one after a 16-bit layer (the MLP's c_proj after c_fc, the
+    attention after c_attn) keeps 2 bytes an element where FP32 kept 4."""
+    model, batch, _ = _model_and_measure(_gpt2)
+    graph = capture(copy.deepcopy(model), batch)
+    layers = [lay for lay in graph.layers if lay.matmuls]
+    step = StepMemory(0, 0, 0)  # the change per layer does not depend on the measured steps
+    mm = MemoryModel.calibrate(layers, lambda _: step, edges=graph.edges)
+    mm.residual_per_element = 0.0  # only what the layers themselves keep
+    rowwise = Policy(default="fp8:rowwise", fp8_engine="autoprec")
+    change = mm.layer_change(rowwise)
+    by_fqn = {lay.fqn: lay for lay in layers}
+
+    def elements(fqn: str, operand: str) -> int:
+        return sum(p.batch * p.m * p.k if operand == "a" else p.batch * p.k * p.n
+                   for p in by_fqn[fqn].matmuls)
+
+    h = "transformer.h.0"
+    assert change[f"{h}.mlp.c_fc"] == 0  # FP32 from ln_2: the same tensor fp32 keeps
+    assert change[f"{h}.mlp.c_proj"] == -2 * elements(f"{h}.mlp.c_proj", "a")
+    both = elements(f"{h}.attn", "a") + elements(f"{h}.attn", "b")
+    assert change[f"{h}.attn"] == -2 * both
+    # with its projection in fp32 the attention's operands come in FP32, and stay
+    fp32_proj = Policy(default="fp8:rowwise", fp8_engine="autoprec",
+                       layers={f"{h}.attn.c_attn": "fp32"})
+    assert mm.layer_change(fp32_proj)[f"{h}.attn"] == 0
 
 
 def _task():

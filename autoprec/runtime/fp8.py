@@ -187,20 +187,22 @@ class _FP8Matmul(torch.autograd.Function):
 
 class _FP8RowwiseMatmul(torch.autograd.Function):
     """``a @ b (+ bias)`` with the rowwise recipes: each GEMM's operands quantized to E4M3 along
-    its own contracted dimension; ``gw_hp`` runs the weight-gradient GEMM in BF16."""
+    its own contracted dimension; ``gw_hp`` runs the weight-gradient GEMM in BF16.
+
+    The inputs are saved for backward as they came and cast to FP32 there again (the same
+    casts, so the same bits): an FP32 copy would double what a 16-bit input keeps, and for an
+    FP32 input ``.to(float32)`` is the input itself, an alias of a forward input that dynamo
+    failed to capture (InternalTorchDynamoError tracing a model under the runtime guard).
+    """
 
     @staticmethod
     def forward(ctx, a, b, bias, native, gw_hp):
         with torch.autocast(a.device.type, enabled=False):
-            a32, b32 = a.detach().to(torch.float32), b.detach().to(torch.float32)
-            if b.dim() > 2:
-                batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-                a32, b32 = a32.expand(*batch, *a.shape[-2:]), b32.expand(*batch, *b.shape[-2:])
-            out = _rowwise_product(a32, b32, native)
+            out = _rowwise_product(*_fp32_operands(a, b), native)
             if bias is not None:
                 out = out + bias.to(torch.float32)
             out = out.to(torch.bfloat16)
-        ctx.save_for_backward(a32, b32)
+        ctx.save_for_backward(a, b)
         ctx.native, ctx.gw_hp = native, gw_hp
         ctx.shapes = (a.shape, b.shape, None if bias is None else bias.shape)
         ctx.dtypes = (a.dtype, b.dtype, None if bias is None else bias.dtype)
@@ -208,10 +210,11 @@ class _FP8RowwiseMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        a32, b32 = ctx.saved_tensors
+        a, b = ctx.saved_tensors
         a_shape, b_shape, _ = ctx.shapes
         grad_a = grad_b = None
         with torch.autocast(grad_out.device.type, enabled=False):
+            a32, b32 = _fp32_operands(a, b)
             g = grad_out.to(torch.float32)
             if len(b_shape) == 2:  # leading dims of a fold into M, as in the forward
                 g, a32 = g.reshape(-1, g.shape[-1]), a32.reshape(-1, a32.shape[-1])
@@ -225,6 +228,16 @@ class _FP8RowwiseMatmul(torch.autograd.Function):
                           if ctx.gw_hp else _rowwise_product(at, g, ctx.native))
                 grad_b = grad_b.sum_to_size(b_shape)
         return (*_input_grads(ctx, grad_out, grad_a, grad_b), None, None)
+
+
+def _fp32_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` and ``b`` in FP32, batch dimensions broadcast to each other when ``b`` is batched
+    (forward and backward build them alike, so both quantize the same values)."""
+    a32, b32 = a.detach().to(torch.float32), b.detach().to(torch.float32)
+    if b.dim() > 2:
+        batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        a32, b32 = a32.expand(*batch, *a.shape[-2:]), b32.expand(*batch, *b.shape[-2:])
+    return a32, b32
 
 
 def _rowwise_product(a: torch.Tensor, b: torch.Tensor, native: bool) -> torch.Tensor:
