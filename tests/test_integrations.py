@@ -489,3 +489,73 @@ def test_accelerate_save_state_carries_the_guard_and_the_policys_scaler(fresh_ac
     assert guard2.events == guard.events and guard2.policy == guard.policy
     assert autoprec.applied_formats(model2) == autoprec.applied_formats(model)
     assert scaler2.get_scale() == scaler.get_scale() < 1024.0
+
+
+def _accelerate_kit(*, guard: bool | None = True, register: bool = True):
+    """A fresh Accelerator and a GPT-2 prepared with it under RESUME_POLICY (fp16 layers: the
+    policy's GradScaler); ``register=False`` is what training_kit registered before it carried
+    the guard and scaler in Accelerate checkpoints: nothing."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    acc = Accelerator(cpu=True, mixed_precision="no")
+    model, scaler, g = training_kit(tiny_gpt2().train(), RESUME_POLICY, guard=guard,
+                                    accelerator=acc if register else None)
+    return acc, acc.prepare(model), scaler, g
+
+
+def _nudged(model) -> dict:
+    """Move every weight (so that a load is visible) and return the new values."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_accelerate_loads_a_checkpoint_saved_before_the_guard_was_registered(
+        fresh_accelerate_state, tmp_path):
+    """Accelerate refuses a folder whose count of custom states differs from the registered
+    objects; one saved before training_kit registered the guard and scaler has none, and loads
+    with them fresh (as resumed runs had them then), said in a warning."""
+    old_acc, old_model, _, _ = _accelerate_kit(register=False)
+    assert old_acc._custom_objects == []
+    weights = _nudged(old_model)
+    old_acc.save_state(str(tmp_path / "old"))
+
+    acc, model, scaler, guard = _accelerate_kit()
+    with pytest.warns(UserWarning, match="holds no autoprec state") as caught:
+        acc.load_state(str(tmp_path / "old"))
+    message = [str(w.message) for w in caught if "autoprec state" in str(w.message)][0]
+    assert "guard and GradScaler" in message and "\n" not in message
+    loaded = model.state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in weights.items())
+    assert guard.events == [] and scaler.get_scale() == 1024.0  # fresh
+    # the next save carries them again, and loads without a word
+    acc.save_state(str(tmp_path / "new"))
+    assert acc._custom_objects == [guard, scaler]
+    assert {"custom_checkpoint_0.pkl", "custom_checkpoint_1.pkl"} <= set(
+        os.listdir(tmp_path / "new"))
+    acc2, _, _, _ = _accelerate_kit()
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        acc2.load_state(str(tmp_path / "new"))
+    assert not [w for w in again if "autoprec state" in str(w.message)]
+
+
+def test_accelerate_checkpoint_with_other_autoprec_state_is_refused_before_loading(
+        fresh_accelerate_state, tmp_path):
+    """A checkpoint saved with the guard, resumed without one: one line that says what
+    differs, raised before Accelerate has loaded anything (its own error comes after the
+    model and optimizer were overwritten)."""
+    acc, model, _, _ = _accelerate_kit()
+    _nudged(model)
+    acc.save_state(str(tmp_path / "guarded"))
+
+    acc2, model2, _, guard2 = _accelerate_kit(guard=None)
+    assert guard2 is None
+    before = {k: v.clone() for k, v in model2.state_dict().items()}
+    with pytest.raises(PolicyError, match="holds 2 custom states .* registers 1") as e:
+        acc2.load_state(str(tmp_path / "guarded"))
+    assert "\n" not in str(e.value) and "GradScaler" in str(e.value)
+    assert all(torch.equal(model2.state_dict()[k], v) for k, v in before.items())

@@ -39,8 +39,9 @@ policy in ``on_init_end``, before the Trainer's Accelerator prepares the model) 
 Checkpoints carry the guard's state (its demotions), so a resumed run starts with them: the
 Trainer callback writes ``autoprec_guard.json`` into each ``checkpoint-N`` folder and reads it
 back on ``train(resume_from_checkpoint=...)``; with Accelerate, ``training_kit`` registers the
-guard (and the policy's GradScaler) with ``accelerator.register_for_checkpointing``; a plain
-loop puts ``guard.state_dict()`` in its checkpoint and calls ``guard.load_state_dict`` on resume.
+guard (and the policy's GradScaler) with ``accelerator.register_for_checkpointing`` (a
+checkpoint saved before it did loads with them fresh, and a warning); a plain loop puts
+``guard.state_dict()`` in its checkpoint and calls ``guard.load_state_dict`` on resume.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import warnings
 from typing import Any, NamedTuple
 
@@ -128,12 +130,82 @@ def training_kit(model: nn.Module, policy: Policy | str | os.PathLike, *,
     g = get_guard(model)
     if g is not None:
         g.scaler = outer if outer is not None else scaler
-    register = getattr(accelerator, "register_for_checkpointing", None)
-    if register is not None:
+    if accelerator is not None:
         # accelerator.save_state()/load_state() then carry the guard's demotions and the
         # policy's loss scale (Accelerate saves only its own scaler)
-        register(*([g] if g is not None else []), *([scaler] if scaler.is_enabled() else []))
+        _register_for_checkpointing(accelerator, [*([g] if g is not None else []),
+                                                  *([scaler] if scaler.is_enabled() else [])])
     return TrainingKit(model, scaler, g)
+
+
+def _register_for_checkpointing(accelerator: Any, objects: list) -> None:
+    """Register ``objects`` (the guard, the policy's GradScaler) with the accelerator, and let
+    its ``load_state`` take up a checkpoint saved before they were registered."""
+    register = getattr(accelerator, "register_for_checkpointing", None)
+    if register is None or not objects:
+        return
+    register(*objects)
+    if isinstance(getattr(accelerator, "_custom_objects", None), list) and \
+            hasattr(accelerator, "register_load_state_pre_hook"):
+        compat = _OlderCheckpoints(accelerator, objects)
+        accelerator.register_load_state_pre_hook(compat.before_load)
+        accelerator.register_save_state_pre_hook(compat.before_save)
+
+
+class _OlderCheckpoints:
+    """Loads into an Accelerator that registers autoprec's objects a checkpoint that holds none.
+
+    Accelerate loads ``custom_checkpoint_<i>.pkl`` into the i-th registered object and refuses
+    a folder whose count differs, in a multi-line RuntimeError raised after it has already
+    loaded the model and optimizer. A checkpoint ``save_state`` wrote before ``training_kit``
+    registered the guard and GradScaler lacks exactly those: the resumed run then starts them
+    fresh, as it did when checkpoints never carried them, with a warning, and they are
+    registered again for the next ``save_state``. Any other count is refused in one line
+    before anything is loaded. Works on the accelerator's list of registered objects (no
+    public way to leave some out of one load).
+    """
+
+    def __init__(self, accelerator: Any, objects: list):
+        self.accelerator = accelerator
+        self.objects = objects
+        self.left_out: list[tuple[int, Any]] = []  # (index, object) taken out for one load
+
+    def _restore(self) -> None:
+        registered = self.accelerator._custom_objects
+        for index, obj in self.left_out:
+            registered.insert(index, obj)
+        self.left_out = []
+
+    def before_save(self, models, weights, output_dir) -> None:
+        self._restore()
+
+    def before_load(self, models, input_dir) -> None:
+        self._restore()
+        registered = self.accelerator._custom_objects
+        found = sum(re.fullmatch(r"custom_checkpoint_\d+\.pkl", f) is not None
+                    for f in os.listdir(input_dir))
+        ours = [i for i, obj in enumerate(registered) if any(obj is o for o in self.objects)]
+        names = " and ".join(_checkpoint_name(registered[i]) for i in ours)
+        if found == len(registered) or not ours:
+            return
+        if found != len(registered) - len(ours):
+            raise PolicyError(
+                f"{input_dir} holds {found} custom states (custom_checkpoint_*.pkl) but this "
+                f"Accelerator registers {len(registered)}, autoprec's {names} among them "
+                "(training_kit registers them): resume with the guard= and policy the "
+                "checkpoint was saved with (fp16 layers register the GradScaler).")
+        warnings.warn(
+            f"{input_dir} holds no autoprec state (saved before training_kit registered the "
+            f"{names} for checkpointing): loading it without them, so the guard starts with "
+            "no demotions and the GradScaler at the policy's init_scale; the next save_state "
+            "carries them.", stacklevel=3)
+        self.left_out = [(i, registered[i]) for i in ours]
+        for i in reversed(ours):
+            del registered[i]
+
+
+def _checkpoint_name(obj: Any) -> str:
+    return "guard" if isinstance(obj, Guard) else "GradScaler"
 
 
 def save_guard_state(guard: Guard, checkpoint_dir: str | os.PathLike) -> str:

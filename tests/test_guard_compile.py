@@ -1,0 +1,146 @@
+"""The runtime guard under torch.compile: it adds no graph break (its checks travel through
+autograd, see ``autoprec.runtime.guard._Probe``), with and without HF activation checkpointing,
+and a compiled guarded run finds, blames and demotes exactly what the eager one does."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import warnings
+
+import pytest
+import torch
+from conftest import tiny_gpt2, tiny_llama
+
+import autoprec
+from autoprec import Policy
+from autoprec.runtime.guard import GuardConfig, get_guard
+from examples.data import byte_batches
+from examples.train_plain import PLANT_LAYER, plant_overflow
+
+MODELS = {"gpt2": tiny_gpt2, "llama": tiny_llama}
+
+CASES = {
+    "gpt2 bf16/fp32": ("gpt2", Policy(default="bf16", layers={
+        "transformer.h.0.mlp": "fp32", "lm_head": "fp32"})),
+    # fp16 layers: values counted (_stat) and their own weight gradients hooked
+    "gpt2 fp16 mlp": ("gpt2", Policy(default="bf16", layers={
+        "transformer.h.0.mlp": "fp16", "lm_head": "fp32"})),
+    "gpt2 fp8 + rowwise attn": ("gpt2", Policy(default="bf16", layers={
+        "transformer.h.*.mlp": "fp8", "transformer.h.1.attn": "fp8:rowwise",
+        "transformer.h.0.mlp.c_proj": "fp32", "lm_head": "fp32"})),
+    "llama fp8 torchao": ("llama", Policy(default="bf16", fp8_engine="torchao", layers={
+        "model.layers.*.mlp.*": "fp8", "lm_head": "fp32"})),
+}
+
+
+@pytest.fixture(autouse=True)
+def _quiet_fp8_warning():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*can only emulate.*")
+        yield
+
+
+def _model(name: str, policy: Policy | None, *, checkpointing: bool):
+    model = MODELS[name]().train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if policy is not None:
+        autoprec.apply(model, policy, guard=True)
+    return model
+
+
+def _explain(model, batch) -> tuple[int, int]:
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(lambda b: model(**b).loss)(batch)
+    torch._dynamo.reset()
+    return explained.graph_count, explained.graph_break_count
+
+
+@functools.cache
+def _baseline(name: str, checkpointing: bool) -> tuple[int, int]:
+    return _explain(_model(name, None, checkpointing=checkpointing), byte_batches(1, 4, 32)[0])
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_guard_adds_no_graph_breaks(case, checkpointing):
+    name, policy = CASES[case]
+    if "torchao" in case:
+        pytest.importorskip("torchao", reason="the torchao extra: pip install -e '.[torchao]'")
+    batch = byte_batches(1, 4, 32)[0]
+    model = _model(name, policy, checkpointing=checkpointing)
+    # the first training forward finds the modules that compute by what they run (attention
+    # cores): it changes the hooks, so it runs eagerly here (compiled, it breaks that one call)
+    model(**batch).loss.backward()
+    get_guard(model).step()
+    base = _baseline(name, checkpointing)
+    assert base == (1, 0), f"{name} without a policy no longer compiles whole: {base}"
+    got = _explain(model, batch)
+    assert got == base, f"{case}: (graphs, breaks) {got} with the guard, {base} without a policy"
+
+
+def _guarded_run(policy: Policy, *, compiled: bool, plant, update: bool = True,
+                 steps: int = 5) -> tuple[list, list[float]]:
+    """``steps`` steps of a 3-block GPT-2 under ``policy`` and the guard (patience 2),
+    compiled from the first step or not; ``plant(model)`` before the second step (guard step
+    2); ``update``: step the optimizer. Returns (events, losses)."""
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=3).train()
+    autoprec.apply(model, policy, guard=GuardConfig(patience=2))
+    guard = get_guard(model)
+    forward = torch.compile(model, backend="aot_eager") if compiled else model
+    scaler = policy.grad_scaler("cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = byte_batches(1, 4, 32, seed=0)[0]
+    losses = []
+    for step in range(steps):
+        if step == 1:
+            plant(model)
+        loss = forward(**batch).loss
+        scaler.scale(loss).backward()
+        if update:
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad(set_to_none=True)
+        guard.step()
+        losses.append(loss.item())
+    torch._dynamo.reset()
+    return [(e.fqn, e.old, e.new, e.step, e.where, e.reason) for e in guard.events], losses
+
+
+def _inf_weight(fqn: str):
+    def plant(model):
+        with torch.no_grad():
+            model.get_submodule(fqn).weight[0, 0] = float("inf")
+    return plant
+
+
+@pytest.mark.slow  # aot_eager recompiles after each change of what is watched
+def test_compiled_guard_demotes_what_the_eager_one_does():
+    """An fp16 layer whose outputs overflow from step 2: demoted at step 3 (patience 2), with
+    the same measured share of failing outputs, in both runs; every later loss finite."""
+    policy = Policy(default="bf16", layers={PLANT_LAYER: "fp16", "lm_head": "fp32"},
+                    loss_scaling={"init_scale": 1024.0, "growth_interval": 1000})
+    eager_events, eager_losses = _guarded_run(policy, compiled=False, plant=plant_overflow)
+    events, losses = _guarded_run(policy, compiled=True, plant=plant_overflow)
+    assert [e[:5] for e in events] == [(PLANT_LAYER, autoprec.Format.FP16, autoprec.Format.FP32,
+                                        3, "outputs")]
+    assert events == eager_events  # the reason carries the measured share of failing outputs
+    assert all(math.isfinite(x) for x in losses[3:]) and not math.isfinite(losses[1])
+    assert losses == pytest.approx(eager_losses, rel=1e-3, nan_ok=True)
+
+
+@pytest.mark.slow
+def test_compiled_guard_blames_no_layer_for_nan_from_an_fp32_layer(caplog):
+    """NaN made by a layer the policy keeps in fp32 reaches every watched layer after it:
+    compiled as eagerly, nobody is demoted and the warning names the fp32 layer (no optimizer
+    step: it would spread the NaN into every weight)."""
+    fp32 = "transformer.h.1.mlp.c_fc"
+    policy = Policy(default="bf16", layers={fp32: "fp32"})
+    with caplog.at_level(logging.WARNING, logger="autoprec.runtime.guard"):
+        events, _ = _guarded_run(policy, compiled=True, plant=_inf_weight(fp32), update=False,
+                                 steps=4)
+    assert events == []
+    assert f"come out of `{fp32}`" in caplog.text, caplog.text
