@@ -10,10 +10,14 @@ Several nodes: the same command on each, with ``--nnodes N --node_rank I --rdzv_
 The policy is applied *before* ``fully_shard``: torchao's ``Float8Linear`` (the fp8
 ``nn.Linear`` layers on the default engine) must be swapped in while the weights are plain
 tensors; applied after sharding, those layers run on autoprec's own FP8 engine instead (the
-same numbers). ``fully_shard`` gets no ``MixedPrecisionPolicy``: parameters stay FP32 master
-weights and the policy's regions decide each layer's compute format (an fp32 layer could not
-compute in FP32 from BF16-gathered weights). Each rank trains on its slice of the global batch;
-FSDP2 averages the gradients, so the run trains as one process on the whole batch would.
+same numbers). By default ``fully_shard`` gets no ``MixedPrecisionPolicy``: parameters stay
+FP32 master weights, gathered in FP32, and the policy's regions decide each layer's compute
+format. ``--param-dtype bf16`` gathers in BF16 the weights of the layers the policy runs in
+bf16 or fp8, everything else in FP32 (see :func:`shard`): an fp32 layer cannot compute in FP32
+from BF16-gathered weights, so a uniform ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``
+fails on the first one (and, on a CPU, on GPT-2's first LayerNorm). Each rank trains on its
+slice of the global batch; FSDP2 averages the gradients, so the run trains as one process on
+the whole batch would.
 """
 
 from __future__ import annotations
@@ -49,15 +53,50 @@ def make_model(kind: str, layers: int, width: int, seq_len: int) -> torch.nn.Mod
     return gpt2(n_layer=layers, n_embd=width, n_head=max(1, width // 64), seq_len=seq_len)
 
 
-def shard(model: torch.nn.Module) -> torch.nn.Module:
-    """FSDP2 as torchtitan does it: each transformer block is a unit, then the root."""
-    from torch.distributed.fsdp import fully_shard
+def shard(model: torch.nn.Module, policy: autoprec.Policy | None = None, *,
+          param_dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """FSDP2 as torchtitan does it: each transformer block is a unit, then the root.
 
-    blocks = model.model.layers if hasattr(model, "model") else model.transformer.h
-    for block in blocks:
+    ``param_dtype=torch.bfloat16`` (with the ``policy`` applied to ``model``): in each block,
+    the linear and conv layers the policy runs in bf16 or fp8 form one more unit, inside the
+    block's, whose weights are all-gathered in BF16: the BF16 weights autocast would have made
+    from the FP32 ones (bf16 layers then train bit for bit as with FP32 gathering). The rest
+    stays FP32: fp32 and fp16 layers (an fp32 layer cannot compute in FP32 from BF16 weights,
+    an fp16 one would get weights rounded to BF16), norms (which compute in FP32, some with
+    FP32 weights only) and the root (embeddings, often a tied or fp32 head). Gradients are
+    reduced in FP32 and inputs are not cast: the policy's regions decide. Not with a runtime
+    guard: a layer it demotes to fp32 would then get BF16 weights.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mixed = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
+                                 cast_forward_inputs=False)
+    prefix = "model.layers" if hasattr(model, "model") else "transformer.h"
+    for i, block in enumerate(model.get_submodule(prefix)):
+        low = low_precision_layers(block, f"{prefix}.{i}", policy, param_dtype)
+        if low:
+            fully_shard(low, mp_policy=mixed)
         fully_shard(block)
     fully_shard(model)
     return model
+
+
+def low_precision_layers(block: torch.nn.Module, fqn: str, policy: autoprec.Policy | None,
+                         param_dtype: torch.dtype | None) -> list[torch.nn.Module]:
+    """The layers of ``block`` (named ``fqn``) whose weights may be gathered in
+    ``param_dtype``: linear and conv layers the policy runs in a format that rounds their
+    weights to it anyway (bf16 and fp8 for BF16)."""
+    from autoprec.formats import FP8_FORMATS, Format
+    from autoprec.runtime.calls import class_kind
+
+    if param_dtype is None:
+        return []
+    if param_dtype != torch.bfloat16 or policy is None:
+        raise ValueError(f"shard(param_dtype={param_dtype}) takes torch.bfloat16 and the policy "
+                         "applied to the model: another dtype would round bf16 layers' weights.")
+    rounded = {Format.BF16, *FP8_FORMATS}
+    return [m for name, m in block.named_modules() if class_kind(m) in ("linear", "conv")
+            and policy.format_for(f"{fqn}.{name}") in rounded]
 
 
 def local_batch(batch: dict, rank: int, world: int) -> dict:
@@ -86,6 +125,9 @@ def main(argv=None) -> None:
                     help="also put the modules PATTERN matches in fp8 (a policy layer glob)")
     ap.add_argument("--engine", choices=["auto", "torchao", "autoprec"], default=None,
                     help="who runs fp8 nn.Linear layers (default: the policy's)")
+    ap.add_argument("--param-dtype", choices=["fp32", "bf16"], default="fp32",
+                    help="dtype FSDP2 gathers weights in: bf16 for the layers the policy runs\n"
+                         "in bf16 or fp8, fp32 for everything else")
     args = ap.parse_args(argv)
     if "RANK" not in os.environ:
         sys.exit("train_fsdp.py: error: run it under torchrun, e.g. "
@@ -107,12 +149,13 @@ def main(argv=None) -> None:
             print(f"train_fsdp.py: error: {e}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
         sys.exit(2)
-    shard(model)
+    shard(model, policy, param_dtype=torch.bfloat16 if args.param_dtype == "bf16" else None)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     batches = byte_batches(8, args.batch_size, args.seq_len, seed=0)
     if rank == 0:
         print(f"{args.model} {args.layers}x{args.width} on {world} ranks ({device.type}), "
-              f"policy {args.policy}{' + fp8 ' + args.fp8 if args.fp8 else ''}", flush=True)
+              f"policy {args.policy}{' + fp8 ' + args.fp8 if args.fp8 else ''}, weights "
+              f"gathered in {args.param_dtype}", flush=True)
     try:
         for step in range(args.steps):
             batch = {k: v.to(device) for k, v in local_batch(batches[step % 8], rank, world).items()}

@@ -10,11 +10,17 @@ torchao swaps modules (``nn.Linear`` -> ``Float8Linear``, sharing the same weigh
 ``Parameter`` objects, so names, ``state_dict`` and optimizer state are unchanged); autoprec
 records each swap and puts the original module back on ``remove``. Nothing here imports
 torchao until a policy puts an ``nn.Linear`` in fp8 with the engine ``auto`` or ``torchao``.
+
+Under FSDP2 a ``Float8Linear`` sharded since it was swapped in cannot be swapped back (FSDP
+all-gathers into it, not into the original). The runtime guard still has to change such a
+layer's format; it re-applies inside :func:`keeping_sharded_swaps`, where the swapped module
+stays and a layer no longer in its FP8 recipe computes as ``nn.Linear`` inside its region.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import importlib.util
@@ -29,7 +35,13 @@ from torch import nn
 from autoprec.formats import Format, Support, supported_formats
 from autoprec.runtime.calls import KERNEL_MULTIPLE
 
-__all__ = ["Swap", "torchao_available", "engine_for", "swap_to_torchao", "restore"]
+__all__ = ["Swap", "torchao_available", "engine_for", "swap_to_torchao", "restore",
+           "keeping_sharded_swaps"]
+
+# Inside keeping_sharded_swaps(): id(Float8Linear) -> its Swap, for the swaps restore() left in
+# place because the model was sharded since (None outside: restore refuses those).
+_KEPT: contextvars.ContextVar[dict[int, Swap] | None] = contextvars.ContextVar(
+    "autoprec_kept_swaps", default=None)
 
 
 @functools.lru_cache(maxsize=1)
@@ -73,6 +85,11 @@ def engine_for(module: nn.Module, fmt: Format, engine: str) -> str:
     K or N is not a multiple of 16 stays on autoprec's engine, which runs it in bf16 (the
     kernel cannot take it; torchao's own filter skips it on the same rule). Asking for
     "torchao" where it is not installed is an error that says how to get it."""
+    kept = (_KEPT.get() or {}).get(id(module))
+    if kept is not None:
+        # a Float8Linear kept in place (sharded since its swap): it goes on computing its FP8
+        # recipe only in that recipe; any other format runs it as nn.Linear (swap_to_torchao)
+        return "torchao" if fmt is kept.format and engine != "autoprec" else "autoprec"
     if not fmt.is_fp8 or not isinstance(module, nn.Linear) or engine == "autoprec":
         return "autoprec"
     if module.in_features % KERNEL_MULTIPLE or module.out_features % KERNEL_MULTIPLE:
@@ -119,17 +136,23 @@ class Swap:
     name: str
     original: nn.Module
     replacement: nn.Module
+    # the fp8 format (recipe) the replacement computes
+    format: Format | None = None
 
 
 def swap_to_torchao(model: nn.Module, targets: dict[str, Format]) -> list[Swap]:
     """Convert the ``nn.Linear`` modules named in ``targets`` (fqn -> fp8 format) to torchao's
     ``Float8Linear`` with each one's recipe (``emulate=True`` where the device has no kernels
-    for it). Returns the swaps, for :func:`restore`."""
+    for it). Returns the swaps, for :func:`restore`. Inside :func:`keeping_sharded_swaps` the
+    swaps kept in place come first, and are not converted again."""
+    kept = _KEPT.get() or {}
+    swaps: list[Swap] = _keep(model, targets, kept) if kept else []
+    targets = {fqn: f for fqn, f in targets.items()
+               if id(model.get_submodule(fqn)) not in kept}
     if not targets:
-        return []
+        return swaps
     with _quiet():
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    swaps: list[Swap] = []
     modules = dict(model.named_modules())
     for fmt in dict.fromkeys(targets.values()):
         names = {fqn for fqn, f in targets.items() if f is fmt}
@@ -146,21 +169,77 @@ def swap_to_torchao(model: nn.Module, targets: dict[str, Format]) -> list[Swap]:
         after = dict(model.named_modules())
         for fqn, original in before.items():
             parent_name, _, child = fqn.rpartition(".")
-            swaps.append(Swap(model.get_submodule(parent_name), child, original, after[fqn]))
+            swaps.append(Swap(model.get_submodule(parent_name), child, original, after[fqn], fmt))
         modules = after
     return swaps
 
 
+def _keep(model: nn.Module, targets: dict[str, Format], kept: dict[int, Swap]) -> list[Swap]:
+    """The swaps :func:`restore` kept in place, for the policy being applied: a layer still in
+    its recipe (in ``targets``) runs its Float8Linear again; any other runs it as nn.Linear, so
+    that the region :func:`autoprec.runtime.rewrite.apply` puts around it (or its parent's)
+    decides its format. Each stays a swap: removing the policy is still refused."""
+    swaps = []
+    for fqn, module in model.named_modules():
+        swap = kept.get(id(module))
+        if swap is None:
+            continue
+        own = module.__dict__.get("forward")
+        if fqn in targets:
+            if isinstance(own, _AsLinear):
+                del module.forward
+        elif not isinstance(own, _AsLinear):
+            module.forward = _AsLinear(module)
+        swaps.append(swap)
+    return swaps
+
+
+class _AsLinear:
+    """The forward of a kept Float8Linear whose layer left its FP8 recipe: ``nn.Linear``'s,
+    on the same (FSDP-gathered) weight and bias. A callable object, not a closure, so that
+    ``copy.deepcopy`` rebinds it to the copied module."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        return nn.Linear.forward(self.module, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def keeping_sharded_swaps():
+    """Re-apply a policy to a model whose Float8Linear swaps were sharded since (FSDP2).
+
+    Inside, :func:`restore` leaves those swaps in place instead of refusing, and the
+    ``apply`` that follows keeps them: a layer the new policy leaves in its recipe runs on
+    torchao as before, one in another format (a runtime guard's demotion, fp8 -> bf16) runs
+    as ``nn.Linear`` in that format. Putting the original ``nn.Linear`` back is no option: FSDP
+    all-gathers into the Float8Linear, and the original would train its stale weight."""
+    token = _KEPT.set({})
+    try:
+        yield
+    finally:
+        _KEPT.reset(token)
+
+
 def restore(swaps: list[Swap]) -> None:
-    """Put back the modules torchao replaced (in reverse order)."""
+    """Put back the modules torchao replaced (in reverse order); inside
+    :func:`keeping_sharded_swaps`, those sharded since stay."""
+    kept = _KEPT.get()
+    stale = set()
     for swap in swaps:
         # fully_shard after the swap gave the Float8Linear sharded parameters the original
         # Linear never sees: put back, it would run its stale weight and train nothing
         if _sharded(swap.replacement) and \
                 getattr(swap.original, "weight", None) is not swap.replacement.weight:
+            if kept is not None:
+                kept[id(swap.replacement)] = swap
+                stale.add(id(swap))
+                continue
             raise RuntimeError(
                 "Cannot remove or re-apply a policy whose fp8 layers run on torchao's "
                 "Float8Linear after the model was sharded (fully_shard): apply the final policy "
                 "once before fully_shard, or use engine autoprec to change it later.")
     for swap in reversed(swaps):
-        setattr(swap.parent, swap.name, swap.original)
+        if id(swap) not in stale:
+            setattr(swap.parent, swap.name, swap.original)
