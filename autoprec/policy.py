@@ -644,5 +644,14 @@ def model_fingerprint(model: nn.Module) -> str:
         params = [(n, tuple(p.shape)) for n, p in module.named_parameters(recurse=False)]
         if not params:
             continue
-        h.update(f"{fqn}|{type(module).__name__}|{params}\n".encode())
+        h.update(f"{fqn}|{_class_name(module)}|{params}\n".encode())
     return f"sha256:{h.hexdigest()}"
+
+
+def _class_name(module: nn.Module) -> str:
+    """The module's own class name: past the subclass ``fully_shard`` (FSDP2) makes of a module
+    it shards (``FSDPLinear``), so that sharding leaves the fingerprint as it was."""
+    for cls in type(module).__mro__:
+        if not (cls.__name__.startswith("FSDP") and cls.__module__.startswith("torch.distributed")):
+            return cls.__name__
+    return type(module).__name__

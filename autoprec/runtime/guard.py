@@ -65,8 +65,10 @@ output goes through a custom autograd function (``_Probe``) whose backward hands
 forward and backward, to a small leaf tensor of the watch as its gradient; ``step()`` reads
 those with the eager records. Python state changes only between steps (suspects, demotions:
 a recompile then). The order in which layers ran (for blame) is the one seen eagerly, else the
-order modules finish. The first training forward finds the modules that compute by what they
-run (attention cores): compiled, that one call breaks into pieces; the next compile is whole.
+order modules finish. Modules a compiled first training forward finds to compute by what they
+run (attention cores) are hooked at the next ``step()`` (registering a hook while dynamo traces
+is a graph break), so that one forward does not check them; with activation checkpointing that
+first forward still compiles in pieces (the search's records inside the checkpoint).
 """
 
 from __future__ import annotations
@@ -302,7 +304,13 @@ class _Watch:
         self.fqn = fqn
         self.limit = limit
         self.exact = limit < _BF16_MAX  # fp16: a finite FP32 value can exceed the limit
-        self.sink = torch.zeros(_ROW, device=device, requires_grad=True)
+        self.device = device
+        # made eagerly: a module found to compute during a compiled first forward gets its
+        # sink at the next step() (a tensor made with requires_grad is a graph break)
+        self.sink = None if torch.compiler.is_compiling() else self.new_sink()
+
+    def new_sink(self) -> torch.Tensor:
+        return torch.zeros(_ROW, device=self.device, requires_grad=True)
 
     def _counts(self, kind: str) -> bool:
         """Whether checks of ``kind`` count failing values (see _stat) rather than sum."""
@@ -324,7 +332,7 @@ class _Watch:
         """Compiled, for suspects: route the input through a probe that reports the gradient
         this layer's backward sends upstream (eagerly a tensor hook does, in forward_hook)."""
         g = self.guard
-        if not (torch.compiler.is_compiling() and torch.is_grad_enabled()
+        if not (torch.compiler.is_compiling() and torch.is_grad_enabled() and self.sink is not None
                 and g.config.check_gradients and self.fqn in g._suspects):
             return None
         x = _first_tensor((args, kwargs))
@@ -345,7 +353,7 @@ class _Watch:
             x = _first_tensor((args, kwargs))
             x = x if x is not None and x.is_floating_point() and x.numel() else None
         if torch.compiler.is_compiling():
-            return _replace_first(output, self._probe(out, x))
+            return None if self.sink is None else _replace_first(output, self._probe(out, x))
         g = self.guard
         g._seen(g._fwd_order, self.fqn)
         self._record("out", out)
@@ -459,8 +467,13 @@ class _Discovery(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         call = calls.lookup(func)
-        if call is not None and self.stack:
-            self.calls.setdefault(self.stack[-1], set()).add(call.name)
+        if call is not None and self.stack and self.stack[-1] not in self.guard._layers:
+            # only what is new is written: a write made inside a higher-order op that
+            # torch.compile traces (an FP8 autograd function, a checkpointed block) is a graph
+            # break; the modules known by their class need no record
+            seen = self.calls.get(self.stack[-1])
+            if seen is None or call.name not in seen:
+                self.calls.setdefault(self.stack[-1], set()).add(call.name)
         return func(*args, **(kwargs or {}))
 
     def _start(self, module, args):
@@ -523,6 +536,8 @@ class Guard:
         # fqn -> kind of every module of the model that computes (None: not attached yet).
         self._layers: dict[str, str] | None = None
         self._discovery_done = False
+        # modules found to compute during a compiled first forward, watched at the next step()
+        self._unhooked: list[str] = []
         self._handles: list = []
         self._step = 0
         self._counts: dict[str, int] = {}
@@ -574,10 +589,7 @@ class Guard:
                             if (kind := calls.class_kind(m)) in calls.COMPUTING_KINDS}
         if not self._discovery_done:
             self._handles.extend(_Discovery(self, modules).handles)
-        owners: dict[int, int] = {}
-        for module in modules.values():
-            for p in module.parameters(recurse=False):
-                owners[id(p)] = owners.get(id(p), 0) + 1
+        owners = self._owners()
         for fqn in self._layers:
             self._watch(fqn, modules[fqn], owners)
         model.__dict__[_GUARD_ATTR] = self
@@ -610,13 +622,31 @@ class Guard:
 
     def _discovered(self, fqn: str, module: nn.Module, own_calls: set[str]) -> _Watch | None:
         """The first training forward found that ``module`` computes by what it runs: watch
-        it from now on (the caller checks this forward's output with the watch returned)."""
+        it from now on (the caller checks this forward's output with the watch returned).
+        While torch.compile traces that forward, it is watched from the next ``step()`` on
+        (registering a hook there is a graph break; this one forward goes unchecked)."""
         self._layers[fqn] = calls.layer_kind(module, own_calls)
+        if torch.compiler.is_compiling():
+            self._unhooked.append(fqn)
+            return None
+        return self._watch(fqn, module, self._owners())
+
+    def _owners(self) -> dict[int, int]:
+        """id(parameter) -> how many modules hold it (a tied weight: more than one)."""
         owners: dict[int, int] = {}
         for m in self.model.modules():
             for p in m.parameters(recurse=False):
                 owners[id(p)] = owners.get(id(p), 0) + 1
-        return self._watch(fqn, module, owners)
+        return owners
+
+    def _hook_unhooked(self) -> None:
+        """Watch the modules a compiled first forward found to compute (see _discovered)."""
+        found, self._unhooked = self._unhooked, []
+        if found and self.model is not None:
+            owners, modules = self._owners(), dict(self.model.named_modules())
+            for fqn in found:
+                if fqn in modules and fqn not in self._watches:
+                    self._watch(fqn, modules[fqn], owners)
 
     def detach(self) -> None:
         """Stop watching (the model keeps its current policy)."""
@@ -643,6 +673,8 @@ class Guard:
         # Compiled calls report through each watch's sink instead (see _Probe).
         self._records: dict[str, dict[str, list]] = {k: {} for k in _KINDS}
         for watch in self._watches.values():
+            if watch.sink is None:
+                watch.sink = watch.new_sink()
             watch.sink.grad = None
 
     def _record(self, kind: str, fqn: str, check: torch.Tensor, numel: int) -> None:
@@ -675,6 +707,7 @@ class Guard:
             # autoprec.remove(model) ran: nothing left to guard
             self.detach()
             return []
+        self._hook_unhooked()
         trained, failure = self._judge(scaler if scaler is not None else self.scaler)
         if self._world() > 1:
             # every rank must reach the same counts, hence the same demotions at the same step
@@ -723,7 +756,7 @@ class Guard:
         order the layers ran (forward for outputs and inputs, backward for gradients)."""
         records = self._records
         sinks = [(fqn, w.sink.grad) for fqn, w in self._watches.items()
-                 if w.sink.grad is not None]
+                 if w.sink is not None and w.sink.grad is not None]
         self._reset_records()
         entries = [(k, fqn, n) for k in _KINDS for fqn, (_, n) in records[k].items()]
         values = _read([records[k][fqn][0] for k, fqn, _ in entries] + [g for _, g in sinks])

@@ -250,6 +250,10 @@ class Region:
         try:
             with region:
                 out = run(*args, **kwargs)
+        except RuntimeError as e:
+            if fmt is Format.FP32:
+                _explain_low_weights(self, e)
+            raise
         finally:
             if in_mode:
                 _exit_mode(popped)
@@ -260,6 +264,22 @@ class Region:
     def __repr__(self):
         engine = " (torchao)" if self.engine == "torchao" else ""
         return f"<autoprec region {self.format.value}{engine} around {self.fqn or 'root'}>"
+
+
+def _explain_low_weights(region: Region, error: RuntimeError) -> None:
+    """An fp32 layer whose weights arrive in 16 bits (FSDP2's ``MixedPrecisionPolicy(
+    param_dtype=torch.bfloat16)`` gathers them so) fails with a dtype mismatch deep in torch:
+    say which layer and what to do instead."""
+    low = next((p.dtype for p in region.module.parameters()
+                if p.dtype in (torch.bfloat16, torch.float16)), None)
+    if low is None:
+        return
+    raise RuntimeError(
+        f"`{region.fqn or '(root)'}` is fp32 under the policy, but its weights arrive in {low} "
+        "(FSDP2 MixedPrecisionPolicy(param_dtype=...) gathers them so): give the fully_shard "
+        "unit that holds it no param_dtype (examples/train_fsdp.py's shard(..., "
+        "param_dtype=...) gathers only the bf16/fp8 linears in 16 bits), or put the layer in "
+        f"bf16. ({type(error).__name__}: {str(error).splitlines()[0][:200]})") from error
 
 
 class _Reentry(Region):
