@@ -329,8 +329,9 @@ class _Watch:
             self.guard._record(kind, self.fqn, self._check(kind, t), t.numel())
 
     def pre_hook(self, module, args, kwargs):
-        """Compiled, for suspects: route the input through a probe that reports the gradient
-        this layer's backward sends upstream (eagerly a tensor hook does, in forward_hook)."""
+        """Compiled, for suspects (only they have this hook): route the input through a probe
+        that reports the gradient this layer's backward sends upstream (eagerly a tensor hook
+        does, in forward_hook)."""
         g = self.guard
         if not (torch.compiler.is_compiling() and torch.is_grad_enabled() and self.sink is not None
                 and g.config.check_gradients and self.fqn in g._suspects):
@@ -539,6 +540,8 @@ class Guard:
         # modules found to compute during a compiled first forward, watched at the next step()
         self._unhooked: list[str] = []
         self._handles: list = []
+        # suspect fqn -> its input-probing pre-hook (see _hook_suspects_inputs)
+        self._input_hooks: dict[str, Any] = {}
         self._step = 0
         self._counts: dict[str, int] = {}
         self._suspects: set[str] = set()
@@ -593,6 +596,7 @@ class Guard:
         for fqn in self._layers:
             self._watch(fqn, modules[fqn], owners)
         model.__dict__[_GUARD_ATTR] = self
+        self._hook_suspects_inputs()
         if self._pending is not None and not self._reapplying:
             state, self._pending = self._pending, None
             self._restore(state)
@@ -607,7 +611,6 @@ class Guard:
         param = param if param is not None else next(self.model.parameters(), None)
         device = param.device if param is not None else torch.device("cpu")
         watch = self._watches[fqn] = _Watch(self, fqn, _limit(fmt), device)
-        self._handles.append(module.register_forward_pre_hook(watch.pre_hook, with_kwargs=True))
         self._handles.append(module.register_forward_hook(watch.forward_hook, with_kwargs=True))
         # Weight gradients of fp16 layers only: their FP16 products (a sum over every token)
         # can overflow where the gradient at the output does not. A bf16 product has FP32's
@@ -656,10 +659,24 @@ class Guard:
         self.model = None
         self._reset_records()
 
+    def _hook_suspects_inputs(self) -> None:
+        """Suspects, and only they (a hook costs every call), get the pre-hook that probes
+        their inputs' gradient under torch.compile (_Watch.pre_hook)."""
+        modules = dict(self.model.named_modules()) if self.model is not None else {}
+        for fqn, handle in list(self._input_hooks.items()):
+            if fqn not in self._suspects:
+                handle.remove()
+                del self._input_hooks[fqn]
+        for fqn in self._suspects:
+            watch = self._watches.get(fqn)
+            if watch is not None and fqn not in self._input_hooks and fqn in modules:
+                self._input_hooks[fqn] = modules[fqn].register_forward_pre_hook(
+                    watch.pre_hook, with_kwargs=True)
+
     def _remove_hooks(self) -> None:
-        for h in self._handles:
+        for h in [*self._handles, *self._input_hooks.values()]:
             h.remove()
-        self._handles = []
+        self._handles, self._input_hooks = [], {}
         if self._diagnosis is not None:
             self._diagnosis.close()
             self._diagnosis = None
@@ -745,6 +762,7 @@ class Guard:
         self._origin = None
         failure, cleared = self._blame(level, frac, scaler)
         self._suspects = cleared | ({failure.fqn} if failure is not None else set())
+        self._hook_suspects_inputs()
         self._probe_suspects()
         self._explain(diagnosis, failed=failure is None and bool(cleared))
         return True, failure
