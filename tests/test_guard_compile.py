@@ -152,3 +152,40 @@ def test_compiled_guard_blames_no_layer_for_nan_from_an_fp32_layer(caplog):
                                  steps=4)
     assert events == []
     assert f"come out of `{fp32}`" in caplog.text, caplog.text
+
+
+def test_compiled_checks_equal_eager_ones_for_watched_layers_and_suspects():
+    """The numbers step() judges, per layer and kind: the probes' (compiled) and the hooks'
+    (eager) agree, including a suspect's input and input-gradient checks and its share of
+    failing values, with a planted overflow in one fp16 layer."""
+    policy = Policy(default="bf16", layers={PLANT_LAYER: "fp16", "lm_head": "fp32"})
+    batch = byte_batches(1, 4, 32, seed=0)[0]
+    suspect = PLANT_LAYER
+
+    def checks(compiled: bool):
+        torch.manual_seed(0)
+        model = tiny_gpt2(n_layer=3).train()
+        autoprec.apply(model, policy, guard=True)
+        guard = get_guard(model)
+        model(**batch).loss.backward()  # the first forward: finds the attention cores
+        guard.step()
+        model.zero_grad(set_to_none=True)
+        plant_overflow(model)
+        guard._suspects = {suspect}
+        guard._hook_suspects_inputs()
+        forward = torch.compile(model, backend="aot_eager") if compiled else model
+        forward(**batch).loss.backward()
+        torch._dynamo.reset()
+        return guard._collect()
+
+    (level, frac), (level_c, frac_c) = checks(False), checks(True)
+    for kind in ("out", "grad", "in", "ingrad"):
+        assert suspect in level_c[kind], (kind, level_c[kind])
+    assert level_c["out"][suspect] == math.inf and 0 < frac_c["out"][suspect] < 1
+    for kind in level:
+        assert set(level_c[kind]) == set(level[kind]), kind
+        for fqn, v in level[kind].items():
+            assert level_c[kind][fqn] == pytest.approx(v, rel=1e-3, nan_ok=True), (kind, fqn)
+        assert frac_c[kind] == pytest.approx(frac[kind], rel=1e-6), kind
+    # eagerly the checks come in the order the layers ran; compiled, in the order learned
+    assert list(level_c["out"]) == list(level["out"])
