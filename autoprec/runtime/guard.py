@@ -201,12 +201,11 @@ def _replace_first(obj: Any, new: torch.Tensor) -> Any:
 def _stat(t: torch.Tensor, count: bool, limit: float) -> torch.Tensor:
     """One FP32 number on ``t``'s device that sums over calls and says whether ``t`` failed.
 
-    ``count``: how many values are NaN or above ``limit`` in magnitude (infinite: how many are
-    non-finite; exact, gives the share
-    of failing values; used for fp16 layers, whose limit 65504 a finite FP32 value can exceed,
-    and for suspects). Otherwise ``t.sum()``, about half the cost: non-finite exactly when
-    some value is (or when the values are so large that their sum overflows FP32, an overflow
-    of BF16's range too).
+    ``count``: how many values are NaN or above ``limit`` in magnitude (infinite ``limit``: how
+    many are non-finite); exact, and gives the share of failing values; used for fp16 layers,
+    whose limit 65504 a finite FP32 value can exceed, and for suspects. Otherwise ``t.sum()``,
+    about half the cost: non-finite exactly when some value is (or when the values are so large
+    that their sum overflows FP32, an overflow of BF16's range too).
     """
     t = t.detach()
     if count:
@@ -299,11 +298,12 @@ class _Watch:
     :class:`_Probe` into ``sink.grad`` instead, so that they add no graph break.
     """
 
-    def __init__(self, guard: Guard, fqn: str, limit: float, device: torch.device):
+    def __init__(self, guard: Guard, fqn: str, fmt: Format, device: torch.device):
         self.guard = guard
         self.fqn = fqn
-        self.limit = limit
-        self.exact = limit < _BF16_MAX  # fp16: a finite FP32 value can exceed the limit
+        self.format = fmt
+        self.limit = _limit(fmt)
+        self.exact = self.limit < _BF16_MAX  # fp16: a finite FP32 value can exceed the limit
         self.device = device
         # made eagerly: a module found to compute during a compiled first forward gets its
         # sink at the next step() (a tensor made with requires_grad is a graph break)
@@ -412,7 +412,7 @@ class _Diagnosis:
         out = _first_tensor(output)
         if out is None or not out.is_floating_point() or out.numel() == 0:
             return None
-        x = _first_tensor(args) if _first_tensor(args) is not None else _first_tensor(kwargs)
+        x = _first_tensor((args, kwargs))
         x_sum = x.detach().float().sum() if x is not None and x.is_floating_point() else None
         self.records.append((fqn, x_sum, out.detach().float().sum()))
         return None
@@ -527,7 +527,7 @@ class Guard:
         self.model: nn.Module | None = None
         # GradScaler consulted by step() when none is passed (set by autoprec.runtime.integrations).
         self.scaler: torch.amp.GradScaler | None = None
-        self._watched: dict[str, Format] = {}
+        # fqn -> the watch (hooks, format, sink) of every layer being watched now
         self._watches: dict[str, _Watch] = {}
         # The order in which watched layers ran, forward and backward, as first seen eagerly;
         # layers not seen yet fall back to the order modules finish (_finish_order).
@@ -583,7 +583,7 @@ class Guard:
         self.policy = policy
         if not self._reapplying:
             self._base = policy
-        self._watched, self._watches = {}, {}
+        self._watches = {}
         modules = dict(model.named_modules())
         self._finish = _finish_order(model)
         if self._layers is None:
@@ -606,11 +606,10 @@ class Guard:
         fmt = self.policy.format_for(fqn)
         if fmt not in self.config.formats:
             return None
-        self._watched[fqn] = fmt
         param = next(module.parameters(), None)
         param = param if param is not None else next(self.model.parameters(), None)
         device = param.device if param is not None else torch.device("cpu")
-        watch = self._watches[fqn] = _Watch(self, fqn, _limit(fmt), device)
+        watch = self._watches[fqn] = _Watch(self, fqn, fmt, device)
         self._handles.append(module.register_forward_hook(watch.forward_hook, with_kwargs=True))
         # Weight gradients of fp16 layers only: their FP16 products (a sum over every token)
         # can overflow where the gradient at the output does not. A bf16 product has FP32's
@@ -662,16 +661,16 @@ class Guard:
     def _hook_suspects_inputs(self) -> None:
         """Suspects, and only they (a hook costs every call), get the pre-hook that probes
         their inputs' gradient under torch.compile (_Watch.pre_hook)."""
-        modules = dict(self.model.named_modules()) if self.model is not None else {}
-        for fqn, handle in list(self._input_hooks.items()):
-            if fqn not in self._suspects:
-                handle.remove()
-                del self._input_hooks[fqn]
-        for fqn in self._suspects:
-            watch = self._watches.get(fqn)
-            if watch is not None and fqn not in self._input_hooks and fqn in modules:
+        for fqn in [f for f in self._input_hooks if f not in self._suspects]:
+            self._input_hooks.pop(fqn).remove()
+        missing = [f for f in self._suspects if f in self._watches and f not in self._input_hooks]
+        if not missing or self.model is None:
+            return  # the common step: no module lookup
+        modules = dict(self.model.named_modules())
+        for fqn in missing:
+            if fqn in modules:
                 self._input_hooks[fqn] = modules[fqn].register_forward_pre_hook(
-                    watch.pre_hook, with_kwargs=True)
+                    self._watches[fqn].pre_hook, with_kwargs=True)
 
     def _remove_hooks(self) -> None:
         for h in [*self._handles, *self._input_hooks.values()]:
@@ -707,7 +706,7 @@ class Guard:
     @property
     def watched(self) -> dict[str, Format]:
         """fqn -> format of every layer being watched now."""
-        return dict(self._watched)
+        return {fqn: watch.format for fqn, watch in self._watches.items()}
 
     # ---------------------------------------------------------------- the per-step check
     def step(self, *, scaler: torch.amp.GradScaler | None = None,
@@ -737,7 +736,7 @@ class Guard:
         due = [f for f in blamed if self._counts[f] >= self.config.patience]
         if failure is not None and failure.fqn not in due:
             logger.info("autoprec guard: step %d: %s (%s) failed: %s (%d of %d steps before "
-                        "demotion)", self._step, failure.fqn, self._watched.get(failure.fqn),
+                        "demotion)", self._step, failure.fqn, self.watched.get(failure.fqn),
                         self._describe(failure), self._counts[failure.fqn],
                         self.config.patience)
         if not due:
@@ -814,8 +813,14 @@ class Guard:
         if kind == "wgrad":
             return lambda fqn: 0  # a stable sort keeps the recorded order
         bwd = self._bwd_order
-        return lambda fqn: (0, bwd[fqn], 0) if fqn in bwd else \
-            (1, -forward(fqn)[0], -forward(fqn)[1])
+
+        def backward(fqn: str):
+            if fqn in bwd:
+                return (0, bwd[fqn], 0)
+            seen, rank = forward(fqn)
+            return (1, -seen, -rank)  # the forward order reversed
+
+        return backward
 
     # ---------------------------------------------------------------- agreement across ranks
     def _world(self) -> int:
@@ -829,11 +834,11 @@ class Guard:
         rank learns whether any rank trained and which layers any rank blamed. The digest of
         the watched list, reduced as its max and its negated min, tells every rank alike when
         the ranks watch different layers (the flags would then not line up)."""
-        watched = sorted(self._watched)
+        watched = sorted(self._watches)
         digest = int.from_bytes(hashlib.sha256("\n".join(watched).encode()).digest()[:7], "big")
         flags = [0] * (3 + len(watched))
         flags[0], flags[1], flags[2] = int(trained), digest, -digest
-        if failure is not None and failure.fqn in self._watched:
+        if failure is not None and failure.fqn in self._watches:
             flags[3 + watched.index(failure.fqn)] = 1
         vec = torch.tensor(flags, dtype=torch.int64, device=self._collective_device())
         dist.all_reduce(vec, op=dist.ReduceOp.MAX)
@@ -864,7 +869,7 @@ class Guard:
     def _blame(self, level, frac, scaler) -> tuple[_Failure | None, set[str]]:
         """The layer to blame for this step (or None) and the layers cleared of blame."""
         cleared: set[str] = set()
-        limits = {fqn: _limit(fmt) for fqn, fmt in self._watched.items()}
+        limits = {fqn: watch.limit for fqn, watch in self._watches.items()}
 
         def bad(kind: str, fqn: str) -> bool:
             a = level[kind].get(fqn)
@@ -929,7 +934,7 @@ class Guard:
             if i == 0 and not math.isfinite(a):
                 cleared.add(fqn)
                 return None  # non-finite from the loss, or layers the guard does not watch
-            if math.isfinite(a) or self._watched.get(fqn) is Format.FP16:
+            if math.isfinite(a) or self.watched.get(fqn) is Format.FP16:
                 # beyond its format's range; or an fp16 layer, whose output (so the gradient
                 # computed for it) is FP16: overflowed there, after a finite gradient upstream
                 return _Failure(fqn, "gradients", a, frac["grad"].get(fqn))
@@ -948,7 +953,7 @@ class Guard:
         keeps in fp32): whether its failure is theirs."""
         for probe in self._probes.values():
             probe.close()
-        skip = frozenset(self._watched)
+        skip = frozenset(self._watches)
         self._probes = {fqn: _Diagnosis(self.model, under=fqn, skip=skip)
                         for fqn in self._suspects if self.model is not None}
         self._probes = {f: p for f, p in self._probes.items() if p.handles}
@@ -985,7 +990,7 @@ class Guard:
 
     def _describe(self, f: _Failure) -> str:
         """What was measured, e.g. "12% of outputs overflow fp16 max 65504 or are NaN"."""
-        fmt = self._watched.get(f.fqn, Format.FP32)
+        fmt = self.watched.get(f.fqn, Format.FP32)
         if f.where == "backward":
             return ("the gradients its backward sent upstream were non-finite, the gradient "
                     "reaching it was finite" + (f", loss scale {f.scale:g}" if f.scale else ""))
@@ -1006,7 +1011,7 @@ class Guard:
         ranks = [r for r, d in enumerate(seen) if fqn in d]
         where, described = seen[ranks[0]][fqn]
         count = self._counts[fqn]
-        old = self._watched[fqn]
+        old = self._watches[fqn].format
         new = old.demoted()
         reason = f"{described}; {count} steps in a row"
         if len(seen) > 1:
@@ -1159,7 +1164,7 @@ class Guard:
         self._probe_suspects()
 
     def __repr__(self) -> str:
-        return (f"<autoprec Guard watching {len(self._watched)} layers, "
+        return (f"<autoprec Guard watching {len(self._watches)} layers, "
                 f"{len(self.events)} demotion(s)>")
 
 
