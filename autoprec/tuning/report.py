@@ -100,11 +100,13 @@ class TuneResult:
         return None if self.selection is None else self.selection.over_warm_start
 
     def summary(self) -> str:
+        from autoprec.memory import format_size
+
         b = self.best
         distinct = len({json.dumps(t.assignment, sort_keys=True) for t in self.trials})
         lines = [f"winner: trial {b.number} ({b.origin}): {self.speedup} fp32 step time, "
                  f"loss {b.loss_increase:+.3%}, gradient error {b.grad_error:.3g}"
-                 + ("" if b.memory is None else f", peak memory {b.memory / 2**20:.1f} MiB"),
+                 + ("" if b.memory is None else f", peak memory {format_size(b.memory)}"),
                  f"trials: {len(self.trials)} ({distinct} distinct policies, "
                  f"{sum(t.feasible for t in self.trials)} feasible), Pareto front: "
                  f"{len(self.pareto)}"]

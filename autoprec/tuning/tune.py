@@ -38,6 +38,7 @@ import optuna
 from autoprec._util import log as _log
 from autoprec._util import tensors, worker_id
 from autoprec.formats import Format, Support, supported_formats
+from autoprec.memory import format_size, memory_model
 from autoprec.policy import Interval, Policy, model_fingerprint
 from autoprec.profiling import Profile
 from autoprec.profiling import profile as run_profile
@@ -220,8 +221,6 @@ class _Objective:
 
     def __init__(self, ev: Evaluator, space: SearchSpace, config: TuneConfig,
                  log: Callable[[str], None]):
-        from autoprec.memory import format_size, memory_model
-
         self.ev, self.space, self.config, self.log = ev, space, config, log
         # every trial's predicted peak memory (reported; a constraint under max_memory)
         self.memory = memory_model(ev.task, ev.prof)
@@ -276,7 +275,7 @@ class _Objective:
         trial.set_user_attr("origin", origin)
         feasible = finite and all(c <= 0 for c in cons)
         self.log(f"trial {trial.number:3d}  {speedup}  loss {li:+.3%}  grad err {ge:.3g}  "
-                 f"memory {mem / 2**20:.1f} MiB  {'ok' if feasible else 'over budget'}  "
+                 f"memory {format_size(mem)}  {'ok' if feasible else 'over budget'}  "
                  f"[{origin}]")
         return sec, li
 
