@@ -70,3 +70,21 @@ def test_supported_formats_on_cuda():
     major, minor = torch.cuda.get_device_capability()
     sup = supported_formats("cuda")
     assert (sup[Format.FP8] is Support.NATIVE) == ((major, minor) >= (8, 9))
+
+
+def test_cpu_features_agree_with_the_kernel_flags():
+    # torch's probe and the kernel's own flags must say the same of the BF16 instructions
+    # (the header line of the test log, and every speed test, rest on this)
+    from autoprec.formats import cpu_features
+
+    feats = cpu_features()
+    assert feats.capability == torch.backends.cpu.get_cpu_capability()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(set(line.split(":", 1)[1].split()) for line in f
+                         if line.startswith("flags"))
+    except (OSError, StopIteration):
+        pytest.skip("no x86 /proc/cpuinfo flags on this host")
+    assert feats.bf16_dot == bool(flags & {"avx512_bf16", "amx_bf16"}), feats.describe()
+    assert feats.fp16_dot == bool(flags & {"avx512_fp16", "amx_fp16"}), feats.describe()
+    assert feats.name in feats.describe() and feats.capability in feats.describe()

@@ -57,16 +57,26 @@ def test_profile_round_trips_and_prints(tmp_path, tiny_prof):
 
 
 def test_two_profiles_give_identical_errors(tiny_prof):
+    # Sensitivity must not depend on which run measured it. Both compared profiles are priced
+    # for h100, so every format is measured whatever this CPU is fast at (a measured profile
+    # on a CPU without BF16 instructions skips every format: nothing can beat fp32 there).
     other = profile(tiny_gpt2_task(), progress=False, repeats=1, target="h100")
-    assert all(set(lp.sensitivity) == {Format.BF16, Format.FP16, Format.FP8}
-               for lp in other.layers if not lp.skipped), "priced for h100, every format can win"
+    again = profile(tiny_gpt2_task(), progress=False, repeats=1, target="h100")
+    # priced for h100, the half formats can win on every layer (fp8's casts cost more than
+    # its GEMMs save at this width, so the price skips it)
+    assert all({Format.BF16, Format.FP16} <= set(lp.sensitivity) for lp in other.layers)
     compared = 0
+    for a, b in zip(other.layers, again.layers):
+        assert a.fqn == b.fqn and set(a.sensitivity) == set(b.sensitivity)
+        assert {f: e.to_dict() for f, e in a.sensitivity.items()} == \
+               {f: e.to_dict() for f, e in b.sensitivity.items()}, a.fqn
+        compared += len(a.sensitivity)
+    assert compared >= 2 * len(other.layers) > 0
+    # what the measured profile did measure agrees with the priced one (the same numerics)
     for a, b in zip(tiny_prof.layers, other.layers):
         common = set(a.sensitivity) & set(b.sensitivity)
-        compared += len(common)
         assert {f: a.sensitivity[f].to_dict() for f in common} == \
                {f: b.sensitivity[f].to_dict() for f in common}, a.fqn
-    assert compared >= len(tiny_prof.layers) // 2
 
 
 def test_planted_fp16_overflow_is_flagged_on_that_layer_only():
