@@ -19,8 +19,10 @@ from __future__ import annotations
 import copy
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +33,8 @@ from torch import nn
 from autoprec._util import ModelCall, call_model, move_to, split_batch
 from autoprec.runtime.engines import torchao_available
 
-__all__ = ["Task", "TaskError", "load_task", "default_loss", "move_to", "optimizer_step"]
+__all__ = ["Task", "TaskError", "load_task", "check_batches", "default_loss", "move_to",
+           "optimizer_step"]
 
 
 def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer,
@@ -99,11 +102,17 @@ class Task:
             raise TypeError("Task(model=...) needs an nn.Module or a zero-argument callable "
                             f"returning one, got {type(self.model).__name__}.")
         if isinstance(self.batches, (torch.Tensor, Mapping)) or len(self.batches) == 0:
-            raise ValueError("Task(batches=...) needs a non-empty list of batches "
-                             "(one batch per element), not a single tensor or dict.")
-        if self.device is None:
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(self.device)
+            raise TaskError("Task(batches=...) needs a non-empty list of batches "
+                            "(one batch per element), not a single tensor or dict.")
+        # what autoprec cannot measure is refused here, when the task is built: before any
+        # profiling, and as one line naming the batch, not a traceback from deep in a run
+        check_batches(self.batches, "batch")
+        if self.eval_batches is not None:
+            check_batches(self.eval_batches, "eval_batches[{}]")
+        if self.shape_batch is not None:
+            # only its shapes are read: a meta batch (production size, no memory) is fine
+            _check_batch(self.shape_batch, "shape_batch", meta_ok=True)
+        self.device = _usable_device(self.device)
         if self.name is None:
             self.name = type(self.model).__name__ if isinstance(self.model, nn.Module) else \
                 getattr(self.model, "__name__", "task")
@@ -166,6 +175,82 @@ class Task:
         return seen[0]
 
 
+def check_batches(batches: Sequence[Any], label: str = "batch") -> None:
+    """Raise :class:`TaskError` for the first batch autoprec cannot measure on: one with a
+    tensor of 0 rows (batch dimension 0), or one on the ``meta`` device (shapes, no data).
+    ``label`` names a batch: ``"batch"`` gives ``batch 3``; a ``{}`` in it takes the index."""
+    for i, batch in enumerate(batches):
+        _check_batch(batch, label.format(i) if "{}" in label else f"{label} {i}")
+
+
+def _check_batch(batch: Any, label: str, *, meta_ok: bool = False) -> None:
+    for where, t in _named_tensors(batch, ""):
+        what = f"{label}{f' ({where})' if where else ''}"
+        if t.dim() >= 1 and t.shape[0] == 0:
+            raise TaskError(
+                f"Task {what} has 0 rows (shape {tuple(t.shape)}): every batch needs at least "
+                "one example; drop empty batches (a split's empty last batch, say) before "
+                "building the Task.")
+        if t.is_meta and not meta_ok:
+            raise TaskError(
+                f"Task {what} is a tensor on the meta device: batches must hold real data; "
+                "meta tensors have none. Build the batches on the CPU (autoprec moves them to "
+                "the task's device).")
+
+
+def _named_tensors(obj: Any, where: str, depth: int = 0):
+    """(where, tensor) for each tensor in a batch: ``where`` is its key path (`labels`,
+    item 1); nesting deeper than any batch has (or a list holding itself) is not searched."""
+    if isinstance(obj, torch.Tensor):
+        yield where, obj
+        return
+    if depth > 16:
+        return
+    if isinstance(obj, ModelCall):
+        yield from _named_tensors(tuple(obj.args), where, depth + 1)
+        yield from _named_tensors(dict(obj.kwargs), where, depth + 1)
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            yield from _named_tensors(value, f"{where} `{key}`".strip(), depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from _named_tensors(value, f"{where} item {i}".strip(), depth + 1)
+
+
+def _usable_device(device: Any) -> torch.device:
+    """``device`` as a torch.device this build and host can compute on (None: CUDA where
+    there is a GPU, else the CPU); a :class:`TaskError` saying why not, and the fix."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shown = repr(str(device)) if isinstance(device, torch.device) else repr(device)
+    fix = 'pass device="cpu", or leave device out to use CUDA where there is a GPU'
+    try:
+        dev = torch.device(device)
+    except Exception:  # noqa: BLE001 - torch says RuntimeError or TypeError, by the value
+        raise TaskError(f"Task device {shown} is not a device torch knows "
+                        f'(e.g. "cpu", "cuda", "cuda:1"): {fix}.') from None
+    if dev.type == "meta":
+        raise TaskError(f"Task device {shown} cannot be used: measurements need real data, and "
+                        f"meta tensors have none: {fix}. (An export reads a model built on meta by itself.)")
+    if dev.type == "cuda":
+        # asked without initializing CUDA: building a Task must not claim a GPU
+        if not torch.cuda.is_available():
+            why = ("this build of torch has no CUDA (a CPU-only build)" if torch.version.cuda
+                   is None else "this host has no CUDA GPU torch can use")
+            raise TaskError(f"Task device {shown} cannot be used: {why}; {fix}.")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise TaskError(f"Task device {shown} cannot be used: this host has {count} CUDA "
+                            f"GPU(s), cuda:0 to cuda:{count - 1}; {fix}.")
+    elif dev.type != "cpu":
+        try:
+            torch.empty(0, device=dev)
+        except Exception as e:  # noqa: BLE001 - whatever the backend says, it is not usable
+            raise TaskError(f"Task device {shown} cannot be used here ({type(e).__name__}: "
+                            f"{_first_line(e)}); {fix}.") from None
+    return dev
+
+
 class _Called(Exception):
     """Stops a loss function once the model's forward has been entered."""
 
@@ -194,10 +279,18 @@ def load_task(spec: str) -> Task:
         raise TaskError(f"{target}:{attr} is a {type(fn).__name__}, not a function; a task spec "
                         "names a function that takes no arguments and returns autoprec.Task.")
     try:
-        task = fn()
+        # a call that cannot bind is the spec's mistake; a TypeError raised inside the
+        # function is the task's own, reported with the rest below
+        inspect.signature(fn).bind()
     except TypeError as e:
-        raise TaskError(f"Calling {spec} failed: {e}. A task function takes no arguments.") \
-            from None
+        raise TaskError(f"{spec} cannot be called without arguments ({e}); a task function "
+                        "takes no arguments and returns autoprec.Task.") from None
+    except ValueError:
+        pass  # no signature to read (a builtin): the call itself will tell
+    try:
+        task = fn()
+    except Exception as e:  # noqa: BLE001 - whatever the task raised, say what and where
+        raise TaskError(_raised(spec, fn, module, e)) from e
     if not isinstance(task, Task):
         raise TaskError(f"{spec} returned {type(task).__name__}; a task function must return "
                         "autoprec.Task.")
@@ -228,6 +321,33 @@ def _import_task_module(target: str, spec: str):
         raise TaskError(f"Could not import {where} (from {spec!r}): {type(e).__name__}: "
                         f"{_first_line(e)}") from None
     return module
+
+
+def _raised(spec: str, fn: Callable, module: Any, e: Exception) -> str:
+    """One line for an exception from a task function: what it raised, and the line of the
+    task's own file it came through (the innermost frame there: the call into the helper
+    or library that raised, or the raise itself)."""
+    files = {os.path.abspath(f) for f in (getattr(module, "__file__", None),
+                                          getattr(getattr(fn, "__code__", None), "co_filename",
+                                                  None)) if f}
+    frames = traceback.extract_tb(e.__traceback__)[1:]  # [0] is the call in load_task
+    own = [f for f in frames if os.path.abspath(f.filename) in files]
+    frame = (own or frames or [None])[-1]
+    at = f" at {_shown_path(frame.filename)}:{frame.lineno}" if frame is not None else ""
+    if isinstance(e, TaskError):  # autoprec's check of the Task the function built
+        return f"{spec} built a Task autoprec cannot use{at}: {_first_line(e)}"
+    message = _first_line(e)
+    return (f"The task function {spec} raised {type(e).__name__}{at}"
+            f"{': ' + message if message else ''} (calling it in Python shows the traceback).")
+
+
+def _shown_path(path: str) -> str:
+    """``path`` relative to the working directory when it is under it (as users type it)."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive (Windows)
+        return path
+    return path if rel.startswith(os.pardir) else rel
 
 
 def _first_line(e: BaseException) -> str:
