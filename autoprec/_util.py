@@ -6,11 +6,13 @@ Nothing here knows about formats or policies; it imports torch and the standard 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +33,8 @@ __all__ = [
     "atomic_write",
     "write_json",
     "read_json",
+    "read_bounded",
+    "json_depth",
     "check_keys",
     "check_schema",
     "text_table",
@@ -128,21 +132,78 @@ def model_state(model: nn.Module, *, weights: bool = True) -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------------ files
-def atomic_write(path: str | os.PathLike, text: str) -> str:
-    """Write ``text`` to ``path`` through a temporary file and a rename, so that a reader (or
-    a crash) never sees half a file. Creates the parent folder. Returns the path."""
-    path = os.fspath(path)
-    parent = os.path.dirname(path)
-    if parent:
-        os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+# What a failed write tells the user to do, by errno.
+_WRITE_FIXES = {
+    errno.ENOSPC: "free some disk space or write elsewhere (another -o path)",
+    errno.EDQUOT: "free some of your disk quota or write elsewhere (another -o path)",
+    errno.EROFS: "the file system is read-only: write elsewhere (another -o path)",
+    errno.EACCES: "you may not write there: pick a folder you can write to",
+    errno.EPERM: "you may not write there: pick a folder you can write to",
+    errno.ENOTDIR: "a part of the path is a file, not a folder: pick another path",
+    errno.EISDIR: "the path is a directory: name a file inside it instead",
+    errno.EEXIST: "a part of the path is a file, not a folder: pick another path",
+}
+
+
+def _umask() -> int:
+    """The process umask, read without changing it where Linux says it (os.umask can only be
+    read by setting it, which races with other threads creating files)."""
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write(path: str | os.PathLike, data: str | bytes) -> str:
+    """Write ``data`` (text as UTF-8, or bytes) to ``path`` so that a reader, a crash or a full
+    disk never leaves half a file: into a new temporary file in the same folder, created
+    exclusively (``mkstemp``: a random name, ``O_EXCL``, so a link planted where the file will
+    be cannot redirect the write), synced, then renamed over ``path``. A symlink at ``path``
+    itself is replaced, never followed. Creates the parent folder. Returns the path.
+
+    An OSError (disk full, read-only, no permission, a path under a regular file) becomes a
+    one-line ValueError naming the path; whatever was at ``path`` before is left unchanged."""
+    path = os.fspath(path)
+    payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    parent = os.path.dirname(path)
+    existed = os.path.lexists(path)
+    tmp = None
+    try:
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                                   dir=parent or ".")
+        try:
+            # mkstemp makes the file 0600; what we write (policies, tables) is meant to be read
+            os.fchmod(fd, 0o644 & ~_umask())
+            view = memoryview(payload)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
+        tmp = None
+    except OSError as e:
+        before = ("the file there is unchanged" if existed else "nothing was written")
+        fix = _WRITE_FIXES.get(e.errno, "pick another path")
+        raise ValueError(f"Cannot write {path}: {e.strerror or e} ({before}); {fix}.") from None
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+    with contextlib.suppress(OSError):  # the rename itself survives a crash once this is done
+        dir_fd = os.open(parent or ".", os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
     return path
 
 
@@ -150,19 +211,78 @@ def write_json(path: str | os.PathLike, data: Any) -> str:
     return atomic_write(path, json.dumps(data, indent=1, allow_nan=False) + "\n")
 
 
-def read_json(path: str | os.PathLike, what: str) -> Any:
-    """Parse a JSON file; a missing, unreadable or malformed file is a ValueError naming it."""
+# Bounds on any JSON file we read: far above what autoprec writes (a profile of a 1000-layer
+# model is a few MiB, its nesting depth under 10), far below what exhausts memory or the stack.
+MAX_JSON_BYTES = 64 * 2 ** 20
+MAX_JSON_DEPTH = 64
+
+
+def read_bounded(path: str | os.PathLike, limit: int, what: str) -> bytes:
+    """The bytes of the file at ``path``, refusing one larger than ``limit`` (checked before it
+    is read, and again while reading, for a file that grows or does not say its size)."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise ValueError(f"{path} is {size / 2 ** 20:.1f} MiB; a {what} file may be at most "
+                             f"{limit / 2 ** 20:g} MiB. Is it the right file?")
+        raw = f.read(limit + 1)
+    if len(raw) > limit:
+        raise ValueError(f"{path} is larger than {limit / 2 ** 20:g} MiB, the most a {what} file "
+                         "may be. Is it the right file?")
+    return raw
+
+
+def json_depth(value: Any) -> int:
+    """How deeply lists and dicts nest in ``value`` (0 for a scalar), without recursion."""
+    depth, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, Mapping):
+            children = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        depth = max(depth, level)
+        stack.extend((child, level + 1) for child in children)
+    return depth
+
+
+def read_json(path: str | os.PathLike, what: str, *, max_bytes: int = MAX_JSON_BYTES,
+              max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Parse a JSON file; a missing, unreadable, malformed, oversized (``max_bytes``) or too
+    deeply nested (``max_depth``) file is a one-line ValueError naming it."""
     path = os.fspath(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        raw = read_bounded(path, max_bytes, what)
     except FileNotFoundError:
         raise ValueError(f"{what} file {path} does not exist.") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"{path} is not a {what} file: it is not UTF-8 text.") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path} is a directory, not a {what} file.") from None
+    except PermissionError:
+        raise ValueError(f"{path} cannot be read (permission denied); it should be a {what} "
+                         "file you may read.") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not a {what} file: byte {e.start} is not UTF-8 text.") from None
+    fix = "Delete it and run the command that writes it again."
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not a valid {what} file: {e.msg} at line {e.lineno}. "
-                         "Delete it and run the command that writes it again.") from None
+                         f"{fix}") from None
+    except RecursionError:  # the decoder recurses per nesting level (and stops cleanly)
+        raise ValueError(f"{path} is not a {what} file: its lists or objects nest deeper than "
+                         f"{max_depth} levels. {fix}") from None
+    except ValueError as e:  # e.g. an integer of more than 4300 digits
+        raise ValueError(f"{path} is not a valid {what} file: {' '.join(str(e).split())}. "
+                         f"{fix}") from None
+    if json_depth(data) > max_depth:
+        raise ValueError(f"{path} is not a {what} file: its lists or objects nest deeper than "
+                         f"{max_depth} levels. {fix}")
+    return data
 
 
 def check_keys(data: Any, what: str, *, known: Sequence[str],

@@ -56,7 +56,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from autoprec._util import atomic_write, device_of
+from autoprec._util import atomic_write, device_of, read_json
 from autoprec.formats import Format
 from autoprec.policy import Policy, PolicyError, load_policy
 from autoprec.runtime import apply
@@ -224,8 +224,7 @@ def load_guard_state(guard: Guard, checkpoint_dir: str | os.PathLike) -> bool:
     if not os.path.isfile(path):
         return False
     try:
-        with open(path, encoding="utf-8") as f:
-            state = json.load(f)
+        state = read_json(path, "guard state")  # bounded size and nesting
         guard.load_state_dict(state)
     except (ValueError, KeyError, TypeError) as e:  # PolicyError is a ValueError
         raise PolicyError(f"{path}: {e}" if isinstance(e, PolicyError) else
