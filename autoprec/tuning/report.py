@@ -172,9 +172,11 @@ def _plot_front(result: TuneResult, path: str) -> str | None:
     ax.set_title(f"autoprec tune: {result.study_name}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    # into memory, then the one atomic write: savefig(path) would open a link planted at path
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
-    return path
+    return atomic_write(path, png.getvalue())
 
 
 def provenance(task: Task, result: TuneResult, budget: Budget, target: str | None,
