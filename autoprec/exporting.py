@@ -255,6 +255,15 @@ def _runs(module: nn.Module, kind: str, fmt: Format) -> Format:
     return Format.BF16  # PyTorch has no FP8 convolution: autoprec runs it in bf16
 
 
+def _comment(text: str) -> str:
+    """``text`` as the rest of one comment line of generated Python or YAML: every character
+    that is not printable written as its escape (``\\n``, ``\\u2028``). That covers what ends a
+    line in either (``\\n``, ``\\r``; YAML's ``\\x85``, ``\\u2028``, ``\\u2029``) and the
+    control characters neither may contain, so user text cannot step out of the comment."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in str(text))
+
+
 def _problems(problems: list[str], strict: bool, fix: str) -> tuple[str, ...]:
     """Raise the first of ``problems`` (strict), or return them all as notes."""
     if problems and strict:
@@ -329,8 +338,10 @@ def _torchao_script(policy: Policy, recipes: tuple[TorchaoRecipe, ...], rest: Fo
                     notes: tuple[str, ...]) -> str:
     layers = "".join(f"    {r.recipe!r}: [\n" + "".join(f"        {n!r},\n" for n in r.fqns)
                      + "    ],\n" for r in recipes)
-    comments = "".join(f"# note: {n}\n" for n in notes)
-    return f'''"""torchao float8 training exported by autoprec from {policy.source or "a policy"}.
+    # user text (the policy's file name, module names in the notes) enters the script only as
+    # repr() literals or escaped comment text: it can neither end a string nor start a line
+    comments = "".join(f"# note: {_comment(n)}\n" for n in notes)
+    return f'''"""torchao float8 training exported by autoprec from the policy POLICY names.
 
 Each fp8 layer gets its recipe: convert(model) runs convert_to_float8_training once per recipe
 with a filter selecting exactly that recipe's layers. Layers not listed run in {rest}.
@@ -339,6 +350,9 @@ with a filter selecting exactly that recipe's layers. Layers not listed run in {
 import dataclasses
 
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+# The policy file this was exported from (None: a policy built in Python)
+POLICY = {policy.source!r}
 
 FP8_LAYERS = {{
 {layers}}}
@@ -488,8 +502,10 @@ def _megatron_doc(configs: dict[str, str], default: str) -> dict[str, Any]:
 
 def _megatron_text(policy: Policy, doc: dict, notes: tuple[str, ...]) -> str:
     per_layer = any(_LAYER_INDEX.search(m["pattern"]) for m in doc["matchers"].values())
+    # user text (the policy's file name, module names in the notes) is comment text escaped
+    # to one line; everything else is the document, written by yaml.safe_dump
     lines = [f"# Megatron-Core --te-precision-config-file exported by autoprec from "
-             f"{policy.source or 'a policy'}",
+             f"{_comment(policy.source or 'a policy')}",
              "# (megatron/core/extensions/TransformerEngineMixedPrecision.md). Module paths are",
              "# Megatron-Core GPTModel's; FP8 layers override the run's context (FP8 with or "
              "without --fp8),",
@@ -497,7 +513,7 @@ def _megatron_text(policy: Policy, doc: dict, notes: tuple[str, ...]) -> str:
     if per_layer:
         lines.append("# Per-layer entries number layers as a model without pipeline "
                      "parallelism does.")
-    lines += [f"# note: {n}" for n in notes]
+    lines += [f"# note: {_comment(n)}" for n in notes]
     return "\n".join(lines) + "\n" + yaml.safe_dump(doc, sort_keys=False, width=100)
 
 

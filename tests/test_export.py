@@ -7,7 +7,11 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import importlib
+import importlib.util
 import json
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -347,6 +351,136 @@ def test_the_export_command(tmp_path, capsys):
                  "examples/llama_bytes.py:gpu_task"]) == 2
     err = capsys.readouterr().err
     assert "`lm_head` (Linear) is fp16" in err and err.count("\n") == 1
+
+
+# ------------------------------------------------------------------ hostile text
+# File names and the model's module names are user text: every export carries them only as
+# escaped literals. Each of these, pasted into the output, would run code when the torchao
+# script is imported (a file PWNED appears in the working directory) or add a YAML key.
+HOSTILE_FILES = (
+    'p""";open("PWNED", "w");"""q.yaml',  # ends the torchao script's docstring
+    "n\nevil: 1\n#.yaml",  # a newline ends a comment line: a YAML key follows
+    "r\revil: 2\r#.yaml",  # a lone CR ends a line in Python and in YAML
+    "u\u2028evil: 3\u2029#\x85.yaml",  # YAML's unicode line breaks
+    "b\\'''\\\"#\t\\x{}.yaml",  # backslashes, quotes, a tab, braces
+)
+HOSTILE_LAYERS = (
+    'x\nopen("PWNED", "w")\n#',  # a note's comment line broken into a line of code
+    'r\ropen("PWNED", "w")\r#',
+    "z\nevil: 1\n#",
+    "\u2028evil: 2\u2028#",
+    "q\"\"\"'''\\{}",
+)
+MLP = Policy(default="bf16", layers={"model.layers.*.mlp.*": "fp8"})
+
+
+def _import_script(path, monkeypatch):
+    """Import the exported torchao script from its file, in its directory (where the hostile
+    names would leave PWNED), as a user's training code would."""
+    monkeypatch.chdir(path.parent)
+    spec = importlib.util.spec_from_file_location("autoprec_exported_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert not (path.parent / "PWNED").exists(), "the exported script ran the name's code"
+    return module
+
+
+def _hostile_model(names=HOSTILE_LAYERS, first: str = "fc") -> nn.Module:
+    model = nn.Module()
+    model.add_module(first, nn.Linear(32, 32))
+    for name in names:
+        model.add_module(name, nn.Linear(32, 32))
+    return model
+
+
+@pytest.mark.parametrize("name", HOSTILE_FILES, ids=range(len(HOSTILE_FILES)))
+def test_a_hostile_policy_file_name_is_only_ever_a_literal(tmp_path, monkeypatch, name):
+    pytest.importorskip("torchao")
+    path = tmp_path / name
+    MLP.save(path)
+    mlp = {f for f, m in tiny_llama().named_modules() if ".mlp." in f and isinstance(m, nn.Linear)}
+
+    megatron = export(str(path), "megatron", model=tiny_llama())
+    doc = yaml.safe_load(megatron.text)
+    assert set(doc) == {"configs", "matchers"} and doc == megatron.data
+    validate_megatron(doc)
+
+    fqn = export(str(path), "fqn", model=tiny_llama())
+    assert json.loads(fqn.text) == fqn.data and fqn.data["policy"] == str(path)
+
+    torchao = export(str(path), "torchao", model=tiny_llama())
+    script = tmp_path / "exported_torchao.py"
+    torchao.save(script)
+    module = _import_script(script, monkeypatch)
+    assert module.FP8_LAYERS == torchao.data and module.POLICY == str(path)
+    assert set(_float8_layers(module.convert(tiny_llama(), emulate=True))) == mlp
+
+
+def test_hostile_module_names_are_only_ever_literals(tmp_path, monkeypatch):
+    pytest.importorskip("torchao")
+    h = HOSTILE_LAYERS
+    # fp16/fp32 layers torchao cannot express become notes (comments) naming them
+    policy = Policy(default="bf16", layers={"fc": "fp8", h[0]: "fp16", h[1]: "fp32",
+                                            h[2]: "fp8", h[3]: "fp16", h[4]: "fp8"})
+    torchao = export(policy, "torchao", model=_hostile_model(), strict=False)
+    assert any(h[0] in n for n in torchao.notes)
+    script = tmp_path / "exported_torchao.py"
+    torchao.save(script)
+    module = _import_script(script, monkeypatch)
+    assert module.FP8_LAYERS == torchao.data == {"tensorwise": ["fc", h[2], h[4]]}
+    assert set(_float8_layers(module.convert(_hostile_model(), emulate=True))) == {"fc", h[2], h[4]}
+
+    # Megatron: the unmapped layers are notes; a hostile name-map value is a module path
+    path = "decoder.layers.0.mlp.linear_fc1\nevil: 1\u2028#"
+    megatron = export(Policy(default="bf16", layers={"fc": "fp8"}), "megatron",
+                      model=_hostile_model(), strict=False, names={"fc": path})
+    assert len(megatron.notes) == len(h)
+    doc = yaml.safe_load(megatron.text)
+    assert set(doc) == {"configs", "matchers"} and doc == megatron.data
+    validate_megatron(doc)
+    assert megatron_precision(doc, path) == "fp8:tensorwise"
+
+    fqn = export(policy, "fqn", model=_hostile_model())
+    doc = json.loads(fqn.text)
+    assert doc == fqn.data and set(doc["layers"]) == {"fc", *h}
+
+
+HOSTILE_TASK = """\
+import torch
+from torch import nn
+import autoprec
+
+
+def model():
+    m = nn.Sequential(nn.Linear(32, 32), nn.ReLU())
+    m.add_module({name!r}, nn.Linear(32, 32))
+    return m
+
+
+def task():
+    return autoprec.Task(model=model, batches=[torch.randn(4, 32)], device="cpu")
+"""
+
+
+def test_the_export_command_writes_hostile_names_as_literals(tmp_path, monkeypatch):
+    pytest.importorskip("torchao")
+    hostile = HOSTILE_LAYERS[0]
+    (tmp_path / "hostile_task.py").write_text(HOSTILE_TASK.format(name=hostile))
+    policy = tmp_path / HOSTILE_FILES[0]
+    Policy(default="bf16", layers={"0": "fp8", hostile: "fp16"}).save(policy)
+    out = tmp_path / "exported_torchao.py"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([os.path.join(os.path.dirname(sys.executable), "autoprec"), "export",
+                        str(policy), "--to", "torchao", "--model", "hostile_task.py:task",
+                        "--no-strict", "-o", str(out)], capture_output=True, text=True,
+                       cwd=tmp_path, env=dict(os.environ, PYTHONPATH=root), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert hostile in out.read_text() or repr(hostile)[1:-1] in out.read_text()
+
+    module = _import_script(out, monkeypatch)
+    assert module.FP8_LAYERS == {"tensorwise": ["0"]} and module.POLICY == str(policy)
+    model = _hostile_model([hostile], first="0")
+    assert set(_float8_layers(module.convert(model, emulate=True))) == {"0"}
 
 
 def test_export_is_public():
