@@ -231,7 +231,7 @@ def _usable_device(device: Any) -> torch.device:
                         f'(e.g. "cpu", "cuda", "cuda:1"): {fix}.') from None
     if dev.type == "meta":
         raise TaskError(f"Task device {shown} cannot be used: measurements need real data, and "
-                        f"meta tensors have none: {fix}. (An export reads a model built on meta by itself.)")
+                        f"meta tensors have none; {fix}.")
     if dev.type == "cuda":
         # asked without initializing CUDA: building a Task must not claim a GPU
         if not torch.cuda.is_available():
