@@ -462,6 +462,7 @@ def task():
 """
 
 
+@pytest.mark.slow  # a subprocess that imports torch, transformers and torchao
 def test_the_export_command_writes_hostile_names_as_literals(tmp_path, monkeypatch):
     pytest.importorskip("torchao")
     hostile = HOSTILE_LAYERS[0]
