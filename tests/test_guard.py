@@ -404,3 +404,96 @@ def test_loading_a_guard_state_of_another_policy_is_a_one_line_error(gpt2_batch)
         get_guard(model).load_state_dict(state)
     with pytest.raises(PolicyError, match="Not an autoprec guard state"):
         get_guard(model).load_state_dict({"step": 3})
+
+
+# ----------------------------------------------------------------------------- lost causes
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelname == "WARNING" and r.name == "autoprec.runtime.guard"]
+
+
+def test_an_fp16_layer_whose_backward_overflows_without_a_grad_scaler_is_demoted(caplog):
+    """No GradScaler, loss x 1e9: the forward is finite, but the gradient the fp32 tail sends
+    into the last fp16 layer overflows FP16 there (its output, hence the gradient for it, is
+    FP16) and so do its weight gradients, on every step. It is the first watched layer in the
+    backward, so nothing watched upstream of it can be blamed: it is, after `patience` steps,
+    named in the event, and the weight gradients are finite from then on."""
+    layer = "transformer.h.1.mlp.c_proj"
+    model = tiny_gpt2().train()
+    autoprec.apply(model, Policy(default="fp32", layers={layer: "fp16"}), guard=True)
+    guard = get_guard(model)
+    batch = byte_batches(1, 4, 32, seed=1)[0]
+    finite, events = [], []
+    with caplog.at_level("WARNING", logger="autoprec.runtime.guard"):
+        for _ in range(4):
+            loss = model(**batch).loss
+            (loss * 1e9).backward()
+            finite.append(bool(torch.isfinite(model.get_submodule(layer).weight.grad).all()))
+            model.zero_grad(set_to_none=True)
+            events += guard.step()
+    assert math.isfinite(loss.item())
+    assert finite == [False, False, True, True]
+    assert [(e.fqn, e.old, e.new, e.step) for e in events] == [(layer, Format.FP16, Format.FP32, 2)]
+    assert "overflow fp16 max 65504" in events[0].reason
+    assert not any("loss computation" in w for w in _warnings(caplog)), _warnings(caplog)
+
+
+def test_non_finite_values_in_the_input_batch_are_named_as_such(caplog, cnn_model, cnn_batch):
+    """HF ResNet fed a batch with an inf pixel: the first layer's output is non-finite because
+    its input is. Nobody is demoted, and the warning says the input batch held non-finite
+    values (not that no module's output was non-finite)."""
+    first = "resnet.embedder.embedder.convolution"
+    model = cnn_model.train()
+    autoprec.apply(model, Policy(default="fp32", layers={first: "bf16"}), guard=True)
+    guard = get_guard(model)
+    batch = dict(cnn_batch, pixel_values=cnn_batch["pixel_values"].clone())
+    batch["pixel_values"][0, 0, 0, 0] = float("inf")
+    with caplog.at_level("WARNING", logger="autoprec.runtime.guard"):
+        for _ in range(4):
+            model(**batch).loss.backward()
+            model.zero_grad(set_to_none=True)
+            assert guard.step() == []
+    warned = _warnings(caplog)
+    assert len(warned) == 1 and "input batch" in warned[0], warned
+    assert "no module's output" not in warned[0] and "\n" not in warned[0]
+
+
+def test_a_guard_state_naming_what_the_model_lacks_is_refused_and_changes_nothing(gpt2_batch):
+    """A checkpointed state edited by hand (or of another model): a demotion moved to a layer
+    that does not exist would silently run the demoted layer in fp8 again; a demotion
+    turned into a promotion, a bad format, a wrong type are refused too. Each is a one-line
+    error naming the key and the value, and the guard and model are left as they were."""
+    from autoprec import PolicyError
+
+    state = get_guard(_fp8_then_failing(gpt2_batch, 3)).state_dict()
+    policy = Policy(default="bf16", layers={POISONED: "fp8", "lm_head": "fp32"})
+    unknown = "transformer.h.9.mlp.c_fc"
+
+    def edited(**changes):
+        return dict(copy.deepcopy(state), **changes)
+
+    cases = {
+        "layers": (edited(layers={unknown: "bf16"}), unknown),
+        "events": (edited(events=[dict(state["events"][0], layer=unknown)]), unknown),
+        "counts": (edited(counts={unknown: 1}), unknown),
+        "suspects": (edited(suspects=[unknown]), unknown),
+        "warned": (edited(warned=[unknown]), unknown),
+        "promotion": (edited(layers={POISONED: "fp16"}), "fp16"),
+        "format": (edited(layers={POISONED: "bf17"}), "bf17"),
+        "step": (edited(step="3"), "'3'"),
+        "counts type": (edited(counts={POISONED: "one"}), "'one'"),
+    }
+    for name, (bad, named) in cases.items():
+        model = tiny_gpt2().train()
+        autoprec.apply(model, policy, guard=True)
+        guard = get_guard(model)
+        before = autoprec.applied_formats(model)
+        with pytest.raises(PolicyError) as err:
+            guard.load_state_dict(bad)
+        msg = str(err.value)
+        assert "\n" not in msg and named in msg, (name, msg)
+        assert autoprec.applied_formats(model) == before, name
+        assert (guard.events, guard._step, guard._counts, guard._suspects) == ([], 0, {}, set())
+    # the state as saved loads (the test can pass)
+    get_guard(model).load_state_dict(state)
+    assert get_guard(model).policy.format_for(POISONED) is Format.BF16

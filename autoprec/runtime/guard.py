@@ -105,6 +105,9 @@ _BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 _KINDS = ("out", "in", "grad", "ingrad", "wgrad")
 # Version of Guard.state_dict()'s layout.
 _STATE_VERSION = 1
+# What the diagnosis names when the non-finite values were in the model's inputs already
+# (in Guard._warned: no module is named so, a name holds no "<").
+_INPUT = "<input batch>"
 
 
 @dataclass(frozen=True)
@@ -412,20 +415,28 @@ class _Diagnosis:
         out = _first_tensor(output)
         if out is None or not out.is_floating_point() or out.numel() == 0:
             return None
-        x = _first_tensor((args, kwargs))
+        if fqn:
+            x = _first_tensor((args, kwargs))
+        else:  # the root: its first floating input (the batch's pixels, embeddings, features)
+            x = next((t for t in tensors((args, kwargs)) if t.is_floating_point()), None)
         x_sum = x.detach().float().sum() if x is not None and x.is_floating_point() else None
         self.records.append((fqn, x_sum, out.detach().float().sum()))
         return None
 
     def culprit(self) -> str | None:
+        """The first module whose output is non-finite while its input was finite; else
+        ``_INPUT`` when the root's input was non-finite (the batch); else None."""
         values = _read([t for _, x, o in self.records for t in (o, x) if t is not None])
         it = (v[0] for v in values)
+        batch_ok = True
         for fqn, x, _ in self.records:
             out_ok = math.isfinite(next(it))
             in_ok = True if x is None else math.isfinite(next(it))
             if not out_ok and in_ok:
                 return fqn
-        return None
+            if fqn == "":
+                batch_ok = in_ok
+        return None if batch_ok else _INPUT
 
     def close(self) -> None:
         for h in self.handles:
@@ -913,7 +924,8 @@ class Guard:
             failure = _Failure(own[0], "weight gradients", level["wgrad"][own[0]],
                                frac["wgrad"].get(own[0]))
         else:
-            failure = self._backward_culprit(level, frac, bad, cleared)
+            scaled = scaler is not None and scaler.is_enabled()
+            failure = self._backward_culprit(level, frac, bad, cleared, scaled=scaled)
         if failure is None:
             return None, cleared
         if scaler is not None and scaler.is_enabled():
@@ -925,13 +937,21 @@ class Guard:
                 return None, cleared
         return failure, cleared
 
-    def _backward_culprit(self, level, frac, bad, cleared: set[str]) -> _Failure | None:
+    def _backward_culprit(self, level, frac, bad, cleared: set[str], *,
+                          scaled: bool) -> _Failure | None:
         order = list(level["grad"])
         for i, fqn in enumerate(order):
             if not bad("grad", fqn):
                 continue
             a = level["grad"][fqn]
             if i == 0 and not math.isfinite(a):
+                if not scaled and self.watched.get(fqn) is Format.FP16:
+                    # Without a GradScaler nothing scales the gradient back into FP16's range:
+                    # the FP32 gradient the layers after it (or the loss) send into an fp16
+                    # layer is cast to FP16 at its output, and overflows there. The forward
+                    # was finite (outputs are judged first), so this is its format's fault. (A
+                    # NaN loss from finite outputs, e.g. NaN targets, reads the same.)
+                    return _Failure(fqn, "gradients", a, frac["grad"].get(fqn))
                 cleared.add(fqn)
                 return None  # non-finite from the loss, or layers the guard does not watch
             if math.isfinite(a) or self.watched.get(fqn) is Format.FP16:
@@ -982,6 +1002,10 @@ class Guard:
         if culprit is None:
             return (f"{head}: no module's output was non-finite, so the loss computation or "
                     "the data is; check the batch and the loss function.")
+        if culprit == _INPUT:
+            return (f"{head}: the input batch held non-finite values (the model's first "
+                    "floating input), so every layer computing from it is; check the data and "
+                    "how the batch is made.")
         module = self.model.get_submodule(culprit)
         fmt = self.policy.format_for(culprit) if self.policy is not None else None
         return (f"{head}: the first non-finite values come out of `{culprit or '(root)'}` "
@@ -1127,12 +1151,17 @@ class Guard:
             raise PolicyError(f"Guard state version {state['autoprec_guard']!r} is not one this "
                               f"autoprec reads ({_STATE_VERSION}); resume with the autoprec "
                               "version that wrote it.")
+        _check_state(state)  # its layout and types now; its names once the model is known
         if self.model is None:
             self._pending = dict(state)
             return
         self._restore(state)
 
     def _restore(self, state: Mapping[str, Any]) -> None:
+        # Everything is checked before anything changes: a state that names what this model
+        # lacks (hand-edited, or another model's) would otherwise run a demoted layer in its
+        # old format again without a word.
+        _check_state(state, modules={fqn for fqn, _ in self.model.named_modules()})
         formats = [f.value for f in self.config.formats]
         if list(state["formats"]) != formats:
             raise PolicyError(
@@ -1151,6 +1180,14 @@ class Guard:
                 f"Guard state was saved for another policy ({_difference(state['policy'], mine)}"
                 "); load it into a guard attached with the policy the checkpointed run started "
                 "from (or its amended policy), or start the guard afresh.")
+        for name, fmt in layers.items():
+            # a demotion only ever makes a layer safer than the policy it started from
+            start = self._base.format_for(name)
+            if fmt not in (start, start.demoted(), start.demoted().demoted()):
+                raise PolicyError(
+                    f"Guard state `layers` runs `{name}` in {fmt}, which is no demotion of its "
+                    f"{start} under the policy (fp8 -> bf16 -> fp32, fp16 -> fp32); load the "
+                    "state the checkpointed run saved, or start the guard afresh.")
         self._step = int(state["step"])
         self.events = [GuardEvent(step=int(e["step"]), fqn=e["layer"],
                                   old=Format.parse(e["from"]), new=Format.parse(e["to"]),
@@ -1166,6 +1203,84 @@ class Guard:
     def __repr__(self) -> str:
         return (f"<autoprec Guard watching {len(self._watches)} layers, "
                 f"{len(self.events)} demotion(s)>")
+
+
+_EVENT_KEYS = ("step", "layer", "from", "to", "reason", "where")
+_WHERE = ("outputs", "gradients", "weight gradients", "backward")
+
+
+def _check_state(state: Mapping[str, Any], modules: set[str] | None = None) -> None:
+    """A one-line PolicyError naming the key of ``state`` (a guard state) that is not as
+    :meth:`Guard.state_dict` writes it: a missing key, a wrong type, an unknown format, and
+    (``modules``: the model's module fqns) a layer the model does not have."""
+
+    def fail(key: str, what: str) -> None:
+        raise PolicyError(f"Guard state `{key}` {what}; load what Guard.state_dict() returned "
+                          "for this model and policy, or start the guard afresh.")
+
+    for key in ("policy", "formats", "step", "layers", "events", "counts", "suspects", "warned"):
+        if key not in state:
+            fail(key, "is missing")
+
+    def integer(key: str, v: Any) -> None:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            fail(key, f"is {v!r}, not a count (an integer >= 0)")
+
+    def fmt(key: str, v: Any) -> Format:
+        if isinstance(v, str):
+            try:
+                return Format.parse(v)
+            except ValueError:
+                pass
+        fail(key, f"is {v!r}, not a format (one of {', '.join(f.value for f in Format)})")
+
+    def layer(key: str, v: Any, *, none_ok: bool = False) -> None:
+        if v is None and none_ok:
+            return
+        if not isinstance(v, str):
+            fail(key, f"holds {v!r}, not a module name")
+        if modules is not None and v not in modules and not (none_ok and v == _INPUT):
+            fail(key, f"names `{v}`, which is not a module of this model")
+
+    def listed(key: str, v: Any, kind: type) -> None:
+        if not isinstance(v, kind):
+            fail(key, f"is {type(v).__name__}, not a {kind.__name__}")
+
+    integer("step", state["step"])
+    listed("policy", state["policy"], Mapping)
+    listed("formats", state["formats"], list)
+    for v in state["formats"]:
+        fmt("formats", v)
+    listed("layers", state["layers"], Mapping)
+    for k, v in state["layers"].items():
+        layer("layers", k)
+        fmt(f"layers.{k}", v)
+    listed("events", state["events"], list)
+    for i, e in enumerate(state["events"]):
+        key = f"events[{i}]"
+        listed(key, e, Mapping)
+        for k in _EVENT_KEYS:
+            if k not in e:
+                fail(f"{key}.{k}", "is missing")
+        integer(f"{key}.step", e["step"])
+        layer(f"{key}.layer", e["layer"])
+        old = fmt(f"{key}.from", e["from"])
+        if fmt(f"{key}.to", e["to"]) is not old.demoted() or old is Format.FP32:
+            fail(key, f"demotes {e['from']} to {e['to']}, which the guard never does")
+        if not isinstance(e["reason"], str):
+            fail(f"{key}.reason", f"is {e['reason']!r}, not text")
+        if e["where"] not in _WHERE:
+            fail(f"{key}.where", f"is {e['where']!r}, not one of {', '.join(_WHERE)}")
+    listed("counts", state["counts"], Mapping)
+    for k, v in state["counts"].items():
+        layer("counts", k)
+        integer(f"counts.{k}", v)
+    listed("suspects", state["suspects"], list)
+    for v in state["suspects"]:
+        layer("suspects", v)
+    listed("warned", state["warned"], list)
+    for v in state["warned"]:
+        layer("warned", v, none_ok=True)
 
 
 def _identity(policy: Policy) -> dict[str, Any]:
