@@ -412,6 +412,60 @@ def _warnings(caplog) -> list[str]:
             if r.levelname == "WARNING" and r.name == "autoprec.runtime.guard"]
 
 
+def test_weights_poisoned_by_one_nan_step_demote_nobody_and_say_to_restore_a_checkpoint(caplog):
+    """bf16 training has no GradScaler: one step on which HF ResNet's fp32 classifier emits
+    NaN sends NaN gradients through AdamW into every weight. From then on every layer's output
+    is NaN because its weights are (the first conv's first: it used to be demoted, then the
+    next one); demoting cannot help. The guard demotes nobody, says so once (since when,
+    where it started, restore a checkpoint), and judges again once the weights are restored."""
+    from examples import cnn
+
+    head = "classifier.1"
+    model = cnn.make_model(width=8).train()
+    bad_step = 2
+    now = {"step": 0}
+    model.get_submodule(head).register_forward_hook(
+        lambda m, a, out: out * float("nan") if now["step"] == bad_step else None)
+    autoprec.apply(model, Policy(default="bf16", layers={head: "fp32"}), guard=True)
+    guard = get_guard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = cnn.image_batches(1, batch_size=2)[0]
+    saved = None
+    events, losses = [], []
+    with caplog.at_level("WARNING", logger="autoprec.runtime.guard"):
+        for step in range(1, 7):
+            now["step"] = step
+            if step == bad_step:  # the checkpoint to restore: the state before the bad step
+                saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+            loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            events += guard.step()
+            losses.append(loss.item())
+    assert all(map(math.isfinite, losses[:bad_step - 1]))
+    assert not any(map(math.isfinite, losses[bad_step - 1:])), losses
+    first_conv = model.get_submodule("resnet.embedder.embedder.convolution")
+    assert not torch.isfinite(first_conv.weight).all()  # the premise: the weights are lost
+    assert events == [] and guard.events == []
+    warned = _warnings(caplog)
+    assert len(warned) == 1, warned
+    msg = warned[0]
+    assert "\n" not in msg and f"since step {bad_step}" in msg and f"`{head}`" in msg, msg
+    assert "demoting" in msg and "cannot help" in msg and "restore a checkpoint" in msg, msg
+    assert (guard.poisoned_since, guard.first_nonfinite) == (bad_step, head)
+
+    # restored, the run trains again, and the guard with it
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    loss = model(**batch).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    assert guard.step() == [] and math.isfinite(loss.item())
+    assert guard.poisoned_since is None and guard.first_nonfinite is None
+
+
 def test_an_fp16_layer_whose_backward_overflows_without_a_grad_scaler_is_demoted(caplog):
     """No GradScaler, loss x 1e9: the forward is finite, but the gradient the fp32 tail sends
     into the last fp16 layer overflows FP16 there (its output, hence the gradient for it, is

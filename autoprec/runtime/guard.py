@@ -563,6 +563,13 @@ class Guard:
         self._probes: dict[str, _Diagnosis] = {}
         self._child_faults: dict[str, str] = {}
         self._origin: str | None = None
+        # Parameters found non-finite (see _poisoned): the first step of the failing stretch in
+        # which they were, and the layer whose output went non-finite first then (None when
+        # the guard cannot tell which); both None while the parameters are finite. The
+        # stretch in progress: (its first step, that layer, where it began in words).
+        self.poisoned_since: int | None = None
+        self.first_nonfinite: str | None = None
+        self._stretch: tuple[int, str | None, str] | None = None
         # The policy first attached (before any demotion): what a saved state is checked
         # against; a state loaded before attach waits here; _reapply's attach keeps _base.
         self._base: Policy | None = None
@@ -735,14 +742,19 @@ class Guard:
             self.detach()
             return []
         self._hook_unhooked()
-        trained, failure = self._judge(scaler if scaler is not None else self.scaler)
+        trained, failure, poisoned = self._judge(scaler if scaler is not None else self.scaler)
         if self._world() > 1:
             # every rank must reach the same counts, hence the same demotions at the same step
-            trained, blamed = self._agree(trained, failure)
+            trained, blamed, poisoned = self._agree(trained, failure, poisoned)
         else:
             blamed = [failure.fqn] if failure is not None else []
         if not trained:
             return []  # no training step since the last call (on any rank)
+        if poisoned:
+            self._counts = {}
+            self._warn_poisoned()
+            return []
+        self.poisoned_since = self.first_nonfinite = None
         self._counts = {f: self._counts.get(f, 0) + 1 for f in blamed}
         due = [f for f in blamed if self._counts[f] >= self.config.patience]
         if failure is not None and failure.fqn not in due:
@@ -757,25 +769,131 @@ class Guard:
         seen = self._gather(mine) if self._world() > 1 else [mine]
         return [self._demote(f, seen) for f in due]
 
-    def _judge(self, scaler) -> tuple[bool, _Failure | None]:
+    def _judge(self, scaler) -> tuple[bool, _Failure | None, bool]:
         """This rank's verdict on the step: whether it trained (anything recorded since the
-        last call) and the layer it blames; updates the suspects and warnings."""
+        last call), the layer it blames, and whether the model's parameters are poisoned
+        (then it blames none); updates the suspects and warnings."""
         diagnosis, self._diagnosis = self._diagnosis, None
         level, frac = self._collect()
         if not level["out"] and not level["grad"] and not level["wgrad"]:
             if diagnosis is not None:
                 diagnosis.close()
-            return False, None
+            return False, None, False
 
         self._child_faults = {fqn: c for fqn, p in self._probes.items()
                               if (c := p.culprit()) is not None}
         self._origin = None
         failure, cleared = self._blame(level, frac, scaler)
+        poisoned = False
+        if not self._failing(level):
+            self._stretch = None
+        else:
+            if self._stretch is None:  # the first failing step after a clean one
+                self._stretch = (self._step, *self._first_nonfinite(level, failure))
+            poisoned = self._poisoned()
+        if poisoned:
+            # every layer now computes from non-finite weights: no verdict, no suspects, no
+            # diagnosis (its culprit would be the first layer with weights, not the cause)
+            failure, cleared = None, set()
+            if diagnosis is not None:
+                diagnosis.close()
+            diagnosis = None
         self._suspects = cleared | ({failure.fqn} if failure is not None else set())
         self._hook_suspects_inputs()
         self._probe_suspects()
-        self._explain(diagnosis, failed=failure is None and bool(cleared))
-        return True, failure
+        if not poisoned:
+            self._explain(diagnosis, failed=failure is None and bool(cleared))
+        return True, failure, poisoned
+
+    def _failing(self, level) -> bool:
+        """Whether any check of this step failed (non-finite, or above its layer's limit)."""
+        for kind, found in level.items():
+            for fqn, a in found.items():
+                watch = self._watches.get(fqn)
+                limit = watch.limit if kind in ("out", "grad") and watch is not None else math.inf
+                if _bad(a, limit):
+                    return True
+        return False
+
+    def _poisoned(self) -> bool:
+        """Whether non-finite values have spread into the parameters of more than one module:
+        what an optimizer step on non-finite gradients does (into every weight it updates; the
+        optimizer's state, such as Adam's moments, goes non-finite with them, so the
+        parameters tell). One non-finite parameter of one module (a bad checkpoint entry, a
+        planted fault) is that module's failure, judged as any other. One max-abs reduction
+        per parameter and one host sync per device, made on failing steps only."""
+        if self.model is None:
+            return False
+        groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
+        seen: set[int] = set()
+        for fqn, module in self.model.named_modules():
+            for p in module.parameters(recurse=False):
+                if id(p) in seen:
+                    continue  # a tied weight counts once, for its first owner
+                seen.add(id(p))
+                t = p.detach()
+                t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2: this rank's shard
+                if t.is_floating_point() and t.numel() and t.device.type != "meta":
+                    groups.setdefault((t.device, t.dtype), []).append((fqn, t))
+        owners = [fqn for group in groups.values() for fqn, _ in group]
+        norms = [n for group in groups.values()
+                 for n in torch._foreach_norm([t for _, t in group], math.inf)]
+        bad = {fqn for fqn, v in zip(owners, _read(norms)) if not math.isfinite(v[0])}
+        return len(bad) > 1
+
+    def _first_nonfinite(self, level, failure: _Failure | None) -> tuple[str | None, str]:
+        """Where this step's non-finite values began, as far as the guard saw: the layer (None
+        when it cannot tell one) and the place in words. Layers it does not watch are placed
+        by the order modules finish (_finish_order)."""
+        rank = self._finish
+        outs = list(level["out"])
+        unwatched = [f for f in self._layers or {} if f not in self._watches]
+
+        def names(fqns: list[str]) -> str:
+            shown = ", ".join(f"`{f}`" for f in fqns[:3])
+            return shown + (f" and {len(fqns) - 3} more" if len(fqns) > 3 else "")
+
+        def between(lo: float, hi: float) -> list[str]:
+            return sorted((f for f in unwatched if lo < rank.get(f, -1) < hi), key=rank.get)
+
+        bad = [f for f in outs if f in self._watches
+               and _bad(level["out"][f], self._watches[f].limit)]
+        if bad:
+            i = outs.index(bad[0])
+            before = between(rank.get(outs[i - 1], -1) if i else -1, rank.get(bad[0], -1))
+            if not before:
+                return bad[0], f"the first non-finite values came out of `{bad[0]}`"
+            return None, (f"the first non-finite outputs the guard saw were `{bad[0]}`'s, or "
+                          f"came from {names(before)} before it, which it does not watch")
+        if failure is not None:
+            return failure.fqn, (f"the first non-finite values came out of `{failure.fqn}`'s "
+                                 f"backward ({self._describe(failure)})")
+        last = max((rank.get(f, -1) for f in outs), default=-1)
+        after = between(last, math.inf)
+        if len(after) == 1:
+            fmt = self.policy.format_for(after[0]) if self.policy is not None else None
+            return after[0], (f"the first non-finite values came out of `{after[0]}` ({fmt} "
+                              "under the policy, after every layer the guard watches) or the "
+                              "loss")
+        if after:
+            return None, (f"the first non-finite values came after every layer the guard "
+                          f"watches: out of {names(after)}, which it does not watch, or the loss")
+        return None, "the first non-finite values came out of the loss, after every layer"
+
+    def _warn_poisoned(self) -> None:
+        """Once per stretch of poisoned parameters: since when, where it began, what to do."""
+        if self.poisoned_since is not None:
+            return
+        since, self.first_nonfinite, where = self._stretch or (
+            self._step, None, "on another rank: see its log")
+        self.poisoned_since = since
+        logger.warning(
+            "autoprec guard: step %d: the model's parameters are non-finite since step %d (an "
+            "optimizer step took in non-finite gradients; %s), so every layer now computes "
+            "from non-finite weights and demoting a layer cannot help: restore a checkpoint "
+            "(model and optimizer) from before step %d and see what made that step non-finite; "
+            "nothing is demoted until the parameters are finite again.",
+            self._step, since, where, since)
 
     def _collect(self) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
         """This step's checks, eager records and compiled probes' sinks together, read with one
@@ -840,17 +958,19 @@ class Guard:
             return 1
         return dist.get_world_size()
 
-    def _agree(self, trained: bool, failure: _Failure | None) -> tuple[bool, list[str]]:
-        """One all_reduce(MAX) of [trained, digest, -digest, one flag per watched layer]: every
-        rank learns whether any rank trained and which layers any rank blamed. The digest of
-        the watched list, reduced as its max and its negated min, tells every rank alike when
-        the ranks watch different layers (the flags would then not line up)."""
+    def _agree(self, trained: bool, failure: _Failure | None,
+               poisoned: bool) -> tuple[bool, list[str], bool]:
+        """One all_reduce(MAX) of [trained, digest, -digest, poisoned, one flag per watched
+        layer]: every rank learns whether any rank trained, whether any rank found the
+        parameters poisoned (then none demotes), and which layers any rank blamed. The digest
+        of the watched list, reduced as its max and its negated min, tells every rank alike
+        when the ranks watch different layers (the flags would then not line up)."""
         watched = sorted(self._watches)
         digest = int.from_bytes(hashlib.sha256("\n".join(watched).encode()).digest()[:7], "big")
-        flags = [0] * (3 + len(watched))
-        flags[0], flags[1], flags[2] = int(trained), digest, -digest
+        flags = [0] * (4 + len(watched))
+        flags[0], flags[1], flags[2], flags[3] = int(trained), digest, -digest, int(poisoned)
         if failure is not None and failure.fqn in self._watches:
-            flags[3 + watched.index(failure.fqn)] = 1
+            flags[4 + watched.index(failure.fqn)] = 1
         vec = torch.tensor(flags, dtype=torch.int64, device=self._collective_device())
         dist.all_reduce(vec, op=dist.ReduceOp.MAX)
         out = vec.tolist()
@@ -860,7 +980,7 @@ class Guard:
                 f"watches {len(watched)}), so they cannot agree on demotions; apply the same "
                 "policy to the same model on every rank, or set GuardConfig(distributed=False) "
                 "when the ranks hold different parts of the model.")
-        return bool(out[0]), [f for f, flag in zip(watched, out[3:]) if flag]
+        return bool(out[0]), [f for f, flag in zip(watched, out[4:]) if flag], bool(out[3])
 
     def _collective_device(self) -> torch.device:
         """CPU for gloo; else (NCCL and the like) the device the model trains on."""
@@ -1195,6 +1315,7 @@ class Guard:
                        for e in state["events"]]
         self._counts = {k: int(v) for k, v in state["counts"].items()}
         self._warned = set(state["warned"])
+        self.poisoned_since = self.first_nonfinite = self._stretch = None
         if amended is not None:
             self._reapply(amended)
         self._suspects = set(state["suspects"])
