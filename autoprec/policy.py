@@ -14,9 +14,14 @@ tuned: {...}                    # provenance written by `tune`; informational
 ```
 
 Patterns: ``*`` matches within one dotted component, ``**`` across components, ``?`` one
-character. A module's format is its own best match (an exact fqn beats any glob; among
-globs, more literal characters win, then fewer wildcards), else its nearest matched
-ancestor's, else ``default``.
+character (not a dot); matched in linear time, at most MAX_PATTERN_CHARS long. A module's
+format is its own best match (an exact fqn beats any glob; among globs, more literal
+characters win, then fewer wildcards), else its nearest matched ancestor's, else ``default``.
+No pattern matches the root module (fqn ``""``): ``default`` alone is its format.
+
+A policy file is untrusted input: at most MAX_POLICY_BYTES, parsed once with a safe loader
+that refuses anchors, aliases, duplicate keys and nesting past MAX_POLICY_DEPTH, and every
+field checked, ``tuned:`` included (see :func:`check_provenance`).
 
 This module is on the production path: it imports neither Optuna nor SciPy.
 """
@@ -27,7 +32,6 @@ import dataclasses
 import hashlib
 import math
 import os
-import re
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -37,7 +41,7 @@ import torch
 import yaml
 from torch import nn
 
-from autoprec._util import atomic_write
+from autoprec._util import atomic_write, read_bounded
 from autoprec.formats import FP8_RECIPES, Format
 
 __all__ = [
@@ -87,12 +91,12 @@ class LossScaling:
     def __post_init__(self):
         scale = self.init_scale
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
-                or not 0 < scale < math.inf:
+                or not 0 < scale < _MAX_INT:
             raise PolicyError(f"loss_scaling.init_scale must be a positive finite number, "
                               f"got {scale!r}.")
         growth = self.growth_interval
         if isinstance(growth, bool) or not isinstance(growth, (int, float)) \
-                or int(growth) != growth or growth < 1:
+                or not 1 <= growth < 2 ** 31 or int(growth) != growth:
             raise PolicyError(f"loss_scaling.growth_interval must be a positive integer, "
                               f"got {growth!r}.")
 
@@ -153,16 +157,27 @@ class Interval:
                 "high": round(self.high, 4), "rounds": int(self.rounds)}
 
     @classmethod
-    def from_value(cls, value: Any) -> Interval | None:
-        """From a file: a mapping as to_dict writes it, or a bare number (older files)."""
+    def from_value(cls, value: Any, what: str = "interval") -> Interval | None:
+        """From a file: a mapping as to_dict writes it (``value``, optional ``low``, ``high``,
+        ``rounds``), or a bare number (older files). Anything else is a ValueError naming
+        ``what``."""
         if value is None:
             return None
-        if isinstance(value, Mapping):
-            v = float(value["value"])
-            return cls(v, float(value.get("low", v)), float(value.get("high", v)),
-                       int(value.get("rounds", 0)))
-        v = float(value)
-        return cls(v, v, v, 0)
+        if not isinstance(value, Mapping):
+            v = _number(value, what)
+            return cls(v, v, v, 0)
+        unknown = [k for k in value if k not in ("value", "low", "high", "rounds")]
+        if unknown or "value" not in value:
+            raise ValueError(f"{what} must be a number or a mapping with `value` (and optional "
+                             f"low, high, rounds), got {_brief(value)}.")
+        v = _number(value["value"], f"{what}.value")
+        bounds = [v if value.get(k) is None else _number(value[k], f"{what}.{k}")
+                  for k in ("low", "high")]
+        rounds = value.get("rounds", 0)
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or not 0 <= rounds < 2 ** 31:
+            raise ValueError(f"{what}.rounds must be a non-negative integer, got "
+                             f"{_brief(rounds)}.")
+        return cls(v, bounds[0], bounds[1], rounds)
 
 
 @dataclass(frozen=True)
@@ -185,26 +200,61 @@ class Provenance:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Provenance:
-        data = dict(data)
-        budget = data.pop("budget", None) or data.pop("objective", None)
-        metrics = dict(data.pop("metrics", None) or {})
-        speedup = data.pop("speedup_vs_fp32", None)
-        if speedup is None:
-            speedup = metrics.pop("speedup_vs_fp32", None)
-        loss = data.pop("loss_increase", metrics.pop("loss_increase", None))
-        grad = data.pop("grad_error", metrics.pop("grad_error", None))
-        if metrics:
-            data["metrics"] = metrics
-        verdict = data.pop("verdict", None) or ()
-        return cls(device=data.pop("device", None), torch=data.pop("torch", None),
-                   task=data.pop("task", None),
-                   budget=Budget(**budget) if isinstance(budget, Mapping) else None,
-                   speedup=Interval.from_value(speedup),
-                   loss_increase=None if loss is None else float(loss),
-                   grad_error=None if grad is None else float(grad),
-                   verdict=tuple(verdict if isinstance(verdict, (list, tuple)) else [verdict]),
-                   extra=data)
+    def from_dict(cls, data: Mapping[str, Any],
+                  where: Callable[[str], str] | None = None) -> Provenance:
+        """The typed fields from a ``tuned:`` mapping, each checked: a value of the wrong type
+        is a PolicyError naming ``tuned.<field>`` (``where(field)`` says the file and line).
+        The rest is kept in ``extra`` as plain values; :func:`check_provenance` checks the
+        parts of it that tune writes, as loading a policy file does."""
+        if not isinstance(data, Mapping):
+            raise _tuned_error("`tuned` must be a mapping, got " + _brief(data), "", where)
+        data = {k: _plain(v) for k, v in data.items()}
+        try:
+            strings = {}
+            for key in ("device", "torch", "task"):
+                value = data.pop(key, None)
+                if value is not None and not isinstance(value, str):
+                    raise _Bad(key, f"`tuned.{key}` must be text, got {_brief(value)}")
+                strings[key] = value
+            budget_key = "budget" if data.get("budget") is not None else "objective"
+            budget = data.pop("budget", None) or data.pop("objective", None)
+            data.pop("objective", None)
+            if budget is not None:
+                budget = _budget(budget, budget_key)
+            metrics = data.pop("metrics", None)
+            if metrics is not None and not isinstance(metrics, Mapping):
+                raise _Bad("metrics", f"`tuned.metrics` must be a mapping, got {_brief(metrics)}")
+            metrics = dict(metrics or {})
+            found: dict[str, tuple[str, Any]] = {}
+            for key in ("speedup_vs_fp32", "loss_increase", "grad_error"):
+                value = data.pop(key, None)
+                if value is not None:
+                    found[key] = (key, value)
+                elif metrics.get(key) is not None:  # older files kept them under `metrics`
+                    found[key] = (f"metrics.{key}", metrics.pop(key))
+            if metrics:
+                data["metrics"] = metrics
+            speedup, numbers = None, {}
+            for key, (name, value) in found.items():
+                try:
+                    if key == "speedup_vs_fp32":
+                        speedup = Interval.from_value(value, f"tuned.{name}")
+                    else:
+                        numbers[key] = _number(value, f"tuned.{name}")
+                except ValueError as e:
+                    raise _Bad(name, str(e)) from None
+            verdict = data.pop("verdict", None) or ()
+            if isinstance(verdict, str):
+                verdict = [verdict]
+            if not isinstance(verdict, (list, tuple)) or \
+                    not all(isinstance(v, str) for v in verdict):
+                raise _Bad("verdict", "`tuned.verdict` must be a list of sentences (text), got "
+                                      + _brief(verdict))
+        except _Bad as e:
+            raise _tuned_error(e.message, e.key, where) from None
+        return cls(device=strings["device"], torch=strings["torch"], task=strings["task"],
+                   budget=budget, speedup=speedup, loss_increase=numbers.get("loss_increase"),
+                   grad_error=numbers.get("grad_error"), verdict=tuple(verdict), extra=data)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {k: v for k, v in (("device", self.device),
@@ -224,23 +274,212 @@ class Provenance:
         return out
 
 
-def _glob_regex(pattern: str) -> re.Pattern:
-    out = []
-    i = 0
-    while i < len(pattern):
-        if pattern.startswith("**", i):
-            out.append(".*")
-            i += 2
-        elif pattern[i] == "*":
-            out.append("[^.]*")
-            i += 1
-        elif pattern[i] == "?":
-            out.append("[^.]")
-            i += 1
-        else:
-            out.append(re.escape(pattern[i]))
-            i += 1
-    return re.compile("".join(out))
+class _Bad(Exception):
+    """A bad field of ``tuned:`` (``key``: its top-level key, for the line number)."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(message)
+        self.key, self.message = key.partition(".")[0], message.rstrip(".")
+
+
+def _tuned_error(message: str, key: str, where: Callable[[str], str] | None) -> PolicyError:
+    place = (where(f"tuned.{key}" if key else "tuned") if where else "").strip()
+    return PolicyError(f"{message}{f' ({place})' if place else ''}; fix or delete it "
+                       "(`tuned:` is the provenance tune writes; nothing trains by it).")
+
+
+def _brief(value: Any) -> str:
+    """A value for an error message: its type and a short repr."""
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+# Integers beyond this are no count or size anything measures, and overflow a float.
+_MAX_INT = 2 ** 63
+
+
+def _number(value: Any, what: str) -> float:
+    """``value`` as a float: an int (of a sane size) or float, not a bool."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            (isinstance(value, int) and abs(value) >= _MAX_INT):
+        raise ValueError(f"{what} must be a number, got {_brief(value)}.")
+    return float(value)
+
+
+def _budget(value: Any, key: str) -> Budget:
+    name = f"tuned.{key}"
+    if not isinstance(value, Mapping):
+        raise _Bad(key, f"`{name}` must be a mapping with max_loss_increase and "
+                         f"max_grad_error, got {_brief(value)}")
+    known = [f.name for f in dataclasses.fields(Budget)]
+    unknown = [k for k in value if k not in known]
+    if unknown:
+        raise _Bad(key, f"`{name}` has unknown key(s) {', '.join(map(repr, unknown))}; its "
+                         f"keys are {', '.join(known)}")
+    try:
+        return Budget(**value)
+    except ValueError as e:
+        raise _Bad(key, f"`{name}`: {e}") from None
+
+
+# What `check_provenance` requires of the parts of `tuned:` that tune writes and `show` reads:
+# field -> a type or a check; these sections are mappings of them.
+_INT = "an integer"
+_NUM = "a number"
+_TEXT = "text"
+_BOOL = "true or false"
+_EXTRA_SCHEMA: dict[str, dict[str, str]] = {
+    "study": {"name": _TEXT, "trials": _INT, "distinct": _INT},
+    "timing": {"rounds": _INT, "aa_noise": _NUM, "too_noisy": _BOOL, "fp32_drift": "drift"},
+    "memory": {"predicted_peak_bytes": _INT, "*": _NUM},
+    "validation": {"steps": _INT, "gap": _NUM, "noise": _NUM, "passed": _BOOL, "trial": _INT,
+                   "note": _TEXT},
+    "fp8_runs_bf16": {"*": _TEXT},
+}
+# How deep a free-form value of `tuned:` may nest (the guard's events: a list of mappings).
+_EXTRA_DEPTH = 3
+
+
+def _fits(value: Any, kind: str) -> bool:
+    if kind == _TEXT:
+        return isinstance(value, str)
+    if kind == _BOOL:
+        return isinstance(value, bool)
+    if kind == _INT:
+        return isinstance(value, int) and not isinstance(value, bool) and abs(value) < _MAX_INT
+    if kind == _NUM:
+        return _fits(value, _INT) or isinstance(value, float)
+    if kind == "drift":
+        return isinstance(value, list) and len(value) == 2 and all(_fits(v, _NUM) for v in value)
+    raise AssertionError(kind)
+
+
+def check_provenance(tuned: Mapping[str, Any],
+                     where: Callable[[str], str] | None = None) -> Provenance:
+    """Check a ``tuned:`` mapping as read from a file: the typed fields (see
+    :meth:`Provenance.from_dict`), the sections tune writes (study, timing, memory,
+    validation, fp8_runs_bf16, improvement_over_warm_start, guard: each field its type, null
+    allowed) and everything else shallow plain data, so that ``show`` prints any of it.
+    Returns the Provenance; a bad field is a PolicyError naming it."""
+    prov = Provenance.from_dict(tuned, where)
+    _descriptions = {"drift": "a list of two numbers", _INT: _INT, _NUM: _NUM, _TEXT: _TEXT,
+                     _BOOL: _BOOL}
+    try:
+        for key, value in prov.extra.items():
+            name = f"tuned.{key}"
+            schema = _EXTRA_SCHEMA.get(key)
+            if key == "improvement_over_warm_start":
+                try:
+                    Interval.from_value(value, name)
+                except ValueError as e:
+                    raise _Bad(key, str(e)) from None
+            elif schema is not None:
+                if not isinstance(value, Mapping):
+                    raise _Bad(key, f"`{name}` must be a mapping, got {_brief(value)}")
+                for field_, item in value.items():
+                    kind = schema.get(field_, schema.get("*"))
+                    if item is None or kind is None and _shallow(item, _EXTRA_DEPTH - 1):
+                        continue
+                    if kind is None or not _fits(item, kind):
+                        raise _Bad(key, f"`{name}.{field_}` must be "
+                                        f"{_descriptions.get(kind, 'plain data')}, got "
+                                        f"{_brief(item)}")
+            elif key == "guard" and not (isinstance(value, list)
+                                         and all(isinstance(e, Mapping) for e in value)):
+                raise _Bad(key, f"`{name}` must be a list of the guard's demotions (mappings), "
+                                f"got {_brief(value)}")
+            if not _shallow(value, _EXTRA_DEPTH):
+                raise _Bad(key, f"`{name}` must be plain values (text, numbers, true/false) "
+                                f"in lists or mappings at most {_EXTRA_DEPTH} deep, got "
+                                f"{_brief(value)}")
+    except _Bad as e:
+        raise _tuned_error(e.message, e.key, where) from None
+    return prov
+
+
+def _shallow(value: Any, depth: int) -> bool:
+    """Plain scalars (text, sane numbers, bools, null) nested at most ``depth`` levels."""
+    if isinstance(value, (list, tuple)):
+        return depth > 0 and all(_shallow(v, depth - 1) for v in value)
+    if isinstance(value, Mapping):
+        return depth > 0 and all(_shallow(k, 0) and _shallow(v, depth - 1)
+                                 for k, v in value.items())
+    if isinstance(value, int) and not isinstance(value, bool):
+        return abs(value) < _MAX_INT
+    return value is None or isinstance(value, (str, float, bool))
+
+
+# The longest layer pattern (module names are rarely a tenth of it).
+MAX_PATTERN_CHARS = 512
+
+
+class _Glob:
+    """A compiled layer pattern. ``*`` is any run of characters within one dotted component,
+    ``**`` any run at all, ``?`` one character other than a dot. Matched as an automaton over
+    the pattern's positions (a bit set, one step per character of the name): time linear in
+    the name times the pattern, never the exponential backtracking of a regex built from a
+    run of wildcards. Cheap checks first (literal prefix and suffix, the count of dots) make
+    most non-matches one string comparison."""
+
+    __slots__ = ("exact", "prefix", "suffix", "dots", "min_len", "sized", "lit", "qmark",
+                 "star", "any", "accept")
+
+    def __init__(self, pattern: str):
+        # one token per literal character; "?"; "*" (within a component); "**" (any run)
+        tokens: list[str] = []
+        i = 0
+        while i < len(pattern):
+            if pattern[i] == "*":
+                j = i
+                while j < len(pattern) and pattern[j] == "*":
+                    j += 1
+                tokens.append("**" if j - i >= 2 else "*")  # `***` is `**` then `*`: any run
+                i = j
+            else:
+                tokens.append(pattern[i])
+                i += 1
+        wild = [k for k, t in enumerate(tokens) if t in _WILDCARDS]
+        self.exact = None if wild else pattern
+        self.prefix = "".join(tokens[:wild[0]]) if wild else pattern
+        self.suffix = "".join(tokens[wild[-1] + 1:]) if wild else ""
+        # without `**` every dot of a matching name is one of the pattern's literal dots
+        self.dots = None if "**" in tokens else tokens.count(".")
+        self.min_len = sum(t not in ("*", "**") for t in tokens)
+        self.sized = "*" not in tokens and "**" not in tokens  # then the length is min_len
+        self.lit: dict[str, int] = {}
+        self.qmark = self.star = self.any = 0
+        for k, t in enumerate(tokens):
+            if t == "?":
+                self.qmark |= 1 << k
+            elif t == "*":
+                self.star |= 1 << k
+            elif t == "**":
+                self.any |= 1 << k
+            else:
+                self.lit[t] = self.lit.get(t, 0) | 1 << k
+        self.accept = 1 << len(tokens)
+
+    def fullmatch(self, name: str) -> bool:
+        if self.exact is not None:
+            return name == self.exact
+        if len(name) < self.min_len or (self.sized and len(name) != self.min_len) \
+                or not name.startswith(self.prefix) or not name.endswith(self.suffix) \
+                or (self.dots is not None and name.count(".") != self.dots):
+            return False
+        lit, qmark, star, wild = self.lit, self.qmark, self.star, self.star | self.any
+        state = 1 | (1 & wild) << 1  # a star may match nothing: step over it
+        for c in name:
+            if c == ".":
+                state = (state & lit.get(c, 0)) << 1 | (state & self.any)
+            else:
+                state = (state & (lit.get(c, 0) | qmark)) << 1 | (state & wild)
+            if not state:
+                return False
+            state |= (state & wild) << 1  # no two stars are adjacent: one step closes it
+        return bool(state & self.accept)
+
+
+_WILDCARDS = ("?", "*", "**")
 
 
 def _is_glob(pattern: str) -> bool:
@@ -295,9 +534,17 @@ class Policy:
         layers = {}
         for pattern, fmt in dict(self.layers).items():
             if not isinstance(pattern, str) or not pattern.strip():
-                raise PolicyError(f"Layer pattern {pattern!r}{self._where(pattern)} must be a "
-                                  "non-empty string (a module fqn such as `lm_head` or a glob "
-                                  "such as `transformer.h.*.mlp.*`).")
+                quote = (f' (YAML reads an unquoted {pattern!r} as a {type(pattern).__name__}: '
+                         f'quote it, e.g. `"{pattern}": {fmt}`)'
+                         if isinstance(pattern, (int, float, bool)) else "")
+                raise PolicyError(f"Layer pattern {pattern!r}{self._where(str(pattern))} must "
+                                  "be a non-empty string (a module fqn such as `lm_head` or a "
+                                  f"glob such as `transformer.h.*.mlp.*`){quote}.")
+            if len(pattern) > MAX_PATTERN_CHARS:
+                raise PolicyError(f"Layer pattern `{pattern[:40]}...`{self._where(pattern)} is "
+                                  f"{len(pattern)} characters; a pattern may have at most "
+                                  f"{MAX_PATTERN_CHARS} (module names are far shorter): shorten "
+                                  "it, e.g. with `*` for a component or `**` for several.")
             layers[pattern] = Format.parse(fmt, fp8_recipe=recipe,
                                            where=f"for layer `{pattern}`{self._where(pattern)}")
         object.__setattr__(self, "layers", layers)
@@ -306,8 +553,10 @@ class Policy:
         if self.fingerprint is not None and not str(self.fingerprint).startswith("sha256:"):
             raise PolicyError(f"model.fingerprint {self.fingerprint!r}{self._where('model')} "
                               "must look like `sha256:<hex>`; delete the key to skip the check.")
-        compiled = {p: _glob_regex(p) for p in layers}
+        compiled = {p: _Glob(p) for p in layers}
         object.__setattr__(self, "_compiled", compiled)
+        # fqn -> its match: a model asks about the same few hundred names again and again
+        object.__setattr__(self, "_matches", {})
 
     # ---------------------------------------------------------------- queries
     def _where(self, key: str | None = None) -> str:
@@ -317,11 +566,17 @@ class Policy:
         return f" in {self.source}" + (f" line {line}" if line else "")
 
     def match(self, fqn: str) -> str | None:
-        """The pattern that names ``fqn`` itself (most specific wins), or None."""
-        hits = [p for p, rx in self._compiled.items() if rx.fullmatch(fqn)]
-        if not hits:
-            return None
-        return max(hits, key=_specificity)
+        """The pattern that names ``fqn`` itself (most specific wins), or None. The root
+        module (fqn ``""``) is never matched: ``default`` alone governs it."""
+        cache = self._matches
+        if fqn in cache:
+            return cache[fqn]
+        hits = [p for p, glob in self._compiled.items() if glob.fullmatch(fqn)] if fqn else []
+        found = max(hits, key=_specificity) if hits else None
+        if len(cache) >= 1 << 16:  # names come from models, but bound it all the same
+            cache.clear()
+        cache[fqn] = found
+        return found
 
     def format_for(self, fqn: str) -> Format:
         """The format module ``fqn`` computes in: its own match, else its nearest matched
@@ -506,6 +761,8 @@ class Policy:
         tuned = data.get("tuned")
         if tuned is not None:
             _require_mapping(tuned, "tuned", where)
+            # provenance is checked like the rest: `show` prints every field of it
+            check_provenance(tuned, lambda key: where(key if key in lines else "tuned"))
         if "default" not in data:
             raise PolicyError(f"Missing `default:`{src}: the format of every layer not listed "
                               "under `layers` (fp32, bf16, fp16, fp8 or fp8:<recipe>).")
@@ -560,79 +817,127 @@ def _reject_unknown(data, known, what, where, line_key=None):
                           f"{where(key)}; valid keys are {', '.join(known)}.")
 
 
-def _line_map(text: str) -> dict[str, int]:
-    """1-based line of each top-level key and each `layers` pattern (safe composer only)."""
+def _line_map(root: yaml.Node) -> dict[str, int]:
+    """1-based line of each top-level key, each `layers` pattern and each `tuned` field (as
+    ``tuned.<key>``), from the composed document."""
     lines: dict[str, int] = {}
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError:
-        return lines
     if not isinstance(root, yaml.MappingNode):
         return lines
     for key_node, value_node in root.value:
         key = key_node.value
+        if not isinstance(key, str):  # a complex key (`? [a, b]`): the schema check names it
+            continue
         lines[key] = key_node.start_mark.line + 1
-        if key == "layers" and isinstance(value_node, yaml.MappingNode):
+        if key in ("layers", "tuned") and isinstance(value_node, yaml.MappingNode):
             for k, _ in value_node.value:
-                lines[k.value] = k.start_mark.line + 1
+                if isinstance(k.value, str):
+                    name = k.value if key == "layers" else f"tuned.{k.value}"
+                    lines.setdefault(name, k.start_mark.line + 1)
     return lines
 
 
+# Bounds on a policy file: far above any real policy (a tuned 1000-layer model's is well under
+# 1 MiB and nests 4 deep), far below what takes minutes to parse or overflows the stack.
+MAX_POLICY_BYTES = 4 * 2 ** 20
+MAX_POLICY_DEPTH = 24
+_STR_TAG = "tag:yaml.org,2002:str"
+
+
 class _PolicyLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses duplicate keys (YAML would keep the last silently)."""
+    """``yaml.SafeLoader`` that refuses, as the parser hands over each event (before the
+    recursive composer descends), anchors and aliases (a small file could otherwise expand
+    into gigabytes: an alias bomb) and nesting deeper than MAX_POLICY_DEPTH; and refuses
+    duplicate keys (YAML would keep the last silently)."""
+
+    def __init__(self, stream: str, source: str):
+        super().__init__(stream)
+        self.source = source
+        self.depth = 0
+
+    def get_event(self):
+        event = super().get_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+            raise PolicyError(f"{self.source} line {event.start_mark.line + 1} uses a YAML anchor "
+                              "or alias (& or *); policy files do not: write the values out "
+                              "(and quote a glob that starts with `*`).")
+        if isinstance(event, yaml.CollectionStartEvent):
+            self.depth += 1
+            if self.depth > MAX_POLICY_DEPTH:
+                raise PolicyError(f"{self.source} line {event.start_mark.line + 1}: lists or "
+                                  f"mappings nest deeper than {MAX_POLICY_DEPTH} levels; a "
+                                  "policy needs a few. Is it the right file?")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            self.depth -= 1
+        return event
 
     def construct_mapping(self, node, deep=False):
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
-            if key in seen:
-                raise PolicyError(f"Duplicate key {key!r} at lines {seen[key]} and {line}: a "
-                                  "policy names each key once; delete one of them.")
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: SafeLoader says so with its line
+                break
+            if first is not None:
+                raise PolicyError(f"{self.source}: Duplicate key {key!r} at lines {first} and "
+                                  f"{line}: a policy names each key once; delete one of them.")
             seen[key] = line
         return super().construct_mapping(node, deep)
 
 
-def _check_no_aliases(text: str, path: str) -> None:
-    """Policy files need no YAML anchors or aliases; refusing them (before anything is built)
-    keeps a small file from expanding into gigabytes (an alias bomb)."""
-    try:
-        for event in yaml.parse(text, Loader=yaml.SafeLoader):
-            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
-                line = event.start_mark.line + 1
-                raise PolicyError(f"{path} line {line} uses a YAML anchor or alias (& or *); "
-                                  "policy files do not: write the values out.")
-    except yaml.YAMLError:
-        return  # safe_load reports the syntax error with its line
+def _check_layer_keys(root: yaml.Node, path: str) -> None:
+    """A layer pattern YAML reads as something other than text (`0:`, `1.10:`, `true:`) is
+    a string the user meant: say how to quote it, with the text as written."""
+    if not isinstance(root, yaml.MappingNode):
+        return
+    for key_node, value_node in root.value:
+        if key_node.value != "layers" or not isinstance(value_node, yaml.MappingNode):
+            continue
+        for k, v in value_node.value:
+            if isinstance(k, yaml.ScalarNode) and k.tag != _STR_TAG and k.value.strip() \
+                    and k.value not in ("~", "null", "Null", "NULL"):
+                fmt = v.value if isinstance(v, yaml.ScalarNode) else "fp32"
+                kind = k.tag.rpartition(":")[2]
+                raise PolicyError(f"Layer pattern {k.value} in {path} line {k.start_mark.line + 1} "
+                                  f"is read by YAML as a {kind}, not a module name: quote it, "
+                                  f'e.g. `"{k.value}": {fmt}`.')
 
 
 def load_policy(path: str | os.PathLike) -> Policy:
-    """Read a policy file (``yaml.safe_load`` only, no anchors or aliases, no duplicate keys)
-    and validate it against the policy schema (version 1 or 2)."""
+    """Read a policy file (at most MAX_POLICY_BYTES, ``yaml.SafeLoader`` only, parsed once; no
+    anchors or aliases, no duplicate keys, nesting at most MAX_POLICY_DEPTH) and validate it
+    against the policy schema (version 1 or 2), its ``tuned:`` provenance included."""
     path = os.fspath(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        raw = read_bounded(path, MAX_POLICY_BYTES, "policy")
     except FileNotFoundError:
         raise PolicyError(f"Policy file {path} does not exist; `autoprec tune TASK -o {path}` "
                           "writes one.") from None
     except IsADirectoryError:
         raise PolicyError(f"{path} is a directory, not a policy file.") from None
+    except ValueError as e:  # too large
+        raise PolicyError(str(e)) from None
+    try:
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise PolicyError(f"{path} is not a policy file: byte {e.start} is not UTF-8 text (a "
                           "policy is a YAML text file).") from None
-    _check_no_aliases(text, path)
+    loader = _PolicyLoader(text, path)
     try:
-        data = yaml.load(text, Loader=_PolicyLoader)  # noqa: S506 - a SafeLoader subclass
+        root = loader.get_single_node()
+        if root is not None:
+            _check_layer_keys(root, path)
+        data = loader.construct_document(root) if root is not None else None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e)
         raise PolicyError(f"Malformed YAML in {path}{line}: {problem}. Fix the syntax "
                           "(indentation, quotes around globs with `*`).") from None
-    except PolicyError as e:
-        raise PolicyError(f"{path}: {e}") from None
-    return Policy.from_dict(data, source=path, lines=_line_map(text))
+    finally:
+        loader.dispose()
+    return Policy.from_dict(data, source=path, lines=_line_map(root))
 
 
 def model_fingerprint(model: nn.Module) -> str:
