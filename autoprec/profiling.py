@@ -333,6 +333,7 @@ class Profile:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Profile:
         check_schema(d, "autoprec_profile", PROFILE_SCHEMA, "profile", readable=(1,))
+        _check_record(d)  # every field its type first: a profile file is untrusted input
         try:
             return cls(task_name=d["task_name"], model_name=d["model_name"],
                        device=d["device"], target=d["target"],
@@ -351,11 +352,128 @@ class Profile:
 
     @classmethod
     def load(cls, path) -> Profile:
+        """Read a profile file (bounded in size and nesting, every field checked); a bad one
+        is a one-line ValueError naming the file and the field."""
         data = read_json(path, "profile")
         try:
             return cls.from_dict(data)
-        except ValueError as e:
-            raise ValueError(f"{path} is not a valid autoprec profile: {e}") from None
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
+            detail = " ".join(str(e).split()) if isinstance(e, ValueError) else \
+                f"a malformed record ({type(e).__name__}: {' '.join(str(e).split())})"
+            raise ValueError(f"{path} is not a valid autoprec profile: {detail}. Regenerate it "
+                             "with `autoprec profile` (or `autoprec tune`).") from None
+
+
+# ------------------------------------------------------------------ checking a record
+# Field kinds of a profile record as to_dict writes it (before the dataclasses check values).
+_TEXT, _OPT_TEXT, _INT, _NUM, _OPT_NUM, _BOOL = "text", "text or null", "an integer", \
+    "a number", "a number or null", "true or false"
+_FLOATISH = "a number, null, or one of 'inf', '-inf', 'nan'"
+# Integers past this are no count of anything measured (and overflow a float).
+_MAX_INT = 2 ** 63
+
+_TOP_FIELDS = {"task_name": _TEXT, "model_name": _TEXT, "device": _TEXT, "target": _OPT_TEXT,
+               "capture_method": _TEXT, "elapsed": _NUM, "torch_version": _TEXT,
+               "sensitivity_mode": _TEXT}
+_LAYER_FIELDS = {"fqn": _TEXT, "kind": _TEXT, "module_type": _TEXT, "flops": _INT,
+                 "bytes": _INT, "params": _INT}
+_SENSITIVITY_FIELDS = {"layer": _TEXT, "format": _TEXT, "finite": _BOOL, "n_batches": _INT,
+                       "source": _TEXT}  # the rest: _FLOATISH
+_TIME_FIELDS = {"fqn": _TEXT, "format": _TEXT, "fmt": _TEXT, "seconds": _OPT_NUM,
+                "raw_seconds": _OPT_NUM, "spread": _OPT_NUM, "emulated": _BOOL,
+                "source": _TEXT, "note": _TEXT, "error": _OPT_TEXT, "repeats": _INT}
+
+
+def _fits(value: Any, kind: str) -> bool:
+    if kind in (_TEXT, _OPT_TEXT):
+        return isinstance(value, str) or (value is None and kind == _OPT_TEXT)
+    if kind == _BOOL:
+        return isinstance(value, bool)
+    if value is None:
+        return kind in (_OPT_NUM, _FLOATISH)
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return abs(value) < _MAX_INT
+    if isinstance(value, float):
+        return kind != _INT
+    return kind == _FLOATISH and isinstance(value, str) and \
+        value.strip().lower() in ("inf", "-inf", "nan")
+
+
+def _wrong(value: Any, kind: str, name: str) -> ValueError:
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= _MAX_INT:
+        got = f"an integer of {len(str(abs(value)))} digits"
+    else:
+        text = repr(value)
+        got = f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+    return ValueError(f"`{name}` must be {kind}, got {got}")
+
+
+def _expect(value: Any, kind: str, name: str) -> None:
+    if not _fits(value, kind):
+        raise _wrong(value, kind, name)
+
+
+def _mapping(value: Any, name: str) -> Mapping:
+    if not isinstance(value, Mapping):
+        raise _wrong(value, "a mapping", name)
+    return value
+
+
+def _list(value: Any, name: str) -> list:
+    if not isinstance(value, list):
+        raise _wrong(value, "a list", name)
+    return value
+
+
+def _fields(record: Any, kinds: Mapping[str, str], name: str, rest: str | None = None) -> None:
+    for key, value in _mapping(record, name).items():
+        kind = kinds.get(key, rest)
+        if kind is not None:
+            _expect(value, kind, f"{name}.{key}")
+
+
+def _check_record(d: Mapping[str, Any]) -> None:
+    """The type of every field a profile record carries, as a ValueError naming the first
+    wrong one (``layers[3].layer.fqn``); values are checked by the dataclasses after."""
+    _fields(d, _TOP_FIELDS, "profile")
+    for i, f in enumerate(_list(d.get("formats", []), "formats")):
+        _expect(f, _TEXT, f"formats[{i}]")
+    for i, e in enumerate(_list(d.get("edges", []), "edges")):
+        if not isinstance(e, list) or len(e) != 2:
+            raise _wrong(e, "a [producer, consumer] pair", f"edges[{i}]")
+        _expect(e[0], _TEXT, f"edges[{i}][0]")
+        _expect(e[1], _TEXT, f"edges[{i}][1]")
+    _fields(d.get("fixed", {}), {}, "fixed", _TEXT)
+    for i, u in enumerate(_list(d.get("units", []), "units")):
+        for key, value in _mapping(u, f"units[{i}]").items():
+            if value is not None and not isinstance(value, (str, bool)):
+                _expect(value, _NUM, f"units[{i}].{key}")
+    for i, lp in enumerate(_list(d.get("layers", []), "layers")):
+        name = f"layers[{i}]"
+        lp = _mapping(lp, name)
+        layer = _mapping(lp.get("layer", {}), f"{name}.layer")
+        _fields(layer, _LAYER_FIELDS, f"{name}.layer")
+        for j, m in enumerate(_list(layer.get("matmuls", []), f"{name}.layer.matmuls")):
+            if not isinstance(m, list) or len(m) != 4:
+                raise _wrong(m, "a list of 4 integers (batch, M, K, N)",
+                             f"{name}.layer.matmuls[{j}]")
+            for v in m:
+                _expect(v, _INT, f"{name}.layer.matmuls[{j}]")
+        for j, c in enumerate(_list(layer.get("calls", []), f"{name}.layer.calls")):
+            _expect(c, _TEXT, f"{name}.layer.calls[{j}]")
+        sens = lp.get("sensitivity", lp.get("errors", {}))
+        for fmt, rec in _mapping(sens, f"{name}.sensitivity").items():
+            _fields(rec, _SENSITIVITY_FIELDS, f"{name}.sensitivity.{fmt}", _FLOATISH)
+        for fmt, rec in _mapping(lp.get("times", {}), f"{name}.times").items():
+            _fields(rec, _TIME_FIELDS, f"{name}.times.{fmt}")
+            vs = rec.get("vs_fp32")
+            if vs is not None:
+                _fields(vs, {"rounds": _INT}, f"{name}.times.{fmt}.vs_fp32", _OPT_NUM)
+        for key in ("skipped", "exact_why"):
+            _fields(lp.get(key, {}), {}, f"{name}.{key}", _TEXT)
+        _fields(lp.get("estimated_loss", {}), {}, f"{name}.estimated_loss", _FLOATISH)
 
 
 def _device_name(device: torch.device) -> str:
