@@ -32,25 +32,46 @@ What counts as a failure, per step and per watched layer:
   its scale is at or below ``GuardConfig.min_loss_scale`` (1.0: the gradient overflows
   unscaled).
 
-Attribution: a non-finite value propagates, so in one step many layers fail because of one.
-The guard blames the *first* failing layer in execution order: forward order for outputs (a
-step with a failing output is judged on its outputs only), then for gradients a layer whose
-own weight gradient fails while the gradient at its output is finite (its backward
-overflowed), else the first in backward order whose output gradient fails. A blamed layer
-becomes a suspect: from the next step on its inputs are checked as well, and a layer whose
-inputs were already non-finite is cleared (the fault lies upstream, perhaps in an unwatched
-layer) and the blame moves to the next failing layer. Suspects also get the share of failing
-values measured, for the log. A layer blamed ``patience`` steps in a row is demoted one step
-(``Format.demoted()``: fp8 -> bf16 -> fp32, fp16 -> fp32) for the rest of the run, by
+Attribution: a non-finite value propagates, so in one step many layers fail because of one. The
+guard blames the *first* failing layer in execution order: forward order for outputs (a step
+with a failing output is judged on its outputs only), then for gradients a layer whose own
+weight gradient fails while the gradient at its output is finite (its backward overflowed),
+else the first in backward order whose output gradient fails. A non-finite gradient reaching
+the first layer of the backward came from the loss or unwatched layers, except, without an
+enabled GradScaler, at an fp16 layer: its output, so the gradient computed for it, is FP16, and
+the finite FP32 gradient of the layers after it overflowed there (the forward was finite); it
+is blamed (a NaN loss from finite outputs, such as NaN targets, would read the same). A blamed
+layer becomes a suspect: from the next step on its inputs are checked as well, and a layer
+whose inputs were already non-finite is cleared (the fault lies upstream, perhaps in an
+unwatched layer) and the blame moves to the next failing layer. Suspects also get the share of
+failing values measured, for the log. A layer blamed ``patience`` steps in a row is demoted one
+step (``Format.demoted()``: fp8 -> bf16 -> fp32, fp16 -> fp32) for the rest of the run, by
 re-applying the policy amended with ``{fqn: new_format}`` (the module tree, parameters and
 ``state_dict`` are untouched; a parent's children that inherited its format are pinned to it,
 so only the parent's own computation changes).
 
+What cannot be demoted away is a WARNING, once: non-finite values that start in a layer the
+policy keeps in fp32, in the loss, or in the input batch (named by watching every module on
+the next step), and poisoned parameters. Without a GradScaler one non-finite step sends its
+gradients through the optimizer into every weight; from then on every layer's output is
+non-finite because its weights are, and blaming the first one would demote innocent layers,
+one after the other, on a model already lost. So on a failing step (never on a healthy one)
+the guard checks the parameters, one max-abs reduction each: non-finite values in the
+parameters of more than one module mean poisoned (an optimizer's state, such as Adam's
+moments, goes non-finite with the weights, so the parameters tell; the guard does not know
+the optimizer). It then demotes nothing and warns once, naming the step since which the
+parameters are non-finite (``guard.poisoned_since``) and where the non-finite values began on
+that step (``guard.first_nonfinite``: the layer, or None where the guard cannot tell which
+unwatched layer it was), that demoting cannot help, and to restore a checkpoint; it judges
+again once the parameters are finite (restored). One module's own non-finite parameter (a
+bad checkpoint entry) is that module's failure, judged as any other.
+
 Under torch.distributed (DDP, FSDP) each ``step()`` combines the ranks' verdicts with one
-all_reduce(MAX) of a flag per watched layer, so every rank demotes the same layers at the same
-step and holds the same events and amended policy (``save_to`` is written by rank 0). Every
-rank must call ``step()``. ``state_dict()``/``load_state_dict()`` carry the demotions through
-a checkpoint (see ``autoprec.runtime.integrations`` for the Trainer and Accelerate).
+all_reduce(MAX) of a flag per watched layer (and one for poisoned parameters), so every rank
+demotes the same layers at the same step and holds the same events and amended policy
+(``save_to`` is written by rank 0). Every rank must call ``step()``.
+``state_dict()``/``load_state_dict()`` carry the demotions through a checkpoint (see
+``autoprec.runtime.integrations`` for the Trainer and Accelerate).
 
 Cost: one fused reduction per watched output, output gradient and own weight gradient, kept on
 the device: a count of the values above the limit (or NaN) for fp16 layers (a finite FP32 value
@@ -833,6 +854,8 @@ class Guard:
                 seen.add(id(p))
                 t = p.detach()
                 t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2: this rank's shard
+                if t.is_floating_point() and t.element_size() < 2:
+                    t = t.float()  # FP8 storage: no norm kernel of its own
                 if t.is_floating_point() and t.numel() and t.device.type != "meta":
                     groups.setdefault((t.device, t.dtype), []).append((fqn, t))
         owners = [fqn for group in groups.values() for fqn, _ in group]
@@ -887,13 +910,17 @@ class Guard:
         since, self.first_nonfinite, where = self._stretch or (
             self._step, None, "on another rank: see its log")
         self.poisoned_since = since
+        fmt = self.watched.get(self.first_nonfinite)
+        hint = "" if fmt is None else (
+            f" (if `{self.first_nonfinite}`'s {fmt} is at fault, run it in {fmt.demoted()}: "
+            "amend the policy, or use a GradScaler for fp16)")
         logger.warning(
             "autoprec guard: step %d: the model's parameters are non-finite since step %d (an "
             "optimizer step took in non-finite gradients; %s), so every layer now computes "
             "from non-finite weights and demoting a layer cannot help: restore a checkpoint "
-            "(model and optimizer) from before step %d and see what made that step non-finite; "
-            "nothing is demoted until the parameters are finite again.",
-            self._step, since, where, since)
+            "(model and optimizer) from before step %d and see what made that step "
+            "non-finite%s; nothing is demoted until the parameters are finite again.",
+            self._step, since, where, since, hint)
 
     def _collect(self) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
         """This step's checks, eager records and compiled probes' sinks together, read with one
@@ -1263,7 +1290,10 @@ class Guard:
         the model at once (or, before :meth:`attach`, when it attaches). The state must come
         from a guard attached with the same policy, or this guard's policy must be that
         policy amended by the state's demotions (a run resumed from the amended file), and
-        watch the same formats: otherwise a :class:`~autoprec.policy.PolicyError`."""
+        watch the same formats: otherwise a :class:`~autoprec.policy.PolicyError`. So is a
+        state not as :meth:`state_dict` writes it (a missing key, a wrong type, an unknown
+        format, a layer run in a format that is no demotion of its policy's) or naming a
+        module the model lacks; all of it is checked before anything changes."""
         if not isinstance(state, Mapping) or "autoprec_guard" not in state:
             raise PolicyError(f"Not an autoprec guard state ({type(state).__name__} without the "
                               "key `autoprec_guard`); pass what Guard.state_dict() returned.")
