@@ -124,6 +124,10 @@ class TuneConfig:
             raise ValueError("TuneConfig.formats is empty; give at least one of "
                              f"{', '.join(f.value for f in Format)}.")
         fmts = [f for f in FORMAT_ORDER if f in set(fmts) | {Format.FP32}]
+        if fmts == [Format.FP32]:
+            raise ValueError("TuneConfig.formats (fp32,) leaves nothing to choose: fp32 is the "
+                             "reference every policy is compared with, always included; add "
+                             "at least one of bf16, fp16, fp8.")
         object.__setattr__(self, "formats", tuple(fmts))
         couple = tuple(tuple(names) for names in self.couple)
         if any(isinstance(names, str) or len(names) < 2 for names in self.couple) or \
@@ -158,6 +162,11 @@ class TuneConfig:
 
             resolve_target(self.target)  # an unknown target fails here, before any work
             object.__setattr__(self, "target", str(self.target).strip().lower())
+        if self.study_name is not None and (not isinstance(self.study_name, str)
+                                            or not self.study_name.strip()):
+            raise ValueError(f"Study name {self.study_name!r} is empty; give a name with at "
+                             "least one character other than spaces, or None to derive one "
+                             "from the task.")
         if self.storage is not None and self.storage.strip() in ("", "journal:"):
             raise ValueError(f"Storage {self.storage!r} names no database: give a URL "
                              "(sqlite:///PATH, postgresql://...) or journal:PATH.")

@@ -10,7 +10,7 @@ from typing import Any
 
 import optuna
 
-__all__ = ["open_storage", "StorageError"]
+__all__ = ["open_storage", "check_storage", "storage_file", "StorageError"]
 
 # Errors of workers racing to create Optuna's schema on a fresh database; the loser succeeds
 # once the tables exist.
@@ -31,10 +31,51 @@ def _shown(url: str) -> str:
         return url
 
 
+def storage_file(storage: str | None, default_path: str) -> str | None:
+    """The local file a storage keeps its studies in (SQLite, a journal), or None (a database
+    server, an in-memory SQLite)."""
+    if storage is None:
+        return os.path.abspath(default_path)
+    if storage.startswith("journal:"):
+        return storage.split(":", 1)[1] or None
+    if storage.startswith("sqlite:///"):
+        path = storage[len("sqlite:///"):].split("?", 1)[0]
+        return None if path in ("", ":memory:") or path.startswith("file:") else path
+    return None
+
+
+def check_storage(storage: str | None, default_path: str) -> None:
+    """Refuse, before any work, a storage whose file cannot be written: under a path that is
+    not a folder, a folder, a read-only file, or in a folder that cannot be written (SQLite and
+    the journal write files beside the study). A one-line :class:`StorageError`."""
+    path = storage_file(storage, default_path)
+    if path is None:
+        return
+    url = _shown(storage) if storage is not None else f"sqlite:///{path}"
+    where = f"Cannot use storage {url}"
+    if os.path.isdir(path):
+        raise StorageError(f"{where}: {path} is a folder; name the study's file.")
+    folder = os.path.dirname(os.path.abspath(path))
+    probe = folder
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise StorageError(f"{where}: {probe} is a file, not a folder; choose another path.")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise StorageError(f"{where}: the folder {probe} is not writable, and the study's file "
+                           "(and the lock or journal files beside it) must be written there; "
+                           "choose another path or make the folder writable.")
+    if os.path.exists(path) and not os.access(path, os.R_OK | os.W_OK):
+        raise StorageError(f"{where}: the file {path} is read-only, and a tune writes its "
+                           "trials there; make it writable (chmod u+w) or give another "
+                           "--storage (or -o, for the default study beside the policy).")
+
+
 def open_storage(storage: str | None, default_path: str) -> tuple[Any, str]:
     """An Optuna storage from a URL, ``journal:<path>``, or None (SQLite at default_path).
     Returns the storage and its URL. A storage that cannot be opened is a one-line
     :class:`StorageError`."""
+    check_storage(storage, default_path)
     if storage is None:
         storage = f"sqlite:///{os.path.abspath(default_path)}"
     try:
@@ -54,6 +95,10 @@ def open_storage(storage: str | None, default_path: str) -> tuple[Any, str]:
         if kind == "ArgumentError":
             fix = ("it is not a database URL; use sqlite:///PATH, postgresql://USER@HOST/DB, "
                    "mysql+pymysql://USER@HOST/DB or journal:PATH")
+        elif "database is locked" in first:
+            fix = _LOCKED
+        elif "readonly" in first or "read-only" in first:
+            fix = "the database is read-only; make it writable or give another --storage"
         else:
             fix = "check the host, port, database name and credentials, and that the server runs"
         raise StorageError(f"Cannot open storage {_shown(storage)} ({kind}: {first}): {fix}.") \
@@ -72,9 +117,41 @@ def _journal(path: str):
     return JournalStorage(JournalFileBackend(path))
 
 
+_LOCKED = ("the database is locked: another process holds a lock on it (another tune writing "
+           "it, or a program with a transaction open on it). Wait for it to finish or close "
+           "it, then rerun; or give this tune another --storage (or -o)")
+
+
+def _sqlite_unlocked(url: str) -> None:
+    """Refuse, in one line, an SQLite study another process holds locked: Optuna would wait
+    for it at every one of its first statements and retry, then fail with a generic message."""
+    import sqlite3
+
+    path = storage_file(url, "")
+    if path is None or not os.path.isfile(path):
+        return
+    try:
+        # the same 5 s a writer waits for another's short transaction (sqlite3's default)
+        con = sqlite3.connect(path, timeout=5.0, isolation_level=None)
+    except sqlite3.Error:
+        return  # Optuna's own open says what is wrong
+    try:
+        con.execute("BEGIN IMMEDIATE")
+        con.execute("ROLLBACK")
+    except sqlite3.OperationalError as e:
+        if "locked" in str(e) or "busy" in str(e):
+            raise StorageError(f"Cannot open storage {_shown(url)}: {_LOCKED}.") from None
+    except sqlite3.DatabaseError as e:
+        raise StorageError(f"Cannot open storage {_shown(url)}: {path} is not an SQLite "
+                           f"database ({e}); give another --storage or -o.") from None
+    finally:
+        con.close()
+
+
 def _rdb(url: str):
     if url.startswith("sqlite:///"):
         os.makedirs(os.path.dirname(url[len("sqlite:///"):]) or ".", exist_ok=True)
+        _sqlite_unlocked(url)
     # heartbeat: a worker killed mid-trial leaves a RUNNING trial; after the grace period the
     # next worker marks it FAILED instead of waiting for it forever.
     kwargs = dict(heartbeat_interval=30, grace_period=120,
