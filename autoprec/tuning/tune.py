@@ -97,7 +97,8 @@ def _tune(task: Task, config: TuneConfig, prof: Profile | None, progress: bool,
             log(f"warning: this machine is noisy (a tie measured up to {ev.noise:.0%} off): "
                 f"timing may not be able to separate policies. What helps: {NOISE_ADVICE}")
     _enqueue_warm_starts(study, prof, space, config, log)
-    _optimize(study, _Objective(ev, space, config, log), space, config, log, interrupts)
+    _optimize(study, _Objective(ev, space, config, log, interrupts), space, config, log,
+              interrupts)
     return _decide(study, task, ev, space, config, prof, log)
 
 
@@ -190,10 +191,47 @@ def _stored_profile(study: optuna.Study, task: Task, config: TuneConfig, prof: P
     return prof
 
 
+def _fail_trials(study: optuna.Study, whose: Callable[[str], bool]) -> list[int]:
+    """Mark failed the RUNNING trials whose ``worker`` attribute ``whose`` accepts; returns
+    their numbers. Best effort: another worker may finish or fail one at the same time."""
+    failed = []
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        who = t.user_attrs.get("worker")
+        if not isinstance(who, str) or not whose(who):
+            continue
+        try:
+            study._storage.set_trial_state_values(t._trial_id,
+                                                  state=optuna.trial.TrialState.FAIL)
+        except Exception:  # noqa: BLE001 - finished meanwhile, or the storage is going away
+            continue
+        failed.append(t.number)
+    return failed
+
+
+def _gone(who: str) -> bool:
+    """Whether ``who`` (a worker id, ``host:pid``) is a process of this host that has exited."""
+    host, _, pid = who.rpartition(":")
+    if host != worker_id().rpartition(":")[0] or not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        return False
+    return False
+
+
 def _enqueue_warm_starts(study: optuna.Study, prof: Profile, space: SearchSpace,
                          config: TuneConfig, log: Callable[[str], None]) -> None:
     """All-fp32, each uniform format and the integer program's solutions, once per study; a
     warm start whose trial failed (interrupted, killed) is queued again on a rerun."""
+    # a trial left RUNNING by a killed process on this host is failed now rather than after
+    # the storage's heartbeat grace period, so its warm start is queued again below
+    orphans = _fail_trials(study, _gone)
+    if orphans:
+        log(f"trial(s) {', '.join(map(str, orphans))} were left running by a process that has "
+            "exited: marked failed")
     if not study.user_attrs.get("warm_started"):
         study.set_user_attr("warm_started", True)
         budgets = [b * config.budget.max_loss_increase for b in config.milp_budgets]
@@ -220,8 +258,11 @@ class _Objective:
     """One trial: the sampler's policy, its numerics and its step time."""
 
     def __init__(self, ev: Evaluator, space: SearchSpace, config: TuneConfig,
-                 log: Callable[[str], None]):
+                 log: Callable[[str], None], interrupts: _Interrupts | None = None):
         self.ev, self.space, self.config, self.log = ev, space, config, log
+        self.interrupts = interrupts or _Interrupts()
+        # the trial an interrupt stopped mid-way, if one did
+        self.abandoned: int | None = None
         # every trial's predicted peak memory (reported; a constraint under max_memory)
         self.memory = memory_model(ev.task, ev.prof)
         self.memory_start = memory_warm_start(self.memory, space)
@@ -235,6 +276,20 @@ class _Objective:
             f"smallest predicted {format_size(self.memory_start[2])}")
 
     def __call__(self, trial: optuna.Trial) -> tuple[float, float]:
+        # who runs it: a resume fails at once a trial its predecessor left RUNNING on this host
+        try:
+            with self.interrupts.trial():
+                trial.set_user_attr("worker", worker_id())
+                return self._measure(trial)
+        except KeyboardInterrupt:
+            # the process stops mid-trial (a second Ctrl-C, SIGTERM): Optuna marks the trial
+            # failed, so a rerun measures it again, and would log the interrupt's traceback
+            # as the trial's failure; the caller says what happened instead
+            optuna.logging.set_verbosity(optuna.logging.ERROR)
+            self.abandoned = trial.number
+            raise
+
+    def _measure(self, trial: optuna.Trial) -> tuple[float, float]:
         if self.config.max_memory is not None and self.memory_start is not None:
             # the policy predicted smallest, so a search under a tight budget has a start
             trial.study.enqueue_trial(self.memory_start[1],
@@ -330,11 +385,23 @@ def _optimize(study: optuna.Study, objective: _Objective, space: SearchSpace,
     if not remaining:
         return
     stop = _Stop(n_trials, cap=3 * remaining + 8, interrupts=interrupts)
-    with warnings.catch_warnings(), interrupts.during(study):
-        # said once above; every trial would repeat it
-        warnings.filterwarnings("ignore", message=".*can only emulate.*")
-        study.optimize(objective, timeout=config.timeout, catch=(RuntimeError,),
-                       callbacks=[stop])
+    try:
+        with warnings.catch_warnings(), interrupts.during(study):
+            # said once above; every trial would repeat it
+            warnings.filterwarnings("ignore", message=".*can only emulate.*")
+            study.optimize(objective, timeout=config.timeout, catch=(RuntimeError,),
+                           callbacks=[stop])
+            interrupts.raise_pending()
+    except KeyboardInterrupt:
+        # an interrupt between Optuna's bookkeeping steps can leave this process's trial
+        # RUNNING: fail it too, so the rerun queues its warm start again
+        _fail_trials(study, lambda who: who == worker_id())
+        if objective.abandoned is not None:
+            log(f"trial {objective.abandoned} abandoned: marked failed, a rerun measures it "
+                "again")
+        raise
+    finally:
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
     if interrupts.count:
         raise KeyboardInterrupt(f"interrupted after {_distinct(study)} distinct policies")
     if _distinct(study) < n_trials and stop.attempts >= stop.cap:
@@ -345,11 +412,20 @@ def _optimize(study: optuna.Study, objective: _Objective, space: SearchSpace,
 class _Interrupts:
     """Ctrl-C during the search finishes the running trial and stops the study cleanly (so no
     trial is left half-written); a second Ctrl-C exits at once. Elsewhere (profiling, the
-    final re-timing) an interrupt stops at once: nothing in the study is at risk there."""
+    final re-timing) an interrupt stops at once: nothing in the study is at risk there.
+
+    A SIGTERM handler that raises (the ``autoprec`` command's) is deferred during the search
+    until it can land inside a trial's measurement, where Optuna marks the trial failed (a
+    rerun measures it again): one arriving in Optuna's bookkeeping between trials stops the
+    study and is raised as the next trial starts or the search returns."""
 
     def __init__(self):
         self.count = 0
         self.study: optuna.Study | None = None
+        self.in_trial = False
+        # (handler, signum, frame) of a deferred SIGTERM
+        self.pending: tuple[Callable, int, Any] | None = None
+        self._term: Callable | None = None
 
     def _handler(self, signum, frame) -> None:
         self.count += 1
@@ -361,6 +437,21 @@ class _Interrupts:
         print("\ninterrupt: finishing the running trial, then stopping (Ctrl-C again to quit "
               "at once)", file=sys.stderr, flush=True)
         self.study.stop()
+
+    def _term_handler(self, signum, frame) -> None:
+        if self.in_trial:
+            self._term(signum, frame)
+            return
+        self.pending = (self._term, signum, frame)
+        if self.study is not None:
+            self.study.stop()
+
+    def raise_pending(self) -> None:
+        """Run the deferred SIGTERM handler, if a SIGTERM came."""
+        if self.pending is not None:
+            handler, signum, frame = self.pending
+            self.pending = None
+            handler(signum, frame)
 
     @contextlib.contextmanager
     def installed(self):
@@ -378,10 +469,28 @@ class _Interrupts:
     @contextlib.contextmanager
     def during(self, study: optuna.Study):
         self.study = study
+        term = (signal.getsignal(signal.SIGTERM)
+                if threading.current_thread() is threading.main_thread() else None)
+        defer = callable(term)
+        if defer:
+            self._term = term
+            signal.signal(signal.SIGTERM, self._term_handler)
         try:
             yield
         finally:
             self.study = None
+            if defer and signal.getsignal(signal.SIGTERM) == self._term_handler:
+                signal.signal(signal.SIGTERM, term)
+
+    @contextlib.contextmanager
+    def trial(self):
+        """A trial's measurement: where a SIGTERM may land."""
+        self.in_trial = True
+        try:
+            self.raise_pending()
+            yield
+        finally:
+            self.in_trial = False
 
 
 def _trial_result(t: optuna.trial.FrozenTrial, fp32_seconds: float) -> TrialResult:
