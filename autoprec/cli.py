@@ -11,14 +11,68 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import os
+import signal
 import sys
+import threading
 
 __all__ = ["main"]
 
 
 def _profile_path(policy_path: str) -> str:
     return os.path.splitext(policy_path)[0] + ".profile.json"
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that it unwinds like a Ctrl-C: a tune's running
+    trial is marked failed (a rerun measures it again) instead of left RUNNING."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    # a second SIGTERM while this one unwinds kills at once, as SIGTERM normally does
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise _Terminated
+
+
+def _task_file(spec: str) -> str | None:
+    """The file a task spec loads, found without importing anything (None: not found; loading
+    the task reports that)."""
+    target, sep, _ = str(spec).rpartition(":")
+    if not sep or not target:
+        return None
+    if target.endswith(".py") or os.sep in target or "/" in target:
+        return target if os.path.isfile(target) else None
+    parts = target.split(".")
+    for folder in [os.getcwd(), *sys.path]:
+        base = os.path.join(folder or ".", *parts)
+        for candidate in (base + ".py", os.path.join(base, "__init__.py")):
+            if os.path.isfile(candidate):
+                return candidate
+    return None
+
+
+def _same_file(a: str, b: str) -> bool:
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:  # hard links (and anything else realpath cannot see through)
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _distinct_files(files: list[tuple[str | None, str, bool]]) -> None:
+    """Refuse, before any work, one file in two roles where one role writes it: ``files`` are
+    (path, what it is in this command, whether the command writes it)."""
+    files = [f for f in files if f[0]]
+    for i, (a, what_a, writes_a) in enumerate(files):
+        for b, what_b, writes_b in files[i + 1:]:
+            if (writes_a or writes_b) and _same_file(a, b):
+                written, other = (what_a, what_b) if writes_a else (what_b, what_a)
+                raise ValueError(f"{written} is {other}: writing it would destroy "
+                                 f"{'an input' if not (writes_a and writes_b) else 'another output'}"
+                                 " of this command. Choose another path.")
 
 
 def _load_task(spec: str):
@@ -36,6 +90,8 @@ def _cmd_profile(args) -> int:
     from autoprec.profiling import profile
 
     if args.output:
+        _distinct_files([(args.output, f"-o {args.output}", True),
+                         (_task_file(args.task), f"the task file {_task_file(args.task)}", False)])
         _writable_output(args.output)
     task = _load_task(args.task)
     prof = profile(task, formats=args.formats, target=args.target, n_batches=args.batches,
@@ -49,25 +105,56 @@ def _cmd_profile(args) -> int:
     return 0
 
 
-def _writable_output(path: str) -> None:
-    """Refuse an output the tune could not write, before any work (and before the study file
-    beside it is created)."""
+def _writable_output(path: str, *side: str) -> None:
+    """Refuse an output (and the ``side`` files written beside it) that could not be written,
+    before any work (and before the study file beside it is created)."""
     if os.path.isdir(path):
-        raise IsADirectoryError(f"-o {path} is a directory; give the policy's file path, e.g. "
+        raise IsADirectoryError(f"-o {path} is a directory; give the output's file path, e.g. "
                                 f"{os.path.join(path, 'policy.yaml')}.")
-    folder = os.path.dirname(os.path.abspath(path))
-    probe = folder
-    while not os.path.exists(probe):
+    for other in side:
+        if os.path.isdir(other):
+            raise IsADirectoryError(f"{other}, which is written beside -o {path}, is a "
+                                    "directory; move it away or choose another -o.")
+    probe = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(probe):
         probe = os.path.dirname(probe)
-    if not os.access(probe, os.W_OK):
+    if not os.path.isdir(probe):
+        raise NotADirectoryError(f"Cannot write -o {path}: {probe} is a file, not a folder. "
+                                 "Choose another -o.")
+    if not os.access(probe, os.W_OK | os.X_OK):
         raise PermissionError(f"Cannot write {path}: {probe} is not writable. Choose another -o.")
+
+
+def _check_tune_files(args) -> None:
+    """Every file a tune reads or writes, checked before any work: none is two of them, each
+    can be written, and the storage's file (SQLite, journal) can be opened for writing."""
+    from autoprec.tuning.storage import check_storage, storage_file
+
+    out = args.output
+    stem = os.path.splitext(out)[0]
+    side = {f"{stem}.profile.json": "the profile", f"{stem}.pareto.csv": "the trials' CSV",
+            f"{stem}.pareto.png": "the Pareto plot"}
+    study = storage_file(args.storage, f"{stem}.study.db")
+    task = _task_file(args.task)
+    _distinct_files([(out, f"-o {out}", True),
+                     *((path, f"{path} ({what} written beside -o {out})", True)
+                       for path, what in side.items()),
+                     (study, f"the study {study} (the default storage, beside -o {out})"
+                      if args.storage is None else f"the file {study} of --storage", True),
+                     (task, f"the task file {task}", False)])
+    _writable_output(out, *side)
+    check_storage(args.storage, f"{stem}.study.db")
 
 
 def _cmd_tune(args) -> int:
     from autoprec.policy import Budget
     from autoprec.tuning import TuneConfig, tune, validate_front
 
-    _writable_output(args.output)
+    if set(args.formats) == {"fp32"}:
+        raise ValueError("--formats fp32 leaves nothing to choose (fp32 is the reference every "
+                         "policy is compared with, always included): add at least one of bf16, "
+                         "fp16, fp8.")
+    _check_tune_files(args)
     config = TuneConfig(formats=tuple(args.formats),
                         budget=Budget(args.max_loss_increase, args.max_grad_error),
                         n_trials=args.n_trials, timeout=args.timeout, storage=args.storage,
@@ -110,6 +197,10 @@ def _cmd_show(args) -> int:
 
     # everything is read (and checked) before anything is printed
     policy = load_policy(args.policy)
+    if args.profile is not None and not os.path.isfile(args.profile):
+        raise FileNotFoundError(f"--profile {args.profile} does not exist (or is not a file); "
+                                "give the profile JSON that `tune` or `profile -o` wrote, or "
+                                "leave --profile out to use the one beside the policy.")
     prof_path = args.profile or _profile_path(args.policy)
     prof = Profile.load(prof_path) if os.path.exists(prof_path) else None
     lines = [f"policy {args.policy}"]
@@ -130,6 +221,18 @@ def _cmd_show(args) -> int:
     return 0
 
 
+def _num(value, spec: str) -> str:
+    """``value`` formatted with ``spec`` when it is a number; else as written (a hand-edited or
+    foreign provenance is shown, never a crash)."""
+    if _is_number(value):
+        return format(value, spec)
+    return "?" if value is None else str(value)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _provenance_text(prov) -> str:
     lines = []
     for key in ("device", "torch", "task"):
@@ -137,14 +240,14 @@ def _provenance_text(prov) -> str:
             lines.append(f"  {key}: {getattr(prov, key)}")
     if prov.budget is not None:
         grad = prov.budget.max_grad_error
-        lines.append(f"  budget: loss change <= {prov.budget.max_loss_increase:.2%}, gradient "
-                     f"error <= {'-' if grad is None else f'{grad:g}'}")
+        lines.append(f"  budget: loss change <= {_num(prov.budget.max_loss_increase, '.2%')}, "
+                     f"gradient error <= {'-' if grad is None else _num(grad, 'g')}")
     if prov.speedup is not None:
         rounds = f" ({prov.speedup.rounds} timing rounds)" if prov.speedup.rounds else ""
         lines.append(f"  speed-up vs fp32: {prov.speedup}{rounds}")
     if prov.loss_increase is not None:
-        lines.append(f"  loss change vs fp32: {prov.loss_increase:+.3%}; gradient error "
-                     f"{prov.grad_error if prov.grad_error is not None else float('nan'):.3g}")
+        lines.append(f"  loss change vs fp32: {_num(prov.loss_increase, '+.3%')}; gradient "
+                     f"error {_num(prov.grad_error, '.3g')}")
     for note in prov.verdict:
         lines.append(f"  verdict: {note}")
     extra = dict(prov.extra)
@@ -152,20 +255,29 @@ def _provenance_text(prov) -> str:
     if isinstance(study, dict):
         lines.append(f"  study: {study.get('name')} ({study.get('trials')} trials, "
                      f"{study.get('distinct', '?')} distinct policies)")
+    elif study is not None:
+        lines.append(f"  study: {study}")
     memory = extra.pop("memory", None)
     if isinstance(memory, dict) and memory.get("predicted_peak_bytes") is not None:
         from autoprec.memory import format_size
 
+        peak = memory["predicted_peak_bytes"]
         lines.append("  peak training memory (predicted, one step on the calibration batch): "
-                     f"{format_size(memory['predicted_peak_bytes'])}")
+                     + (format_size(peak) if _is_number(peak) and math.isfinite(peak)
+                        else str(peak)))
+    elif memory is not None:
+        lines.append(f"  memory: {memory}")
     timing = extra.pop("timing", None)
     if isinstance(timing, dict):
         drift = timing.get("fp32_drift")
-        lines.append(f"  timing: {timing.get('rounds')} rounds; fp32 against itself within "
-                     f"{timing.get('aa_noise', float('nan')):.1%}"
-                     + (f"; fp32 steps during the search {drift[0]:.2f}-{drift[1]:.2f}x"
-                        if drift else "")
+        if isinstance(drift, (list, tuple)) and len(drift) == 2:
+            drift = f"{_num(drift[0], '.2f')}-{_num(drift[1], '.2f')}x"
+        lines.append(f"  timing: {_num(timing.get('rounds'), 'g')} rounds; fp32 against itself "
+                     f"within {_num(timing.get('aa_noise'), '.1%')}"
+                     + (f"; fp32 steps during the search {drift}" if drift else "")
                      + ("; too noisy to decide" if timing.get("too_noisy") else ""))
+    elif timing is not None:
+        lines.append(f"  timing: {timing}")
     for key, value in extra.items():
         lines.append(f"  {key}: {value}")
     return "\n".join(lines)
@@ -215,7 +327,7 @@ def _cmd_diff(args) -> int:
     prof_path = next((p for p in (_profile_path(args.a), _profile_path(args.b))
                       if os.path.exists(p)), None)
     prof = Profile.load(prof_path) if prof_path is not None else None
-    lines = []
+    lines = _setting_changes(a, b)
     if a.default != b.default:
         lines.append(f"default: {a.default.label} -> {b.default.label}")
     for pattern in dict.fromkeys([*a.layers, *b.layers]):
@@ -231,9 +343,31 @@ def _cmd_diff(args) -> int:
         lines.append(f"resolved per layer ({len(changed)} of {len(prof.layers)} differ):")
         lines += [f"  {f}: {x.label} -> {y.label}" for f, x, y in changed]
     if not differ:
-        lines.insert(0, "the two policies are the same")
+        lines.insert(0, "the two policies are the same" + (
+            " (only their provenance, `tuned:`, differs)" if a.tuned != b.tuned else ""))
     print("\n".join(lines))
     return 1 if differ else 0
+
+
+def _setting_changes(a, b) -> list[str]:
+    """What differs between two policies besides their layers' formats, of all that changes
+    what training computes (or what the policy is checked against): the model it was made for,
+    the fp8 recipe and engine, the loss scaling."""
+    def shown(value) -> str:
+        return "-" if value is None else str(value)
+
+    lines = []
+    for label, x, y in (("model", a.model_name, b.model_name),
+                        ("model fingerprint", a.fingerprint, b.fingerprint),
+                        ("fp8 recipe", a.fp8_recipe, b.fp8_recipe),
+                        ("fp8 engine", a.fp8_engine, b.fp8_engine)):
+        if x != y:
+            lines.append(f"{label}: {shown(x)} -> {shown(y)}")
+    sa, sb = a.loss_scaling, b.loss_scaling
+    for f in dataclasses.fields(sa):
+        if getattr(sa, f.name) != getattr(sb, f.name):
+            lines.append(f"loss_scaling.{f.name}: {getattr(sa, f.name)} -> {getattr(sb, f.name)}")
+    return lines
 
 
 def _cmd_export(args) -> int:
@@ -241,6 +375,11 @@ def _cmd_export(args) -> int:
     from autoprec.policy import load_policy
 
     if args.output:
+        model = _task_file(args.model) if args.model else None
+        _distinct_files([(args.output, f"-o {args.output}", True),
+                         (args.policy, f"the policy {args.policy}", False),
+                         (args.name_map, f"--name-map {args.name_map}", False),
+                         (model, f"the task file {model} of --model", False)])
         _writable_output(args.output)
     policy = load_policy(args.policy)
     names = load_name_map(args.name_map) if args.name_map else None
@@ -282,10 +421,19 @@ def _number(cast, what: str, ok, rule: str):
 
 
 _positive_int = _number(int, "an integer", lambda v: v >= 1, "at least 1")
+_nonneg_int = _number(int, "an integer", lambda v: v >= 0, "an integer >= 0")
 _nonneg_float = _number(float, "a number", lambda v: 0 <= v < float("inf"),
                         "a finite number >= 0")
 _positive_float = _number(float, "a number", lambda v: 0 < v < float("inf"),
                           "a finite number greater than 0")
+
+
+def _study_name(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is an empty study name; give a name with "
+                                         "at least one character other than spaces, or leave "
+                                         "--study out to derive one from the task")
+    return text
 
 
 def _size(text: str) -> int:
@@ -316,7 +464,8 @@ def _tune_parser(sub, fmts: dict, target: dict, sens: dict) -> None:
     p.add_argument("--storage", default=None,
                    help="Optuna storage URL (sqlite:///, postgresql://, journal:PATH); "
                         "default: SQLite beside the output, so a rerun resumes")
-    p.add_argument("--study", default=None, help="study name (share it between workers)")
+    p.add_argument("--study", type=_study_name, default=None,
+                   help="study name (share it between workers)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--groups", choices=["auto", "layer", "role"], default="auto",
                    help="one choice per layer, per role (transformer.h.*.mlp.c_fc) or auto")
@@ -326,7 +475,7 @@ def _tune_parser(sub, fmts: dict, target: dict, sens: dict) -> None:
     p.add_argument("--max-memory", type=_size, default=None, metavar="SIZE",
                    help="peak training-step memory the policy may need, as predicted for the "
                         "task's calibration batch: bytes or 2GiB, 512MB (default: no limit)")
-    p.add_argument("--validate-steps", type=int, default=0,
+    p.add_argument("--validate-steps", type=_nonneg_int, default=0,
                    help="train this many steps to validate the winner; fall back along the "
                         "Pareto front if it fails")
     p.set_defaults(fn=_cmd_tune)
@@ -414,18 +563,41 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    ours = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if ours else None
+    try:
+        return _dispatch(args)
+    finally:
+        if ours and previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _dispatch(args) -> int:
     from autoprec.policy import PolicyError
     from autoprec.task import TaskError
 
+    resume = "completed trials are kept in the study; rerun the same command to resume"
     try:
         return args.fn(args)
-    except KeyboardInterrupt:
-        tail = (": completed trials are kept in the study; rerun the same command to resume"
+    except _Terminated:
+        tail = (f": the running trial was abandoned (a rerun measures it again); {resume}"
                 if args.cmd == "tune" else "")
-        print(f"interrupted{tail}", file=sys.stderr)
+        print(f"terminated (SIGTERM){tail}", file=sys.stderr)
+        return 143
+    except KeyboardInterrupt:
+        print(f"interrupted{': ' + resume if args.cmd == 'tune' else ''}", file=sys.stderr)
         return 130
-    except (PolicyError, TaskError, FileNotFoundError, PermissionError, IsADirectoryError) as e:
+    except BrokenPipeError:
+        return _closed_stdout()
+    except (PolicyError, TaskError, FileNotFoundError, PermissionError, IsADirectoryError,
+            NotADirectoryError) as e:
         print(f"autoprec: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        # the machine's doing (a full or read-only disk, a file in the way): the path and why
+        where = f" {e.filename}" if e.filename else ""
+        print(f"autoprec: error: cannot write or read{where}: {e.strerror or _one_line(e)}.",
+              file=sys.stderr)
         return 2
     except ValueError as e:
         # errors of input (our own ValueErrors, a storage that will not open); a ValueError
@@ -434,6 +606,28 @@ def main(argv=None) -> int:
             raise
         print(f"autoprec: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except Exception as e:
+        if type(e).__name__ != "StorageInternalError":  # optuna's: a write the storage refused
+            raise
+        cause = _one_line(e.__cause__ or e)[:300]
+        hint = (" Another process holds a lock on the study's SQLite file: wait for it to finish"
+                " (or close it), then rerun to resume." if "locked" in cause else
+                " Check that the storage can be written, then rerun to resume.")
+        print(f"autoprec: error: the study's storage refused a write ({cause}).{hint}",
+              file=sys.stderr)
+        return 2
+
+
+def _closed_stdout() -> int:
+    """Whoever read our output stopped (``autoprec show ... | head``): exit as a program killed
+    by SIGPIPE would, quietly; what is still buffered goes nowhere (else flushing it at exit
+    fails again)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return 141
 
 
 def run() -> None:
@@ -441,7 +635,10 @@ def run() -> None:
     by then; skipping the interpreter's shutdown means no thread or connection pool left by a
     library can keep the process alive, and a Ctrl-C cannot land in a finalizer."""
     code = main()
-    sys.stdout.flush()
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        code = _closed_stdout()
     sys.stderr.flush()
     os._exit(code)
 
