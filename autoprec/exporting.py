@@ -378,12 +378,14 @@ def convert(model, *, emulate=False):
 
 
 # ------------------------------------------------------------------ Megatron-Core
-def _rules(names: Mapping[str, str | None] | None) -> list[tuple[re.Pattern, str | None]]:
+def _rules(names: Mapping[str, str | None] | None) -> list[tuple[Any, str | None]]:
+    import regex  # a dependency of autoprec (and of transformers): matches with a deadline
+
     rules = []
     for pattern, template in [*(names or {}).items(), *MEGATRON_NAMES]:
         try:
-            rules.append((re.compile(pattern), template))
-        except re.error as e:
+            rules.append((regex.compile(pattern), template))
+        except (regex.error, re.error) as e:
             raise ExportError(f"Name map key {pattern!r} is not a regular expression ({e}); "
                               "write a Python regex matching HF module names.") from None
     return rules
@@ -391,9 +393,19 @@ def _rules(names: Mapping[str, str | None] | None) -> list[tuple[re.Pattern, str
 
 def _megatron_path(fqn: str, rules) -> tuple[bool, str | None]:
     for rx, template in rules:
-        match = rx.fullmatch(fqn)
+        try:
+            match = rx.fullmatch(fqn, timeout=NAME_MAP_MATCH_SECONDS)
+        except TimeoutError:
+            raise ExportError(
+                f"Name map regex {rx.pattern!r} took over {NAME_MAP_MATCH_SECONDS:g} s to match "
+                f"the module name {fqn!r}: it backtracks (nested or overlapping repeats such "
+                "as `(a+)+`); write it without repeats inside repeats, e.g. `(\\d+)`.") from None
         if match:
-            return True, None if template is None else match.expand(template)
+            try:
+                return True, None if template is None else match.expand(template)
+            except (IndexError, re.error) as e:
+                raise ExportError(f"Name map path {template!r} for {rx.pattern!r} refers to a "
+                                  f"group the regex does not have ({e}).") from None
     return False, None
 
 
@@ -517,25 +529,75 @@ def _megatron_text(policy: Policy, doc: dict, notes: tuple[str, ...]) -> str:
     return "\n".join(lines) + "\n" + yaml.safe_dump(doc, sort_keys=False, width=100)
 
 
+MAX_NAME_MAP_BYTES = 2 ** 20
+MAX_NAME_MAP_PATTERN = 512
+# A user's regex runs on every module name; Python's `re` backtracks without limit (`(a+)+$`
+# on a 30-character name takes minutes), so name-map regexes run on the `regex` engine with a
+# deadline per match: the first one past it is an error naming the pattern.
+NAME_MAP_MATCH_SECONDS = 0.25
+
+
+class _NameMapLoader(yaml.SafeLoader):
+    """SafeLoader refusing anchors/aliases and any nesting: a name map is one flat mapping, and
+    refusing as events arrive keeps a deeply nested file from reaching the recursive composer."""
+
+    def __init__(self, stream: str, source: str):
+        super().__init__(stream)
+        self.source, self.depth = source, 0
+
+    def get_event(self):
+        event = super().get_event()
+        line = getattr(getattr(event, "start_mark", None), "line", -1) + 1
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+            raise ExportError(f"Name map {self.source} line {line} uses a YAML anchor or alias; "
+                              "write each regex and path out.")
+        if isinstance(event, yaml.CollectionStartEvent):
+            self.depth += 1
+            if self.depth > 1:
+                raise ExportError(f"Name map {self.source} line {line} nests a list or mapping; "
+                                  "a name map is one mapping of regex -> Megatron module path.")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            self.depth -= 1
+        return event
+
+
 def load_name_map(path: str | os.PathLike) -> dict[str, str | None]:
     """A YAML mapping of HF module name regex -> Megatron module path template (``\\1`` for a
-    group), or null for a module the precision file cannot reach."""
+    group), or null for a module the precision file cannot reach. Untrusted: at most
+    MAX_NAME_MAP_BYTES, one flat mapping, each regex at most MAX_NAME_MAP_PATTERN characters
+    and matched under a deadline (see NAME_MAP_MATCH_SECONDS)."""
+    from autoprec._util import read_bounded
+
     path = os.fspath(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+        raw = read_bounded(path, MAX_NAME_MAP_BYTES, "name map")
+        text = raw.decode("utf-8")
     except FileNotFoundError:
         raise ExportError(f"Name map {path} does not exist.") from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
+        raise ExportError(f"Name map {path} cannot be read as UTF-8 text "
+                          f"({type(e).__name__}).") from None
+    except ValueError as e:
+        raise ExportError(str(e)) from None
+    loader = _NameMapLoader(text, path)
+    try:
+        data = loader.get_single_data()
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark is not None else ""
         raise ExportError(f"Malformed YAML in name map {path}{line}: "
                           f"{getattr(e, 'problem', None) or e}.") from None
+    finally:
+        loader.dispose()
     if not isinstance(data, Mapping) or not all(
             isinstance(k, str) and (v is None or isinstance(v, str)) for k, v in data.items()):
         raise ExportError(f"Name map {path} must map regexes to Megatron module paths, e.g. "
                           "'model\\.layers\\.(\\d+)\\.mlp\\.down_proj': "
                           "'decoder.layers.\\1.mlp.linear_fc2' (null: not reachable).")
+    for key, value in data.items():
+        if len(key) > MAX_NAME_MAP_PATTERN or len(value or "") > MAX_NAME_MAP_PATTERN:
+            raise ExportError(f"Name map {path}: the entry {key[:60]!r}... is longer than "
+                              f"{MAX_NAME_MAP_PATTERN} characters; module names are far shorter.")
     _rules(data)  # a bad regex is an error now, naming the key
     return dict(data)
 

@@ -311,6 +311,48 @@ def test_a_name_map_names_the_layers_of_any_model(tmp_path):
         load_name_map(path)
 
 
+def test_a_hostile_name_map_is_refused_in_bounded_time(tmp_path):
+    # name maps are files people pass around: a backtracking regex, a nested or aliased YAML
+    # document, an oversized file, a template naming a missing group, each one line
+    import signal
+    import time
+
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+    model.add_module("a" * 40 + "b", nn.Linear(32, 32))  # (a|aa)+ backtracks on it
+    policy = Policy(default="bf16", layers={"0": "fp8"})
+    path = tmp_path / "names.yaml"
+    path.write_text("'(a|aa)+$': 'decoder.layers.0.mlp.linear_fc1'\n")
+    names = load_name_map(path)
+
+    def _hang(*_):
+        raise AssertionError("a backtracking name-map regex still hangs the export")
+
+    old = signal.signal(signal.SIGALRM, _hang)
+    signal.alarm(20)
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(ExportError, match=r"took over .* it backtracks"):
+            export(policy, "megatron", model=model, names=names)
+        assert time.perf_counter() - t0 < 5
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    for text, match in [
+            ("a: {b: {c: d}}\n", "nests a list or mapping"),
+            ("[" * 100000 + "]" * 100000 + "\n", "nests a list or mapping"),
+            ("a: &x decoder.layers.0\nb: *x\n", "anchor or alias"),
+            ("'(\\d+)': 'decoder.layers.\\2.mlp.linear_fc1'\n", "refers to a group"),
+            (f"'{'x' * 600}': y\n", "longer than 512 characters")]:
+        path.write_text(text)
+        with pytest.raises(ExportError, match=match) as info:
+            export(policy, "megatron", model=nn.Sequential(nn.Linear(32, 64)),
+                   names=load_name_map(path))
+        assert "\n" not in str(info.value)
+    path.write_bytes(b"a: b\n" * (2 ** 20 // 5 + 1))
+    with pytest.raises(ExportError, match="at most 1 MiB"):
+        load_name_map(path)
+
+
 # ------------------------------------------------------------------ fqn and the command
 def test_the_fqn_map_lists_every_layer_with_its_format():
     doc = json.loads(export(MIXED, "fqn", model=tiny_llama()).text)
