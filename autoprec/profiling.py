@@ -507,6 +507,10 @@ def profile(task, formats: Sequence[Format | str] = ("fp32", "bf16", "fp16", "fp
         from autoprec.costmodel import resolve_target
 
         resolve_target(target)  # an unknown target fails here, before any measurement
+    if batches is not None:  # the task's own batches were checked when it was built
+        from autoprec.task import check_batches
+
+        check_batches(batches, "profile(batches=...) batch")
     t_start = time.perf_counter()
     fmts = expand_formats(formats, where="in profile(formats=...)")
     if Format.FP32 not in fmts:

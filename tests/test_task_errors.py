@@ -223,3 +223,11 @@ def test_a_good_task_still_profiles(tmp_path):
     task = load_task(f"{path}:task")
     prof = autoprec.profile(task, formats=("fp32", "bf16"), target="h100", progress=False)
     assert {L.fqn for L in prof.layers} >= {"0", "2"}
+
+
+def test_batches_given_to_profile_are_checked_like_the_tasks():
+    task = Task(model=torch.nn.Sequential(torch.nn.Linear(16, 16)), batches=[torch.randn(4, 16)],
+                loss_fn=lambda out, batch: out.square().mean(), device="cpu")
+    with pytest.raises(TaskError, match=r"profile\(batches=\.\.\.\) batch 1 .*0 rows"):
+        autoprec.profile(task, batches=[torch.randn(4, 16), torch.randn(0, 16)],
+                         target="h100", progress=False)
