@@ -52,6 +52,7 @@ import warnings
 from typing import Any
 
 import torch
+import torch._functorch.config
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
@@ -128,6 +129,21 @@ def _enter_mode(mode: _FormatMode, found: tuple[int, _FormatMode] | None) -> lis
     return popped
 
 
+def _call(fn, *args):
+    return fn(*args)
+
+
+# Runs a region's mode swap with dynamo's side-effect check off for the higher-order op it is
+# traced in (a checkpointed block). The swap is a mutation of the function-mode stack, which the
+# check refuses (a graph break) when it is the first one dynamo sees in the frame it traces: so
+# where the root region, outside the traced frame, did not push its mode inside it, as when the
+# root's forward breaks the graph (HF GPT-2's loss with ``labels``; Region.__call__). Safe: a
+# swap is undone before the region returns, and a checkpoint's recomputation replays the traced
+# ops. Without the function (another torch), the swap runs checked, as it did.
+_unchecked = getattr(torch._dynamo.utils, "_disable_side_effect_safety_checks_for_current_subtracer",
+                     _call)
+
+
 def _exit_mode(popped: list) -> None:
     """Undo :func:`_enter_mode`: the region's mode off, the enclosing one back in its place."""
     torch._C._pop_torch_function_stack()
@@ -160,10 +176,36 @@ def _device_type(args, kwargs, module: nn.Module) -> str:
     return "cpu"
 
 
+# device type -> whether it has autocast; filled eagerly (import, apply, each eager region)
+_HAS_AUTOCAST: dict[str, bool] = {}
+
+
+@torch._dynamo.assume_constant_result
+def _has_autocast(device_type: str) -> bool:
+    """Whether ``device_type`` has autocast, without a graph op under torch.compile.
+
+    ``torch.amp.is_autocast_available`` is a graph op to dynamo. A forward that breaks the
+    graph (HF GPT-2's loss with ``labels`` and no ``loss_type``) inside a region makes dynamo
+    run the region's own frame eagerly (it cannot resume inside its ``try``) and trace each
+    helper it calls as a frame of its own: that op was a graph alone, one graph and one break
+    more than the model without a policy. So: a constant where the caller is traced (the
+    device type is a constant there, from a guarded tensor device), a dict read where this
+    frame is traced alone.
+    """
+    has = _HAS_AUTOCAST.get(device_type)
+    if has is None:
+        has = _HAS_AUTOCAST[device_type] = torch.amp.is_autocast_available(device_type)
+    return has
+
+
+for _known in ("cpu", "cuda", "meta"):
+    _has_autocast(_known)
+
+
 def _autocast(device_type: str, fmt: Format):
     """The autocast context of a region (autocast off for fp32); none on a device type that
     has no autocast (``meta``), where the model runs as it would without a policy."""
-    if not torch.amp.is_autocast_available(device_type):
+    if not _has_autocast(device_type):
         return contextlib.nullcontext()
     if fmt.autocast_dtype is None:
         return torch.autocast(device_type, enabled=False)
@@ -188,6 +230,14 @@ def _upcast(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.dtype in (torch.bfloat16, torch.float16):
         return value.float()
     return value
+
+
+# AOTAutograd's config where it has backward_pass_autocast (see Region.__call__), and dynamo's
+# frame callback (None or False while no compiled call can compile); unused on a torch without
+_BACKWARD_AUTOCAST: Any = torch._functorch.config
+if not hasattr(_BACKWARD_AUTOCAST, "backward_pass_autocast"):
+    _BACKWARD_AUTOCAST = None
+_frame_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", lambda: None)
 
 
 class Region:
@@ -242,13 +292,28 @@ class Region:
         # time; dynamo refuses the list push inside a checkpointed block, a graph break).
         # Elsewhere a mode would cost a Python call per op in eager mode (an all-bf16 tiny GPT-2
         # step 1.19x): the per-thread stack carries it, always outside every format mode.
-        in_mode = routes or found is not None or torch.compiler.is_compiling()
+        compiling = torch.compiler.is_compiling()
+        in_mode = routes or found is not None or compiling
         if in_mode:
-            popped = _enter_mode(_FormatMode(own, routes), found)
+            popped = _unchecked(_enter_mode, _FormatMode(own, routes), found)
         else:
             _stack().append(own)
+        # Where ``run`` breaks the graph (HF GPT-2's loss path warns once when no loss_type is
+        # set), dynamo cannot resume inside this ``try``: it runs this frame eagerly and traces
+        # the forward as frames of their own, as it would without a policy. A frame split at the
+        # call instead would cost two graphs more (autocast's enter and exit on either side).
+        # So nothing this frame calls may be a graph op when traced alone (_has_autocast).
+        # AOTAutograd then traces the backward of the graphs it compiles inside this region
+        # under the region's autocast, which eager never does (pytorch#179804): an fp32 layer's
+        # gradients in bf16. Its backward_pass_autocast="off" is eager's rule; set for the call
+        # where dynamo runs this frame (its frame callback is set), inline: a helper's frame
+        # would be traced on its own, is_compiling() true in it.
+        backward = contextlib.nullcontext()
+        if not compiling and _BACKWARD_AUTOCAST is not None and _frame_callback() \
+                and _BACKWARD_AUTOCAST.backward_pass_autocast != "off":
+            backward = _BACKWARD_AUTOCAST.patch(backward_pass_autocast="off")
         try:
-            with region:
+            with region, backward:
                 out = run(*args, **kwargs)
         except RuntimeError as e:
             if fmt is Format.FP32:
@@ -256,7 +321,7 @@ class Region:
             raise
         finally:
             if in_mode:
-                _exit_mode(popped)
+                _unchecked(_exit_mode, popped)
             else:
                 _stack().pop()
         return tree_map(_upcast, out) if self.cast_out else out
@@ -377,6 +442,8 @@ def apply(model: nn.Module, policy: Policy | str | os.PathLike, *,
     model.__dict__[_REENTRY_ATTR] = _install_reentry(model, policy, installed)
     model.__dict__[_SWAPS_ATTR] = swaps
     model.__dict__[_POLICY_ATTR] = policy
+    for device_type in {p.device.type for p in model.parameters()}:
+        _has_autocast(device_type)  # read by each region: filled eagerly, see _has_autocast
     return model
 
 
