@@ -15,6 +15,7 @@ from torch import nn
 import autoprec
 from autoprec import Format, Policy
 from autoprec.runtime.calls import fp8_shape_supported
+from autoprec.runtime.rewrite import applied_policy
 from autoprec.task import optimizer_step
 
 DTYPE = {Format.FP32: torch.float32, Format.BF16: torch.bfloat16, Format.FP16: torch.float16}
@@ -334,3 +335,85 @@ def test_compiled_model_matches_eager(case, gpt2_batch):
     plain = make().train()
     lf = plain(**gpt2_batch).loss
     assert lf.item() != lc.item()
+
+
+# ----------------------------------------------------------------------------- wrappers
+# A pattern and the fingerprint name modules as the unwrapped model does; a wrapper prefixes
+# them (torch.compile's `_orig_mod.`, (D)DP's `module.`), and `apply` on the wrapper used to
+# say the pattern matched no module. It applies to the wrapped module now.
+def _wrapper_policy(model, layers):
+    from autoprec.policy import model_fingerprint
+
+    return Policy(default="bf16", layers=layers, fingerprint=model_fingerprint(model))
+
+
+def test_apply_through_torch_compile_takes_effect_and_remove_undoes_it(gpt2_batch):
+    torch._dynamo.reset()
+    model = tiny_gpt2()
+    policy = _wrapper_policy(model, {"transformer.h.0.mlp": "fp32"})
+    reference = autoprec.apply(tiny_gpt2(), policy)(**gpt2_batch).logits  # eager, same weights
+    plain = model(**gpt2_batch).logits
+    compiled = torch.compile(model, backend="eager")  # dynamo's graphs, run as eager torch
+    assert torch.equal(compiled(**gpt2_batch).logits, plain)  # compiled before the policy
+    assert autoprec.apply(compiled, policy) is compiled
+    assert autoprec.applied_formats(compiled) == autoprec.applied_formats(model) == {
+        "": Format.BF16, "transformer.h.0.mlp": Format.FP32}
+    assert applied_policy(compiled) is applied_policy(model) is not None
+    # dynamo recompiles with the regions: the compiled model computes as the eager policy does
+    out = compiled(**gpt2_batch).logits
+    assert out.dtype == torch.bfloat16 and torch.allclose(out.float(), reference.float()), \
+        (out.dtype, (out.float() - reference.float()).abs().max().item())
+    autoprec.remove(compiled)
+    assert "forward" not in model.__dict__ and autoprec.applied_formats(compiled) == {}
+    assert torch.equal(compiled(**gpt2_batch).logits, plain)
+    torch._dynamo.reset()
+
+
+def _gloo_world_of_one(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1,
+                            init_method=f"file://{tmp_path / 'store'}")
+    return dist
+
+
+@pytest.mark.parametrize("wrap", ["DataParallel", "DistributedDataParallel"])
+def test_apply_through_data_parallel_wrappers(wrap, cnn_model, cnn_batch, tmp_path):
+    layers = {"resnet.embedder": "fp32", "classifier": "fp32"}
+    policy = _wrapper_policy(cnn_model, layers)
+    reference = autoprec.apply(copy.deepcopy(cnn_model), policy)(**cnn_batch).logits
+    dist = _gloo_world_of_one(tmp_path) if wrap == "DistributedDataParallel" else None
+    try:
+        wrapped = getattr(nn.parallel, wrap)(cnn_model)
+        autoprec.apply(wrapped, policy, guard=True)
+        assert autoprec.applied_formats(wrapped) == {"": Format.BF16, **{
+            k: Format.FP32 for k in layers}}
+        # the guard watches the module the policy is on, under the model's own names
+        assert autoprec.get_guard(cnn_model) is not None
+        assert autoprec.get_guard(cnn_model).model is cnn_model
+        out = wrapped(**cnn_batch)
+        assert torch.allclose(out.logits, reference, atol=1e-6), \
+            (out.logits - reference).abs().max().item()
+        # the convolutions between the fp32 embedder and head ran in bf16: not an fp32 run
+        plain = autoprec.remove(copy.deepcopy(cnn_model))(**cnn_batch).logits
+        assert not torch.allclose(out.logits, plain, atol=1e-4)
+        out.loss.backward()  # DDP's reducer hooks see the gradients of the wrapped module
+        assert all(p.grad is not None for p in cnn_model.parameters())
+        autoprec.remove(wrapped)
+        assert autoprec.applied_formats(wrapped) == {} and autoprec.get_guard(cnn_model) is None
+        assert not any("forward" in m.__dict__ for m in cnn_model.modules())
+    finally:
+        if dist is not None:
+            dist.destroy_process_group()
+
+
+def test_data_parallel_over_several_devices_is_refused(cnn_model):
+    # DataParallel copies every module's __dict__ onto each device per step, regions included,
+    # and a region runs the forward of the module it was made for: every replica would compute
+    # on the first device's layers. (Set by hand: this host has no two GPUs to build one on.)
+    dp = nn.DataParallel(cnn_model)
+    dp.device_ids = [0, 1]
+    with pytest.raises(autoprec.PolicyError, match=r"DataParallel over 2 devices.*"
+                                                   r"DistributedDataParallel"):
+        autoprec.apply(torch.compile(dp), Policy(default="bf16"))
+    assert autoprec.applied_formats(cnn_model) == {}

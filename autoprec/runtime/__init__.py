@@ -33,6 +33,8 @@ def apply(model: nn.Module, policy: Policy | str | os.PathLike, *, strict: bool 
     module is a :class:`~autoprec.policy.PolicyError`; with ``strict=False`` they are warnings.
     Applying again replaces the previous policy. ``engine`` ("auto", "torchao" or "autoprec")
     overrides the policy's ``fp8: {engine: ...}``: who runs its fp8 ``nn.Linear`` layers.
+    A model wrapped by ``torch.compile``, ``DataParallel`` or ``DistributedDataParallel`` gets
+    the policy (and the guard) on the module it wraps, named as the policy names it.
 
     ``guard``: ``True`` or a :class:`GuardConfig` attaches a runtime guard that watches the
     low-precision layers in training and demotes those that keep overflowing (see
@@ -42,18 +44,20 @@ def apply(model: nn.Module, policy: Policy | str | os.PathLike, *, strict: bool 
     """
     new = Guard.coerce(guard) if guard is not None and guard is not False else None
     rewrite.apply(model, policy, strict=strict, engine=engine)
-    old = get_guard(model)
+    # a guard watches the module the policy is on: under torch.compile's or (D)DP's wrapper
+    inner = rewrite.unwrap(model)
+    old = get_guard(inner)
     if old is not None and old is not new:
         old.detach()
     if new is not None:
-        new.attach(model, rewrite.applied_policy(model))
+        new.attach(inner, rewrite.applied_policy(inner))
     return model
 
 
 def remove(model: nn.Module) -> nn.Module:
     """Undo :func:`apply`: every module gets its original forward back and a runtime guard
     stops watching. No-op if none."""
-    old: Any = get_guard(model)
+    old: Any = get_guard(rewrite.unwrap(model))
     if old is not None:
         old.detach()
     return rewrite.remove(model)

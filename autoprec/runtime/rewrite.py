@@ -35,8 +35,13 @@ region open) a per-thread stack carries it, so that an all-bf16 model pays no Py
 op. :func:`current_format` reads the mode first, then the stack. On a device type without
 autocast (``meta``) a region only carries its format and does the fp32 upcasts.
 
+A model wrapped by ``torch.compile``, ``DataParallel`` or ``DistributedDataParallel`` gets its
+regions on the module it wraps (:func:`unwrap`), whose names are the policy's; a compiled model
+recompiles with them on its next call (dynamo guards on a module's ``forward``).
+
 The public surface other parts use (the guard, the integrations, measurements):
-:func:`apply`, :func:`remove`, :func:`applied_policy`, :func:`regions` and :class:`Region`.
+:func:`apply`, :func:`remove`, :func:`applied_policy`, :func:`regions`, :func:`unwrap` and
+:class:`Region`.
 This module knows nothing of guards; :func:`autoprec.apply` attaches one on top.
 """
 
@@ -58,12 +63,12 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from autoprec.formats import Format, Support, supported_formats
-from autoprec.policy import Policy, load_policy
+from autoprec.policy import Policy, PolicyError, load_policy
 from autoprec.runtime import calls, engines
 from autoprec.runtime.fp8 import fp8_matmul
 
 __all__ = ["apply", "remove", "applied_formats", "applied_policy", "regions", "Region",
-           "current_format"]
+           "current_format", "unwrap"]
 
 _REGIONS_ATTR = "_autoprec_regions"
 _SWAPS_ATTR = "_autoprec_swaps"
@@ -400,6 +405,44 @@ def _warn_emulated_fp8(model: nn.Module, policy: Policy, assigned: dict[str, For
             "real FP8 speed.", stacklevel=3)
 
 
+def _wrapped(model: nn.Module) -> nn.Module | None:
+    """The module ``model`` wraps if it is a wrapper that renames modules, else None."""
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        return model._orig_mod
+    if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        return model.module
+    return None
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module under the wrappers that rename a model's modules: ``torch.compile``'s
+    ``OptimizedModule`` (``_orig_mod.``), ``DataParallel`` and ``DistributedDataParallel``
+    (``module.``), through any nesting of them; ``model`` itself when it is none of them.
+
+    :func:`apply` and the functions that read what it did work on this module: its names are
+    the policy's, and its forwards are the ones the wrappers call (dynamo guards on a module's
+    forward, so a model compiled before ``apply`` recompiles with the regions on its next call).
+    """
+    while (inner := _wrapped(model)) is not None:
+        model = inner
+    return model
+
+
+def _check_wrappers(model: nn.Module) -> None:
+    while model is not None:
+        if isinstance(model, nn.DataParallel) and len(model.device_ids) > 1:
+            # replicate() copies each module's __dict__, the regions with it, and a region
+            # calls the forward of the module it was made for: the original's, on the first
+            # device's weights, in every replica
+            raise PolicyError(
+                f"autoprec.apply cannot put a policy under DataParallel over "
+                f"{len(model.device_ids)} devices (device_ids={list(model.device_ids)}): its "
+                "per-step copies of the model would all run the first device's layers. Use "
+                "DistributedDataParallel (one process per GPU) and apply the policy in each "
+                "process, or DataParallel over one device.")
+        model = _wrapped(model)
+
+
 def apply(model: nn.Module, policy: Policy | str | os.PathLike, *,
           strict: bool = True, engine: str | None = None) -> nn.Module:
     """Make ``model`` compute as ``policy`` says; in place, returns ``model``.
@@ -409,9 +452,16 @@ def apply(model: nn.Module, policy: Policy | str | os.PathLike, *,
     :class:`~autoprec.policy.PolicyError`; with ``strict=False`` they are warnings. ``engine``
     ("auto", "torchao" or "autoprec") overrides the policy's ``fp8: {engine: ...}``: who runs
     its fp8 ``nn.Linear`` layers. Applying again replaces the previous policy.
+
+    A model wrapped by ``torch.compile``, ``DataParallel`` or ``DistributedDataParallel`` gets
+    the policy on the module it wraps (:func:`unwrap`): the patterns and the fingerprint are
+    checked against that module's names, and :func:`remove` takes it off the same way. Returns
+    ``model`` as passed, wrapper included.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply(model, policy) needs an nn.Module, got {type(model).__name__}.")
+    _check_wrappers(model)
+    wrapper, model = model, unwrap(model)
     if not isinstance(policy, Policy):
         policy = load_policy(policy)
     if engine is not None:
@@ -444,7 +494,7 @@ def apply(model: nn.Module, policy: Policy | str | os.PathLike, *,
     model.__dict__[_POLICY_ATTR] = policy
     for device_type in {p.device.type for p in model.parameters()}:
         _has_autocast(device_type)  # read by each region: filled eagerly, see _has_autocast
-    return model
+    return wrapper
 
 
 def _install_reentry(model: nn.Module, policy: Policy, installed: list[Region]) -> list[Region]:
@@ -458,8 +508,10 @@ def _install_reentry(model: nn.Module, policy: Policy, installed: list[Region]) 
 
 
 def remove(model: nn.Module) -> nn.Module:
-    """Undo :func:`apply`: every module gets its original forward back. No-op if none."""
-    return _remove_regions(model)
+    """Undo :func:`apply`: every module gets its original forward back. No-op if none.
+    Through the wrappers :func:`apply` looks past; returns ``model`` as passed."""
+    _remove_regions(unwrap(model))
+    return model
 
 
 def _remove_regions(model: nn.Module) -> nn.Module:
@@ -478,12 +530,12 @@ def _remove_regions(model: nn.Module) -> nn.Module:
 
 def applied_policy(model: nn.Module) -> Policy | None:
     """The policy :func:`apply` applied to ``model`` (None when none is)."""
-    return model.__dict__.get(_POLICY_ATTR)
+    return unwrap(model).__dict__.get(_POLICY_ATTR)
 
 
 def regions(model: nn.Module) -> list[Region]:
     """The regions :func:`apply` installed on ``model``, parents first."""
-    return list(model.__dict__.get(_REGIONS_ATTR) or [])
+    return list(unwrap(model).__dict__.get(_REGIONS_ATTR) or [])
 
 
 def applied_formats(model: nn.Module) -> dict[str, Format]:
