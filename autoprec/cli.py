@@ -70,9 +70,10 @@ def _distinct_files(files: list[tuple[str | None, str, bool]]) -> None:
         for b, what_b, writes_b in files[i + 1:]:
             if (writes_a or writes_b) and _same_file(a, b):
                 written, other = (what_a, what_b) if writes_a else (what_b, what_a)
-                raise ValueError(f"{written} is {other}: writing it would destroy "
-                                 f"{'an input' if not (writes_a and writes_b) else 'another output'}"
-                                 " of this command. Choose another path.")
+                role = ("an input of this command" if not (writes_a and writes_b)
+                        else "a file this command also writes")
+                raise ValueError(f"{written} is {other}: writing it would destroy {role}. "
+                                 "Choose another path.")
 
 
 def _load_task(spec: str):
@@ -86,9 +87,17 @@ def _load_task(spec: str):
     return load_task(spec)
 
 
+def _more_than_fp32(formats: list[str], what: str) -> None:
+    if set(formats) == {"fp32"}:
+        raise ValueError(f"--formats fp32 leaves nothing to {what}: fp32 is the reference "
+                         "every other format is compared with, always included; add at least "
+                         "one of bf16, fp16, fp8.")
+
+
 def _cmd_profile(args) -> int:
     from autoprec.profiling import profile
 
+    _more_than_fp32(args.formats, "profile")
     if args.output:
         _distinct_files([(args.output, f"-o {args.output}", True),
                          (_task_file(args.task), f"the task file {_task_file(args.task)}", False)])
@@ -150,10 +159,7 @@ def _cmd_tune(args) -> int:
     from autoprec.policy import Budget
     from autoprec.tuning import TuneConfig, tune, validate_front
 
-    if set(args.formats) == {"fp32"}:
-        raise ValueError("--formats fp32 leaves nothing to choose (fp32 is the reference every "
-                         "policy is compared with, always included): add at least one of bf16, "
-                         "fp16, fp8.")
+    _more_than_fp32(args.formats, "choose")
     _check_tune_files(args)
     config = TuneConfig(formats=tuple(args.formats),
                         budget=Budget(args.max_loss_increase, args.max_grad_error),
@@ -609,7 +615,8 @@ def _dispatch(args) -> int:
     except Exception as e:
         if type(e).__name__ != "StorageInternalError":  # optuna's: a write the storage refused
             raise
-        cause = _one_line(e.__cause__ or e)[:300]
+        # the driver's own first line (SQLAlchemy adds the statement and its parameters)
+        cause = (str(e.__cause__ or e).strip().splitlines() or [""])[0][:300]
         hint = (" Another process holds a lock on the study's SQLite file: wait for it to finish"
                 " (or close it), then rerun to resume." if "locked" in cause else
                 " Check that the storage can be written, then rerun to resume.")

@@ -186,8 +186,9 @@ def test_an_empty_study_name_is_refused(tmp_path, study):
     assert os.listdir(tmp_path) == []
 
 
-def test_fp32_alone_leaves_nothing_to_choose(tmp_path):
-    r = cli("tune", f"{TASKS}:tiny_gpt2_task", "-o", tmp_path / "p.yaml", "--formats", "fp32",
+@pytest.mark.parametrize("cmd", ["tune", "profile"])
+def test_fp32_alone_leaves_nothing_to_choose(tmp_path, cmd):
+    r = cli(cmd, f"{TASKS}:tiny_gpt2_task", "-o", tmp_path / "p.yaml", "--formats", "fp32",
             "--target", "h100", cwd=tmp_path)
     line = one_line_error(r, "--formats fp32", "bf16")
     assert "measure_sensitivity" not in line and "profiling" not in r.stderr
@@ -351,3 +352,24 @@ def test_show_of_a_policy_with_odd_provenance_does_not_crash(tmp_path):
         one_line_error(r, "p.yaml")
     else:
         assert r.returncode == 0 and "provenance:" in r.stdout, r.stdout
+
+
+def test_a_write_the_storage_refuses_mid_tune_is_one_line(capsys):
+    """A lock taken after the tune opened its study (another process's long transaction): the
+    write Optuna gives up on is a one-line error with the driver's reason, not a traceback."""
+    from types import SimpleNamespace
+
+    from autoprec.cli import _dispatch
+
+    def tune(args):
+        try:
+            raise sqlite3.OperationalError("database is locked")
+        except sqlite3.OperationalError as e:
+            raise optuna.exceptions.StorageInternalError("An exception is raised during the "
+                                                         "commit. ... exceeding max length.") from e
+
+    assert _dispatch(SimpleNamespace(fn=tune, cmd="tune")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autoprec: error:") and len(err.strip().splitlines()) == 1, err
+    assert "database is locked" in err and "Another process holds a lock" in err, err
+    assert "max length" not in err
