@@ -377,7 +377,7 @@ def _setting_changes(a, b) -> list[str]:
 
 
 def _cmd_export(args) -> int:
-    from autoprec.exporting import ExportError, export, load_name_map, structure_of
+    from autoprec.exporting import ExportError, _comment, export, load_name_map, structure_of
     from autoprec.policy import load_policy
 
     if args.output:
@@ -396,7 +396,8 @@ def _cmd_export(args) -> int:
     model = structure_of(_load_task(args.model))
     result = export(policy, args.to, model=model, strict=not args.no_strict, names=names)
     for note in result.notes:
-        print(f"note: {note}", file=sys.stderr)
+        # notes quote module names from the model: one escaped line each on the terminal too
+        print(f"note: {_comment(note)}", file=sys.stderr)
     if args.output:
         result.save(args.output)
         print(f"wrote {args.output}", file=sys.stderr)

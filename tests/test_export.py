@@ -519,6 +519,9 @@ def test_the_export_command_writes_hostile_names_as_literals(tmp_path, monkeypat
                        cwd=tmp_path, env=dict(os.environ, PYTHONPATH=root), timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert hostile in out.read_text() or repr(hostile)[1:-1] in out.read_text()
+    # the notes on the terminal quote the name escaped, on one line each
+    notes = [line for line in r.stderr.splitlines() if line.startswith("note: ")]
+    assert notes and not any(line.startswith('open("PWNED"') for line in r.stderr.splitlines())
 
     module = _import_script(out, monkeypatch)
     assert module.FP8_LAYERS == {"tensorwise": ["0"]} and module.POLICY == str(policy)
