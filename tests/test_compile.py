@@ -1,7 +1,8 @@
 """torch.compile adds no graph break: a policy-applied model's training forward compiles to as
 many graphs, with as many breaks, as the same model without a policy (counted by
 ``torch._dynamo.explain``, which traces without compiling kernels), with and without HF
-activation checkpointing. That the compiled model computes what the eager one does is
+activation checkpointing, and called as HF Trainer calls the model as transformers builds it
+(GPT-2's loss path then breaks the graph once, under the root's region). That the compiled model computes what the eager one does is
 tests/test_rewrite.py's ``test_compiled_model_matches_eager``, and here, under checkpointing,
 ``test_compiled_checkpointed_model_computes_as_eager``; the counts for every variant are
 printed by benchmarks/bench_compile.py."""
