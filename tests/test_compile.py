@@ -2,10 +2,11 @@
 many graphs, with as many breaks, as the same model without a policy (counted by
 ``torch._dynamo.explain``, which traces without compiling kernels), with and without HF
 activation checkpointing, and called as HF Trainer calls the model as transformers builds it
-(GPT-2's loss path then breaks the graph once, under the root's region). That the compiled model computes what the eager one does is
-tests/test_rewrite.py's ``test_compiled_model_matches_eager``, and here, under checkpointing,
-``test_compiled_checkpointed_model_computes_as_eager``; the counts for every variant are
-printed by benchmarks/bench_compile.py."""
+(GPT-2's loss path then breaks the graph once, under the root's region). That the compiled
+model computes what the eager one does is tests/test_rewrite.py's
+``test_compiled_model_matches_eager``, and here, under checkpointing (whole graph and the
+Trainer's call), ``test_compiled_checkpointed_model_computes_as_eager``; the counts for every
+variant are printed by benchmarks/bench_compile.py."""
 
 from __future__ import annotations
 
