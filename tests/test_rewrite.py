@@ -391,6 +391,7 @@ def test_apply_through_data_parallel_wrappers(wrap, cnn_model, cnn_batch, tmp_pa
         # the guard watches the module the policy is on, under the model's own names
         assert autoprec.get_guard(cnn_model) is not None
         assert autoprec.get_guard(cnn_model).model is cnn_model
+        assert autoprec.get_guard(wrapped) is autoprec.get_guard(cnn_model)  # through the wrapper too
         out = wrapped(**cnn_batch)
         assert torch.allclose(out.logits, reference, atol=1e-6), \
             (out.logits - reference).abs().max().item()

@@ -200,8 +200,9 @@ class GuardEvent:
 
 
 def get_guard(model: nn.Module) -> Guard | None:
-    """The guard ``autoprec.apply(model, policy, guard=...)`` attached to ``model``, or None."""
-    return model.__dict__.get(_GUARD_ATTR)
+    """The guard ``autoprec.apply(model, policy, guard=...)`` attached to ``model``, or None;
+    ``model`` may be the wrapper (torch.compile, DataParallel, DDP) the policy went through."""
+    return rewrite.unwrap(model).__dict__.get(_GUARD_ATTR)
 
 
 def _limit(fmt: Format) -> float:
