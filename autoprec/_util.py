@@ -207,6 +207,16 @@ def atomic_write(path: str | os.PathLike, data: str | bytes) -> str:
     return path
 
 
+def escape_line(text: str) -> str:
+    """``text`` as the rest of one line of generated Python, YAML or terminal output (a
+    comment, a note): every character that is not printable written as its escape (``\\n``,
+    ``\\u2028``). That covers what ends a line in Python or YAML (``\\n``, ``\\r``; YAML's
+    ``\\x85``, ``\\u2028``, ``\\u2029``) and the control characters neither may contain, so
+    text from a user or a model (file and module names) cannot step out of its line."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in str(text))
+
+
 def write_json(path: str | os.PathLike, data: Any) -> str:
     return atomic_write(path, json.dumps(data, indent=1, allow_nan=False) + "\n")
 

@@ -377,7 +377,8 @@ def _setting_changes(a, b) -> list[str]:
 
 
 def _cmd_export(args) -> int:
-    from autoprec.exporting import ExportError, _comment, export, load_name_map, structure_of
+    from autoprec._util import escape_line
+    from autoprec.exporting import ExportError, export, load_name_map, structure_of
     from autoprec.policy import load_policy
 
     if args.output:
@@ -397,7 +398,7 @@ def _cmd_export(args) -> int:
     result = export(policy, args.to, model=model, strict=not args.no_strict, names=names)
     for note in result.notes:
         # notes quote module names from the model: one escaped line each on the terminal too
-        print(f"note: {_comment(note)}", file=sys.stderr)
+        print(f"note: {escape_line(note)}", file=sys.stderr)
     if args.output:
         result.save(args.output)
         print(f"wrote {args.output}", file=sys.stderr)

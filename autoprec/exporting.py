@@ -53,7 +53,7 @@ import torch
 import yaml
 from torch import nn
 
-from autoprec._util import atomic_write
+from autoprec._util import atomic_write, escape_line
 from autoprec.formats import Format, Support, supported_formats
 from autoprec.policy import Policy, PolicyError, load_policy
 from autoprec.runtime.calls import KERNEL_MULTIPLE, class_kind, layer_kind
@@ -255,15 +255,6 @@ def _runs(module: nn.Module, kind: str, fmt: Format) -> Format:
     return Format.BF16  # PyTorch has no FP8 convolution: autoprec runs it in bf16
 
 
-def _comment(text: str) -> str:
-    """``text`` as the rest of one comment line of generated Python or YAML: every character
-    that is not printable written as its escape (``\\n``, ``\\u2028``). That covers what ends a
-    line in either (``\\n``, ``\\r``; YAML's ``\\x85``, ``\\u2028``, ``\\u2029``) and the
-    control characters neither may contain, so user text cannot step out of the comment."""
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
-                   for c in str(text))
-
-
 def _problems(problems: list[str], strict: bool, fix: str) -> tuple[str, ...]:
     """Raise the first of ``problems`` (strict), or return them all as notes."""
     if problems and strict:
@@ -340,7 +331,7 @@ def _torchao_script(policy: Policy, recipes: tuple[TorchaoRecipe, ...], rest: Fo
                      + "    ],\n" for r in recipes)
     # user text (the policy's file name, module names in the notes) enters the script only as
     # repr() literals or escaped comment text: it can neither end a string nor start a line
-    comments = "".join(f"# note: {_comment(n)}\n" for n in notes)
+    comments = "".join(f"# note: {escape_line(n)}\n" for n in notes)
     return f'''"""torchao float8 training exported by autoprec from the policy POLICY names.
 
 Each fp8 layer gets its recipe: convert(model) runs convert_to_float8_training once per recipe
@@ -517,7 +508,7 @@ def _megatron_text(policy: Policy, doc: dict, notes: tuple[str, ...]) -> str:
     # user text (the policy's file name, module names in the notes) is comment text escaped
     # to one line; everything else is the document, written by yaml.safe_dump
     lines = [f"# Megatron-Core --te-precision-config-file exported by autoprec from "
-             f"{_comment(policy.source or 'a policy')}",
+             f"{escape_line(policy.source or 'a policy')}",
              "# (megatron/core/extensions/TransformerEngineMixedPrecision.md). Module paths are",
              "# Megatron-Core GPTModel's; FP8 layers override the run's context (FP8 with or "
              "without --fp8),",
@@ -525,7 +516,7 @@ def _megatron_text(policy: Policy, doc: dict, notes: tuple[str, ...]) -> str:
     if per_layer:
         lines.append("# Per-layer entries number layers as a model without pipeline "
                      "parallelism does.")
-    lines += [f"# note: {_comment(n)}" for n in notes]
+    lines += [f"# note: {escape_line(n)}" for n in notes]
     return "\n".join(lines) + "\n" + yaml.safe_dump(doc, sort_keys=False, width=100)
 
 

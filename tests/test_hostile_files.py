@@ -435,3 +435,43 @@ def test_deeply_nested_guard_state_is_one_line_error(tmp_path):
     (tmp_path / GUARD_STATE_FILE).write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(PolicyError, match=rf"{GUARD_STATE_FILE}.*nest"):
         load_guard_state(Guard(), tmp_path)
+
+
+def test_guard_outputs_carry_hostile_module_names_as_escaped_text(tmp_path):
+    # the amended policy's comment lines and the guard state name modules of the model; a name
+    # with a line break must stay inside its comment, and planted symlinks at either output
+    # must be replaced, not followed
+    import torch
+    from torch import nn
+
+    import autoprec
+    from autoprec.runtime.integrations import GUARD_STATE_FILE, save_guard_state
+
+    hostile = "fc\ndefault: fp8\n#"
+    model = nn.Sequential()
+    model.add_module("inp", nn.Linear(8, 8))
+    model.add_module(hostile, nn.Linear(8, 8))
+    autoprec.apply(model, Policy(default="fp32", layers={hostile: "fp16"}),
+                   guard=autoprec.GuardConfig(patience=2))
+    guard = autoprec.get_guard(model)
+    with torch.no_grad():
+        model.get_submodule(hostile).weight[0, 0] = float("inf")
+    for _ in range(3):
+        model(torch.randn(4, 8)).sum().backward()
+        model.zero_grad(set_to_none=True)
+        guard.step()
+    assert guard.events and hostile in str(guard.events[0])
+    victims = {}
+    for name in ("amended.yaml", GUARD_STATE_FILE):
+        victims[name] = tmp_path / f"victim-{name}"
+        victims[name].write_text("precious\n")
+        os.symlink(victims[name], tmp_path / name)
+    guard.save(tmp_path / "amended.yaml")
+    save_guard_state(guard, tmp_path)
+    for name, victim in victims.items():
+        assert victim.read_text() == "precious\n", name
+        assert not (tmp_path / name).is_symlink()
+    text = (tmp_path / "amended.yaml").read_text()
+    assert all(line.startswith("#") for line in text.splitlines()[:len(guard.events)]), text
+    amended = load_policy(tmp_path / "amended.yaml")
+    assert amended.default is Format.FP32 and amended.layers == {hostile: Format.FP32}

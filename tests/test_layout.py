@@ -103,3 +103,45 @@ def test_public_functions_are_not_shadowed_by_submodules():
     for name in autoprec.__all__:
         value = getattr(autoprec, name)
         assert not isinstance(value, type(autoprec)), f"autoprec.{name} is a module"
+
+
+def _writes_outside_atomic_write(path: str) -> list[str]:
+    """Calls in ``path`` that write a file by any route but ``_util.atomic_write``: ``open``
+    with a mode that writes, ``os.open`` with write flags on anything but os.devnull,
+    ``torch.save``, ``Path.write_text``/``write_bytes``, ``json.dump``/``yaml.dump`` to a
+    stream, ``savefig`` on a path."""
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        fn = node.func
+        name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+        owner = getattr(fn.value, "id", "") if isinstance(fn, ast.Attribute) else ""
+        where = f"{os.path.relpath(path, ROOT)}:{node.lineno} {ast.unparse(node)[:80]}"
+        if name == "open" and owner in ("", "io", "builtins"):
+            mode = node.args[1] if len(node.args) > 1 else next(
+                (k.value for k in node.keywords if k.arg == "mode"), None)
+            text = mode.value if isinstance(mode, ast.Constant) else "r"
+            if not isinstance(mode, (ast.Constant, type(None))) or set(text) & set("wax+"):
+                found.append(where)
+        elif name == "open" and owner == "os" and "devnull" not in ast.unparse(node.args[0]):
+            found.append(where)
+        elif (name, owner) in (("save", "torch"), ("dump", "json")) \
+                or name in ("write_text", "write_bytes"):
+            found.append(where)
+        elif (name, owner) in (("dump", "yaml"), ("safe_dump", "yaml")) and (
+                len(node.args) > 1 or any(k.arg == "stream" for k in node.keywords)):
+            found.append(where)  # without a stream it returns the text
+        elif name == "savefig" and not (node.args and isinstance(node.args[0], ast.Name)
+                                        and ast.unparse(node.args[0]) in ("png", "buf")):
+            found.append(where)
+    return found
+
+
+def test_every_file_the_package_writes_goes_through_the_one_atomic_write():
+    util = os.path.join(PACKAGE, "_util.py")
+    offenders = [w for path in _modules().values() if path != util
+                 for w in _writes_outside_atomic_write(path)]
+    assert not offenders, ("write these through autoprec._util.atomic_write (an exclusive "
+                           "temp file renamed over the target):\n" + "\n".join(offenders))

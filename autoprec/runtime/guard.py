@@ -110,7 +110,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from autoprec._util import atomic_write, tensors
+from autoprec._util import atomic_write, escape_line, tensors
 from autoprec.formats import FP8_FORMATS, Format
 from autoprec.policy import Policy, PolicyError
 from autoprec.runtime import calls, rewrite
@@ -1260,7 +1260,9 @@ class Guard:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write :meth:`amended_policy` as a policy file, with the demotions as comments."""
-        lines = [f"# amended by the autoprec runtime guard: {e}\n" for e in self.events]
+        # an event names modules of the model: one escaped comment line each
+        lines = [f"# amended by the autoprec runtime guard: {escape_line(e)}\n"
+                 for e in self.events]
         atomic_write(path, "".join(lines) + self.amended_policy().to_yaml())
 
     # ---------------------------------------------------------------- checkpoints
