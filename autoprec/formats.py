@@ -254,7 +254,7 @@ class CpuFeatures:
     capability: str
     # BF16 dot-product instructions (x86 AVX512-BF16 or AMX-BF16, Arm BF16): without them
     # oneDNN converts BF16 to FP32 around every product and bf16 matmuls lose to fp32
-    # (measured: 3.7x slower on an AVX512 Xeon without them, ~130x on a Zen 3 with AVX2).
+    # (benchmarks/bench_cpu.py: 3.4x slower on an AVX512 Xeon without them, ~130x on a Zen 3).
     bf16_dot: bool
     # FP16 arithmetic in the matmul units (AVX512-FP16, AMX-FP16, Arm FP16 dot products).
     fp16_dot: bool

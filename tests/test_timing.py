@@ -43,7 +43,7 @@ def test_bf16_against_fp32_is_what_the_cpu_implies(one_thread):
     # Which of the two wins is a property of the core: with BF16 dot-product instructions
     # (Zen 4's AVX512-BF16, AMX) bf16 matmuls are faster than fp32; without them (Zen 3's
     # AVX2, Intel AVX512 parts before Cooper Lake) oneDNN widens BF16 to FP32 around every
-    # product and bf16 loses (3.7x on an AVX512 Xeon, ~130x on Zen 3).
+    # product and bf16 loses (3.4x on an AVX512 Xeon, ~130x on Zen 3: benchmarks/bench_cpu.py).
     from tests.conftest import host_bf16_is_fast
 
     fast = host_bf16_is_fast()
