@@ -1,14 +1,18 @@
 """Validating a tune's winner by training, and falling back along the Pareto front when it
-fails: the next-fastest policies, and as a last resort all-fp32."""
+fails: the next-fastest policies, and as a last resort all-fp32. A policy written after a
+fallback carries its own provenance (speed-up, timing, memory, fp8_runs_bf16, verdict), never
+the rejected winner's."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from typing import Any
 
 from autoprec._util import log as _log
 from autoprec.policy import Policy
 from autoprec.task import Task
-from autoprec.tuning.report import TuneResult
+from autoprec.tuning.report import TrialResult, TuneResult, fallback_provenance
 from autoprec.tuning.space import assignment_policy
 
 __all__ = ["validate_front"]
@@ -17,40 +21,93 @@ __all__ = ["validate_front"]
 def validate_front(result: TuneResult, task: Task, *, steps: int, tolerance: float | None = None,
                    max_candidates: int = 3, progress: bool = True) -> TuneResult:
     """Validate the winner by training ``steps`` steps; when it fails, try the next-fastest
-    policies on the Pareto front (at most ``max_candidates``), and as a last resort all-fp32.
-    Returns the result with ``policy``, ``best`` and ``validation`` set to what passed."""
+    policies on the Pareto front (at most ``max_candidates`` distinct ones), and as a last
+    resort all-fp32. Returns the result with ``policy``, ``best`` and ``validation`` set to
+    what passed (``best``: all-fp32's trial, when there is one, after the last resort)."""
     from autoprec.validation import validate
 
     units = result.units or {u: [u] for u in result.best.assignment}
-    candidates = [result.best] + [t for t in result.pareto if t.number != result.best.number]
+    winner = result.best
+    # a repeat of a trial on the front is the same policy: validating it again tells nothing
+    candidates: list[TrialResult] = []
+    seen: set[str] = set()
+    for t in [winner] + [t for t in result.pareto if t.number != winner.number]:
+        key = json.dumps(t.assignment, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            candidates.append(t)
     budget = result.policy.provenance.budget
     tol = tolerance if tolerance is not None else (
         budget.max_loss_increase if budget is not None else 0.01)
+    rejected: list[tuple[TrialResult, Any]] = []
     for cand in candidates[:max_candidates]:
-        policy = (result.policy if cand.number == result.best.number else
+        policy = (result.policy if cand.number == winner.number else
                   assignment_policy(units, cand.assignment, model_name=result.policy.model_name,
                                     fingerprint=result.policy.fingerprint))
         _log(f"validating trial {cand.number} ({cand.speedup}) over {steps} steps", progress)
         val = validate(task, policy, steps=steps, tolerance=tol, progress=progress)
         _log(val.report(), progress)
-        if val.passed:
-            tuned = dict(result.policy.tuned or {})
-            tuned["validation"] = {"steps": steps, "gap": round(val.gap, 6),
-                                   "noise": round(val.noise, 6), "passed": True,
-                                   "trial": cand.number}
-            if cand.number != result.best.number:
-                tuned["speedup_vs_fp32"] = cand.speedup.to_dict()
-                tuned["loss_increase"] = round(cand.loss_increase, 6)
-                tuned["grad_error"] = round(cand.grad_error, 6)
-            result.policy = dataclasses.replace(policy, tuned=tuned)
-            result.best = cand
-            result.validation = val
-            return result
-    result.policy = Policy(default="fp32", model_name=result.policy.model_name,
-                           fingerprint=result.policy.fingerprint,
-                           tuned={**(result.policy.tuned or {}),
-                                  "validation": {"steps": steps, "passed": False,
-                                                 "note": "no Pareto policy passed; fell back to "
-                                                         "fp32"}})
+        if not val.passed:
+            rejected.append((cand, val))
+            continue
+        section = {"steps": steps, "gap": round(val.gap, 6), "noise": round(val.noise, 6),
+                   "passed": True, "trial": cand.number}
+        if not rejected:  # the winner passed: its provenance is the tune's
+            tuned = {**(result.policy.tuned or {}), "validation": section}
+        else:
+            section["rejected"] = _rejected(rejected)
+            verdict = _rejections(rejected, steps) + [
+                f"wrote trial {cand.number}, the next-fastest policy on the Pareto front, which "
+                f"passed: its held-out loss gap {val.gap:+.3%} vs FP32 is within the allowed "
+                f"{val.tolerance + val.noise:.3%}", _speed_source(result, cand)]
+            tuned = fallback_provenance(result, policy, cand, verdict, section)
+        result.policy = dataclasses.replace(policy, tuned=tuned)
+        result.best = cand
+        result.validation = val
+        return result
+    fp32 = next((t for t in result.trials if t.finite
+                 and all(f == "fp32" for f in t.assignment.values())), None)
+    policy = Policy(default="fp32", model_name=result.policy.model_name,
+                    fingerprint=result.policy.fingerprint)
+    verdict = _rejections(rejected, steps) + [
+        f"wrote all-fp32: none of the {len(rejected)} Pareto policies tried passed validation; "
+        "all-fp32 is the FP32 reference, 1.00x its step time and no loss change by definition, "
+        "so no speed-up is claimed"]
+    section = {"steps": steps, "passed": False,
+               "note": "no Pareto policy passed; fell back to fp32", "rejected": _rejected(rejected)}
+    result.policy = dataclasses.replace(policy, tuned=fallback_provenance(
+        result, policy, None, verdict, section, memory=None if fp32 is None else fp32.memory))
+    if fp32 is not None:
+        result.best = fp32
     result.validation = None
     return result
+
+
+def _rejected(rejected: list[tuple[TrialResult, Any]]) -> list[dict[str, Any]]:
+    return [{"trial": t.number, "gap": round(v.gap, 6), "allowed": round(v.tolerance + v.noise, 6)}
+            for t, v in rejected]
+
+
+def _rejections(rejected: list[tuple[TrialResult, Any]], steps: int) -> list[str]:
+    """One sentence per policy validation rejected, the tune's winner first."""
+    return [f"validation over {steps} training steps rejected trial {t.number}"
+            + (", the tune's winner" if i == 0 else "")
+            + f" ({t.speedup}): its held-out loss gap {v.gap:+.3%} vs FP32 is over the allowed "
+              f"{v.tolerance + v.noise:.3%} (tolerance {v.tolerance:.3%} + FP32 run-to-run noise "
+              f"{v.noise:.3%})"
+            for i, (t, v) in enumerate(rejected)]
+
+
+def _speed_source(result: TuneResult, trial: TrialResult) -> str:
+    """Where the written policy's speed-up comes from."""
+    sel = result.selection
+    device = result.policy.provenance.device or ""
+    if device.startswith("cost model:"):
+        return f"its speed-up is its price on the {device[len('cost model:'):].split('(')[0].strip()} " \
+               "cost model: exact, no timing noise"
+    if sel is not None and trial.number in sel.speedup:
+        s = sel.speedup[trial.number]
+        return (f"its speed-up {s} is from the final re-timing ({s.rounds} rounds), in which "
+                f"trial {sel.winner} led")
+    return (f"its speed-up {trial.speedup} is its search-time measurement: it was not among the "
+            "policies re-timed at the end, so it is a rough estimate")

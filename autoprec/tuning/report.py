@@ -20,7 +20,7 @@ from autoprec.profiling import Profile
 from autoprec.task import Task
 from autoprec.tuning.select import Selection
 
-__all__ = ["TrialResult", "TuneResult", "pareto", "provenance"]
+__all__ = ["TrialResult", "TuneResult", "pareto", "provenance", "fallback_provenance"]
 
 
 @dataclass(frozen=True)
@@ -200,19 +200,68 @@ def provenance(task: Task, result: TuneResult, budget: Budget, target: str | Non
             extra["timing"]["fp32_drift"] = [round(x, 3) for x in sel.drift]
     if sel is not None and sel.over_warm_start is not None and sel.over_warm_start.low > 1.0:
         extra["improvement_over_warm_start"] = sel.over_warm_start.to_dict()
-    # layers the policy puts in fp8 whose matmuls FP8 does not take: they run bf16
-    blocked = {lp.fqn: lp.fp8_blocker for lp in prof.layers
-               if lp.fp8_blocker and result.policy.format_for(lp.fqn).is_fp8}
+    blocked = _fp8_runs_bf16(result.policy, prof)
     if blocked:
         extra["fp8_runs_bf16"] = blocked
     if result.best.memory is not None:
         # predicted for one training step on the calibration batch (autoprec.memory)
         extra["memory"] = {"predicted_peak_bytes": int(result.best.memory)}
-    speedup = result.speedup
-    if not math.isfinite(speedup.high):
-        speedup = dataclasses.replace(speedup, high=speedup.value * 1e3)
     return Provenance(device=device, torch=str(torch.__version__), task=task.name, budget=budget,
-                      speedup=speedup, loss_increase=result.best.loss_increase,
+                      speedup=_bounded(result.speedup), loss_increase=result.best.loss_increase,
                       grad_error=result.best.grad_error,
                       verdict=tuple(sel.notes) if sel is not None else (),
                       extra=extra).to_dict()
+
+
+def _fp8_runs_bf16(policy: Policy, prof: Profile | None) -> dict[str, str]:
+    """The layers ``policy`` puts in fp8 whose matmuls FP8 does not take: they run bf16."""
+    if prof is None:
+        return {}
+    return {lp.fqn: lp.fp8_blocker for lp in prof.layers
+            if lp.fp8_blocker and policy.format_for(lp.fqn).is_fp8}
+
+
+def _bounded(speedup: Interval) -> Interval:
+    # an unbounded interval (a zero-width fp32 reference) is written with a finite top
+    if not math.isfinite(speedup.high):
+        return dataclasses.replace(speedup, high=speedup.value * 1e3)
+    return speedup
+
+
+def fallback_provenance(result: TuneResult, policy: Policy, trial: TrialResult | None,
+                        verdict: list[str], validation: dict[str, Any], *,
+                        memory: int | None = None) -> dict[str, Any]:
+    """The ``tuned:`` section of the policy validation fell back to (``trial``: its trial, or
+    None for all-fp32): where it was tuned and the study as for the winner, everything else
+    its own, never the rejected winner's (its speed-up, timing, memory, fp8_runs_bf16,
+    verdict). ``verdict``: why this policy was written; ``validation``: its section;
+    ``memory``: all-fp32's predicted peak (its warm-start trial's), when ``trial`` is None."""
+    old = result.policy.provenance
+    extra: dict[str, Any] = {}
+    if old.extra.get("study") is not None:
+        extra["study"] = old.extra["study"]
+    speedup = loss = grad = None
+    if trial is None:
+        # all-fp32 is the reference: 1.00x and no loss change by definition, measured by nothing
+        loss, grad = 0.0, 0.0
+        if memory is not None:
+            extra["memory"] = {"predicted_peak_bytes": int(memory)}
+    else:
+        sel = result.selection
+        loss, grad = trial.loss_increase, trial.grad_error
+        timed = sel is not None and trial.number in sel.speedup
+        speedup = _bounded(sel.speedup[trial.number] if timed else trial.speedup)
+        if timed and sel.noise is not None:
+            extra["timing"] = {"rounds": speedup.rounds, "aa_noise": round(sel.noise, 4),
+                               "too_noisy": sel.too_noisy}
+        if sel is not None and sel.drift is not None:
+            extra.setdefault("timing", {})["fp32_drift"] = [round(x, 3) for x in sel.drift]
+        if trial.memory is not None:
+            extra["memory"] = {"predicted_peak_bytes": int(trial.memory)}
+    blocked = _fp8_runs_bf16(policy, result.profile)
+    if blocked:
+        extra["fp8_runs_bf16"] = blocked
+    extra["validation"] = validation
+    return Provenance(device=old.device, torch=old.torch, task=old.task, budget=old.budget,
+                      speedup=speedup, loss_increase=loss, grad_error=grad,
+                      verdict=tuple(verdict), extra=extra).to_dict()
