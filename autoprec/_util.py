@@ -207,6 +207,20 @@ def atomic_write(path: str | os.PathLike, data: str | bytes) -> str:
     return path
 
 
+def unwritable_folder(path: str | os.PathLike) -> tuple[str, str] | None:
+    """Why a file at ``path`` could not be created, found before any work: the nearest
+    existing ancestor of its folder and ``"file"`` (it is not a folder) or ``"unwritable"``;
+    None when the file can be created there (missing folders are made by atomic_write)."""
+    probe = os.path.dirname(os.path.abspath(os.fspath(path)))
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        return probe, "file"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return probe, "unwritable"
+    return None
+
+
 def escape_line(text: str) -> str:
     """``text`` as the rest of one line of generated Python, YAML or terminal output (a
     comment, a note): every character that is not printable written as its escape (``\\n``,

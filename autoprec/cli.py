@@ -99,8 +99,9 @@ def _cmd_profile(args) -> int:
 
     _more_than_fp32(args.formats, "profile")
     if args.output:
+        task = _task_file(args.task)
         _distinct_files([(args.output, f"-o {args.output}", True),
-                         (_task_file(args.task), f"the task file {_task_file(args.task)}", False)])
+                         (task, f"the task file {task}", False)])
         _writable_output(args.output)
     task = _load_task(args.task)
     prof = profile(task, formats=args.formats, target=args.target, n_batches=args.batches,
@@ -124,14 +125,15 @@ def _writable_output(path: str, *side: str) -> None:
         if os.path.isdir(other):
             raise IsADirectoryError(f"{other}, which is written beside -o {path}, is a "
                                     "directory; move it away or choose another -o.")
-    probe = os.path.dirname(os.path.abspath(path))
-    while not os.path.lexists(probe):
-        probe = os.path.dirname(probe)
-    if not os.path.isdir(probe):
-        raise NotADirectoryError(f"Cannot write -o {path}: {probe} is a file, not a folder. "
-                                 "Choose another -o.")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise PermissionError(f"Cannot write {path}: {probe} is not writable. Choose another -o.")
+    from autoprec._util import unwritable_folder
+
+    problem = unwritable_folder(path)
+    if problem is not None and problem[1] == "file":
+        raise NotADirectoryError(f"Cannot write -o {path}: {problem[0]} is a file, not a "
+                                 "folder. Choose another -o.")
+    if problem is not None:
+        raise PermissionError(f"Cannot write {path}: {problem[0]} is not writable. Choose "
+                              "another -o.")
 
 
 def _check_tune_files(args) -> None:

@@ -10,6 +10,8 @@ from typing import Any
 
 import optuna
 
+from autoprec._util import unwritable_folder
+
 __all__ = ["open_storage", "check_storage", "storage_file", "StorageError"]
 
 # Errors of workers racing to create Optuna's schema on a fresh database; the loser succeeds
@@ -55,15 +57,12 @@ def check_storage(storage: str | None, default_path: str) -> None:
     where = f"Cannot use storage {url}"
     if os.path.isdir(path):
         raise StorageError(f"{where}: {path} is a folder; name the study's file.")
-    folder = os.path.dirname(os.path.abspath(path))
-    probe = folder
-    while not os.path.lexists(probe):
-        probe = os.path.dirname(probe)
-    if not os.path.isdir(probe):
-        raise StorageError(f"{where}: {probe} is a file, not a folder; choose another path.")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise StorageError(f"{where}: the folder {probe} is not writable, and the study's file "
-                           "(and the lock or journal files beside it) must be written there; "
+    problem = unwritable_folder(path)
+    if problem is not None and problem[1] == "file":
+        raise StorageError(f"{where}: {problem[0]} is a file, not a folder; choose another path.")
+    if problem is not None:
+        raise StorageError(f"{where}: the folder {problem[0]} is not writable, and the study's "
+                           "file (and the lock or journal files beside it) must be written there; "
                            "choose another path or make the folder writable.")
     if os.path.exists(path) and not os.access(path, os.R_OK | os.W_OK):
         raise StorageError(f"{where}: the file {path} is read-only, and a tune writes its "
