@@ -52,6 +52,7 @@ __all__ = [
     "LossScaling",
     "PolicyError",
     "SCHEMA_VERSION",
+    "DEFAULT_MAX_LOSS_INCREASE",
     "load_policy",
     "model_fingerprint",
 ]
@@ -65,6 +66,9 @@ FP8_ENGINES = ("auto", "torchao", "autoprec")
 _TOP_KEYS = ("autoprec", "model", "default", "layers", "fp8", "loss_scaling", "tuned")
 _MODEL_KEYS = ("name", "fingerprint")
 _FP8_KEYS = ("recipe", "engine")
+# The error budget when nobody names one: a relative loss change of 1% vs FP32 on held-out
+# batches. Every default budget (Budget, the CLI, validation, the profile's verdicts) reads it.
+DEFAULT_MAX_LOSS_INCREASE = 0.01
 _LOSS_SCALING_KEYS = ("init_scale", "growth_interval")
 
 
@@ -107,7 +111,7 @@ class Budget:
     and the tolerance validation judges with."""
 
     # Relative loss change vs FP32 allowed on held-out batches (0.01 = 1%).
-    max_loss_increase: float = 0.01
+    max_loss_increase: float = DEFAULT_MAX_LOSS_INCREASE
     # Relative L2 error of all parameter gradients vs FP32 allowed; None: no limit.
     max_grad_error: float | None = 0.25
 
