@@ -17,18 +17,35 @@ FP32 master weights. The formats and what they mean:
   - ``fp8:rowwise``: one scale per row of each operand (along the contracted dimension), E4M3
     everywhere, gradients included;
   - ``fp8:rowwise_with_gw_hp``: rowwise, with the weight-gradient product in BF16.
+
+**Formats as data.** What a format computes is a frozen :class:`Numerics`: per GEMM of a
+layer's product (forward ``a @ b``, input gradient ``grad @ b.T``, weight gradient
+``a.T @ grad``) a :class:`Gemm` saying what its two operands are cast to and how they are
+scaled, plus the autocast dtype of the rest of the layer, the dtype its activations leave in,
+loss scaling, the format it demotes to and the names other stacks give it (torchao's recipe,
+Megatron's). Every format is one entry of one factory, :func:`register` (the built-ins are the
+table ``_BUILTINS`` below); consumers (emulation, engines, cost and memory models, selection,
+exports) read these fields and never compare a format's spelling. :class:`Format` is an
+interned ``str`` (``Format.FP8 == "fp8"``, ``is`` works, pickles and deep-copies to the same
+object) whose class iterates over the registered formats, built-ins first.
 """
 
 from __future__ import annotations
 
 import enum
 import platform
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 __all__ = [
     "Format",
+    "Gemm",
+    "Numerics",
+    "register",
+    "unregister",
+    "fp8_recipes",
     "Support",
     "FP8_E4M3",
     "FP8_E5M2",
@@ -48,20 +65,190 @@ __all__ = [
 # E5M2 (max 57344) for gradients.
 FP8_E4M3 = torch.float8_e4m3fn
 FP8_E5M2 = torch.float8_e5m2
+_FP8_DTYPES = (FP8_E4M3, FP8_E5M2)
+
+# How a GEMM's operands are scaled: not at all (a plain autocast or FP32 GEMM), one scale per
+# tensor, or one per row along the contracted dimension (each GEMM of the backward scales its
+# operands along its own contraction).
+SCALINGS = ("none", "tensor", "row")
+# Precision a GEMM gives up, for the tie-break among equally fast policies: a 16-bit GEMM 1,
+# FP8 twice that, a row-scaled FP8 GEMM a quarter less (each row keeps its own range). A
+# format's rank is the mean over its three GEMMs.
+_GEMM_PRECISION = {"none": 1.0, "tensor": 2.0, "row": 1.75}
+# Smallest CUDA compute capability with ``torch._scaled_mm`` kernels for FP8 GEMMs so scaled.
+_SCALED_MM_CAPABILITY = {"tensor": (8, 9), "row": (9, 0)}
 
 
-class Format(str, enum.Enum):
-    """A layer's compute format. String-valued so it reads and writes as plain YAML."""
+@dataclass(frozen=True)
+class Gemm:
+    """One GEMM of a layer's product: what its two operands are cast to, and their scales."""
 
-    FP32 = "fp32"
-    BF16 = "bf16"
-    FP16 = "fp16"
-    FP8 = "fp8"  # tensorwise
-    FP8_ROWWISE = "fp8:rowwise"
-    FP8_ROWWISE_GW_HP = "fp8:rowwise_with_gw_hp"
+    # the dtypes of the first and second operand in the kernel
+    a: torch.dtype
+    b: torch.dtype
+    # "none", "tensor" or "row" (along the contraction); FP8 operands need a scale
+    scaling: str = "none"
+    # scales rounded down to powers of two (torchao's rowwise recipes)
+    pow2_scales: bool = False
+
+    def __post_init__(self):
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"Gemm scaling {self.scaling!r} is not one of {', '.join(SCALINGS)}.")
+        if (self.scaling != "none") != (self.a in _FP8_DTYPES or self.b in _FP8_DTYPES):
+            raise ValueError(f"A Gemm of {self.a} x {self.b} with scaling {self.scaling!r}: FP8 "
+                             "operands need scales (tensor or row), other dtypes none.")
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.scaling != "none"
+
+    @property
+    def operand_bytes(self) -> int:
+        """Bytes per element the kernel reads of each operand (the wider of the two)."""
+        return max(self.a.itemsize, self.b.itemsize)
+
+    @property
+    def precision_rank(self) -> float:
+        if self.a is torch.float32:
+            return 0.0
+        return _GEMM_PRECISION[self.scaling]
+
+
+def _plain(dtype: torch.dtype) -> Gemm:
+    return Gemm(dtype, dtype)
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """What one format computes: the frozen description every consumer reads."""
+
+    # the policy's spelling (``fp8`` for tensorwise) and the full name for tables
+    name: str
+    label: str
+    # forward (a @ b), input gradient (grad @ b.T), weight gradient (a.T @ grad)
+    fwd: Gemm
+    dgrad: Gemm
+    wgrad: Gemm
+    # dtype autocast runs the rest of the layer in; None: autocast off (fp32)
+    autocast: torch.dtype | None
+    # dtype the layer's activations leave in (an FP8 product returns BF16)
+    output: torch.dtype
+    # the name of the format the guard demotes to (one step towards safety)
+    demotes_to: str
+    # training needs a GradScaler
+    loss_scaling: bool = False
+    # autoprec's FP8 recipe (what follows ``fp8:``), torchao's name for the same numbers
+    # (Float8LinearConfig.from_recipe_name) and Megatron-Core's Fp8Recipe; None: none has it
+    recipe: str | None = None
+    torchao_recipe: str | None = None
+    megatron_recipe: str | None = None
+
+    @property
+    def gemms(self) -> dict[str, Gemm]:
+        return {"fwd": self.fwd, "dgrad": self.dgrad, "wgrad": self.wgrad}
+
+    @property
+    def is_fp8(self) -> bool:
+        """Whether any GEMM runs in FP8 (the layer's products go through an FP8 kernel)."""
+        return any(g.is_fp8 for g in self.gemms.values())
+
+    @property
+    def compute(self) -> torch.dtype:
+        """The dtype of the forward operands (E4M3 in every FP8 recipe): the range that counts."""
+        return self.fwd.a
+
+    @property
+    def scaling(self) -> str:
+        """The FP8 GEMMs' scaling ("tensor" or "row"), "none" without FP8 GEMMs."""
+        return next((g.scaling for g in self.gemms.values() if g.is_fp8), "none")
+
+    @property
+    def high_precision(self) -> tuple[str, ...]:
+        """The GEMMs of an FP8 format that stay in 16 bits (``("wgrad",)`` for gw_hp)."""
+        if not self.is_fp8:
+            return ()
+        return tuple(k for k, g in self.gemms.items() if not g.is_fp8)
+
+    @property
+    def saves_quantized(self) -> bool:
+        """autoprec's FP8 kernel keeps the quantized forward operands for backward: a
+        per-tensor scale is the same along either axis, so dgrad and wgrad reuse them; a
+        row-scaled recipe saves its inputs and quantizes them again along each contraction."""
+        return self.scaling == "tensor"
+
+    @property
+    def cuda_capability(self) -> tuple[int, int] | None:
+        """The CUDA compute capability with FP8 kernels for every FP8 GEMM (None: no FP8)."""
+        needs = [_SCALED_MM_CAPABILITY[g.scaling] for g in self.gemms.values() if g.is_fp8]
+        return max(needs) if needs else None
+
+    @property
+    def precision_rank(self) -> float:
+        return sum(g.precision_rank for g in self.gemms.values()) / 3
+
+
+# name -> Format, in registration order: the built-ins first, in FORMAT_ORDER.
+_REGISTRY: dict[str, Format] = {}
+# every spelling parse accepts (name and label) -> Format
+_SPELLINGS: dict[str, Format] = {}
+
+
+class _FormatType(type):
+    """Format's class: iterates, counts and looks up the registered formats as an Enum does."""
+
+    def __iter__(cls) -> Iterator[Format]:
+        return iter(tuple(_REGISTRY.values()))
+
+    def __len__(cls) -> int:
+        return len(_REGISTRY)
+
+    def __contains__(cls, value: object) -> bool:
+        return isinstance(value, Format) and _REGISTRY.get(str.__str__(value)) is value
+
+    def __call__(cls, value: object) -> Format:
+        """``Format("bf16")``: the registered format of that name (exactly); ValueError else."""
+        if isinstance(value, str) and str.__str__(value) in _REGISTRY:
+            return _REGISTRY[str.__str__(value)]
+        raise ValueError(f"{value!r} is not a valid Format")
+
+
+class Format(str, metaclass=_FormatType):
+    """A layer's compute format: an interned string (``Format.BF16 == "bf16"``, compared with
+    ``is``) that reads and writes as plain YAML; its meaning is :attr:`numerics`."""
+
+    # set once by register(); Formats are immutable
+    name: str
+    numerics: Numerics
+
+    FP32: Format
+    BF16: Format
+    FP16: Format
+    FP8: Format
+    FP8_ROWWISE: Format
+    FP8_ROWWISE_GW_HP: Format
+
+    def __setattr__(self, key, value):
+        raise AttributeError(f"Format {self.value!r} is immutable.")
 
     def __str__(self) -> str:  # "bf16", not "Format.BF16", in messages and YAML
-        return self.value
+        return str.__str__(self)
+
+    def __repr__(self) -> str:
+        return f"<Format.{self.name}: {self.value!r}>"
+
+    def __reduce_ex__(self, protocol):
+        return Format, (self.value,)  # unpickles to the registered object
+
+    def __copy__(self) -> Format:
+        return self
+
+    def __deepcopy__(self, memo) -> Format:
+        return self
+
+    @property
+    def value(self) -> str:
+        """The policy's spelling as a plain ``str`` (what YAML and JSON get)."""
+        return str.__str__(self)
 
     @classmethod
     def parse(cls, value: Format | str, *, where: str = "",
@@ -74,12 +261,8 @@ class Format(str, enum.Enum):
             text = value.strip().lower()
             if text == "fp8":
                 text = f"fp8:{fp8_recipe}"
-            if text == "fp8:tensorwise":
-                text = "fp8"
-            try:
-                return cls(text)
-            except ValueError:
-                pass
+            if text in _SPELLINGS:
+                return _SPELLINGS[text]
         valid = ", ".join(f.value for f in cls)
         loc = f" {where}" if where else ""
         raise ValueError(f"Unknown format {value!r}{loc}; expected one of {valid} "
@@ -87,104 +270,182 @@ class Format(str, enum.Enum):
 
     @classmethod
     def fp8(cls, recipe: str = "tensorwise") -> Format:
-        """The FP8 format of ``recipe`` (one of FP8_RECIPES)."""
+        """The FP8 format of ``recipe`` (one of :func:`fp8_recipes`)."""
         return cls.parse(f"fp8:{recipe}", where="(FP8 recipe)")
 
     @property
     def label(self) -> str:
         """The full name, recipe included (``fp8:tensorwise``), for tables and reports."""
-        return "fp8:tensorwise" if self is Format.FP8 else self.value
+        return self.numerics.label
 
     @property
     def is_fp8(self) -> bool:
-        return self.value.startswith("fp8")
+        return self.numerics.is_fp8
 
     @property
     def recipe(self) -> str | None:
-        """The FP8 recipe (torchao's name), or None for a format that is not FP8."""
-        if not self.is_fp8:
-            return None
-        return self.value.partition(":")[2] or "tensorwise"
+        """The FP8 recipe (``rowwise``), or None for a format that is not FP8."""
+        return self.numerics.recipe
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
         """The dtype autocast uses inside a region of this format; None means autocast off."""
-        return _AUTOCAST_DTYPE[self]
+        return self.numerics.autocast
 
     @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype of the matmul operands (FP8's E4M3 for fp8)."""
-        return _COMPUTE_DTYPE[self]
+        return self.numerics.compute
+
+    @property
+    def output_dtype(self) -> torch.dtype:
+        """The dtype the layer's activations leave in (fp8: BF16)."""
+        return self.numerics.output
 
     @property
     def needs_loss_scaling(self) -> bool:
-        return self is Format.FP16
+        return self.numerics.loss_scaling
 
     @property
     def max_value(self) -> float:
         """Largest finite value of the operand format: values above it overflow."""
-        return _RANGE[self][0]
+        return float(torch.finfo(self.compute_dtype).max)
 
     @property
     def min_normal(self) -> float:
         """Smallest positive normal value: below it precision degrades (underflow)."""
-        return _RANGE[self][1]
+        return float(torch.finfo(self.compute_dtype).smallest_normal)
 
     @property
     def min_subnormal(self) -> float:
         """Smallest positive value at all: below it a value flushes to zero."""
-        return _RANGE[self][2]
+        fi = torch.finfo(self.compute_dtype)
+        # smallest_normal * eps is the smallest subnormal for IEEE-like formats.
+        return float(fi.smallest_normal * fi.eps)
 
     def demoted(self) -> Format:
         """One step towards safety: fp8 (any recipe) -> bf16 -> fp32; fp16 -> fp32 (used by
         the guard)."""
-        if self.is_fp8:
-            return Format.BF16
-        return {Format.BF16: Format.FP32, Format.FP16: Format.FP32,
-                Format.FP32: Format.FP32}[self]
+        return Format(self.numerics.demotes_to)
+
+    @classmethod
+    def of_dtype(cls, dtype: torch.dtype) -> Format:
+        """The plain (unscaled) format whose GEMMs run in ``dtype``: what an FP8 recipe's
+        high-precision GEMM is priced and run as."""
+        for f in _BUILTIN_PLAIN:
+            if f.numerics.fwd.a is dtype:
+                return f
+        raise ValueError(f"No plain format computes in {dtype}; expected float32, bfloat16 or "
+                         "float16.")
 
 
-# Cheapest-first order used in tables and for tie-breaking.
-FORMAT_ORDER: tuple[Format, ...] = (Format.FP32, Format.BF16, Format.FP16, Format.FP8,
-                                    Format.FP8_ROWWISE, Format.FP8_ROWWISE_GW_HP)
+def register(numerics: Numerics, attribute: str | None = None) -> Format:
+    """The one factory of formats: make ``numerics`` a Format (``Format(numerics.name)``,
+    parsed from its name and label), optionally bound as ``Format.<attribute>``. The emulation
+    and engines must have kernels for its GEMMs (:func:`autoprec.runtime.fp8.check_kernels`
+    says which they have); a name already taken is an error."""
+    taken = [s for s in (numerics.name, numerics.label) if s in _SPELLINGS]
+    if taken:
+        raise ValueError(f"Format {taken[0]!r} is already registered; give the new format "
+                         "another name.")
+    if numerics.demotes_to not in _REGISTRY and numerics.demotes_to != numerics.name:
+        raise ValueError(f"Format {numerics.name!r} demotes to {numerics.demotes_to!r}, which is "
+                         "not a registered format.")
+    if numerics.is_fp8:
+        from autoprec.runtime.fp8 import check_kernels
+
+        check_kernels(numerics)
+    return _add(numerics, attribute)
+
+
+def _add(numerics: Numerics, attribute: str | None) -> Format:
+    fmt = str.__new__(Format, numerics.name)
+    object.__setattr__(fmt, "name", attribute or numerics.name.upper().replace(":", "_"))
+    object.__setattr__(fmt, "numerics", numerics)
+    _REGISTRY[numerics.name] = fmt
+    _SPELLINGS.update({numerics.name: fmt, numerics.label: fmt})
+    if attribute is not None:
+        type.__setattr__(Format, attribute, fmt)
+    return fmt
+
+
+def unregister(fmt: Format) -> None:
+    """Take a format :func:`register` added out again (tests); the built-ins stay."""
+    if fmt in FORMAT_ORDER:
+        raise ValueError(f"{fmt} is a built-in format and cannot be unregistered.")
+    if _REGISTRY.get(fmt.value) is not fmt:
+        raise ValueError(f"{fmt!r} is not registered.")
+    del _REGISTRY[fmt.value]
+    for spelling in (fmt.numerics.name, fmt.numerics.label):
+        _SPELLINGS.pop(spelling, None)
+    if getattr(Format, fmt.name, None) is fmt:
+        type.__delattr__(Format, fmt.name)
+
+
+def fp8_recipes() -> tuple[str, ...]:
+    """The FP8 recipes registered now (a bare ``fp8`` may mean any of them)."""
+    return tuple(f.recipe for f in Format if f.recipe is not None)
+
+
+def _fp8_entry(recipe: str, fwd: Gemm, dgrad: Gemm, wgrad: Gemm, *, name: str | None = None,
+               torchao: str | None = None, megatron: str | None = None) -> Numerics:
+    """An FP8 recipe: the rest of the layer under bf16 autocast, BF16 output, demoted to bf16."""
+    return Numerics(name=name or f"fp8:{recipe}", label=f"fp8:{recipe}", fwd=fwd, dgrad=dgrad,
+                    wgrad=wgrad, autocast=torch.bfloat16, output=torch.bfloat16,
+                    demotes_to="bf16", recipe=recipe, torchao_recipe=torchao,
+                    megatron_recipe=megatron)
+
+
+def _plain_entry(name: str, dtype: torch.dtype, demotes_to: str,
+                 loss_scaling: bool = False) -> Numerics:
+    g = _plain(dtype)
+    return Numerics(name=name, label=name, fwd=g, dgrad=g, wgrad=g,
+                    autocast=None if dtype is torch.float32 else dtype, output=dtype,
+                    demotes_to=demotes_to, loss_scaling=loss_scaling)
+
+
+def _builtins() -> dict[str, Numerics]:
+    """The built-in formats (attribute -> numerics), cheapest-first: the factory's table."""
+    e4, e5 = FP8_E4M3, FP8_E5M2
+    row = Gemm(e4, e4, "row", pow2_scales=True)
+    return {
+        "FP32": _plain_entry("fp32", torch.float32, "fp32"),
+        "BF16": _plain_entry("bf16", torch.bfloat16, "fp32"),
+        "FP16": _plain_entry("fp16", torch.float16, "fp32", loss_scaling=True),
+        # torchao float8's default and Transformer Engine's current scaling: E4M3 forward,
+        # E5M2 gradients, one dynamic scale per tensor
+        "FP8": _fp8_entry("tensorwise", Gemm(e4, e4, "tensor"), Gemm(e5, e4, "tensor"),
+                          Gemm(e4, e5, "tensor"), name="fp8", torchao="tensorwise",
+                          megatron="tensorwise"),
+        # Megatron's blockwise (1x128 / 128x128 tiles) and mxfp8 (1x32 blocks) are other
+        # recipes, and Transformer Engine has no rowwise one
+        "FP8_ROWWISE": _fp8_entry("rowwise", row, row, row, torchao="rowwise"),
+        "FP8_ROWWISE_GW_HP": _fp8_entry("rowwise_with_gw_hp", row, row, _plain(torch.bfloat16),
+                                        torchao="rowwise_with_gw_hp"),
+    }
+
+
+for _attribute, _numerics in _builtins().items():
+    _add(_numerics, _attribute)
+
+# Cheapest-first order used in tables and for tie-breaking: the built-ins.
+FORMAT_ORDER: tuple[Format, ...] = tuple(Format)
+_BUILTIN_PLAIN = tuple(f for f in FORMAT_ORDER if not f.is_fp8)
+# The built-in FP8 formats and their recipes (torchao's names), in FORMAT_ORDER.
+FP8_FORMATS: tuple[Format, ...] = tuple(f for f in FORMAT_ORDER if f.is_fp8)
+FP8_RECIPES: tuple[str, ...] = tuple(f.recipe for f in FP8_FORMATS)
+
+
 def expand_formats(values, *, where: str = "") -> tuple[Format, ...]:
-    """The formats named by ``values``, in FORMAT_ORDER, without repeats; a bare ``fp8``
-    means every FP8 recipe (``fp8:tensorwise`` alone is written so)."""
+    """The formats named by ``values``, in registration order (FORMAT_ORDER first), without
+    repeats; a bare ``fp8`` means every FP8 recipe (``fp8:tensorwise`` alone is written so)."""
     wanted: set[Format] = set()
     for v in values:
         if isinstance(v, str) and v.strip().lower() == "fp8":
-            wanted.update(FP8_FORMATS)
+            wanted.update(f for f in Format if f.is_fp8)
         else:
             wanted.add(Format.parse(v, where=where))
-    return tuple(f for f in FORMAT_ORDER if f in wanted)
-
-
-# torchao's recipe names, in FORMAT_ORDER.
-FP8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-FP8_FORMATS: tuple[Format, ...] = tuple(f for f in FORMAT_ORDER if f.is_fp8)
-
-_AUTOCAST_DTYPE = {
-    Format.FP32: None,
-    Format.BF16: torch.bfloat16,
-    Format.FP16: torch.float16,
-    # Inside an fp8 region everything that is not a routed matmul runs as bf16.
-    **{f: torch.bfloat16 for f in FP8_FORMATS},
-}
-_COMPUTE_DTYPE = {
-    Format.FP32: torch.float32,
-    Format.BF16: torch.bfloat16,
-    Format.FP16: torch.float16,
-    **{f: FP8_E4M3 for f in FP8_FORMATS},
-}
-
-
-def _range(dtype: torch.dtype) -> tuple[float, float, float]:
-    fi = torch.finfo(dtype)
-    # smallest_normal * eps is the smallest subnormal for IEEE-like formats.
-    return float(fi.max), float(fi.smallest_normal), float(fi.smallest_normal * fi.eps)
-
-
-_RANGE = {f: _range(_COMPUTE_DTYPE[f]) for f in Format}
+    return tuple(f for f in Format if f in wanted)
 
 
 class Support(str, enum.Enum):
@@ -196,13 +457,14 @@ class Support(str, enum.Enum):
 
 
 def fp8_is_native(device: torch.device | str, fmt: Format = Format.FP8) -> bool:
-    """True where ``torch._scaled_mm`` has fast FP8 kernels for ``fmt``'s recipe: CUDA compute
-    capability >= 8.9 for per-tensor scales, >= 9.0 for rowwise ones."""
+    """True where ``torch._scaled_mm`` has fast FP8 kernels for every FP8 GEMM of ``fmt``:
+    CUDA compute capability >= 8.9 for per-tensor scales, >= 9.0 for rowwise ones
+    (:attr:`Numerics.cuda_capability`); False for a format without FP8 GEMMs."""
     device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
+    need = fmt.numerics.cuda_capability
+    if need is None or device.type != "cuda" or not torch.cuda.is_available():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    need = (8, 9) if fmt.recipe == "tensorwise" else (9, 0)
     return torch.cuda.get_device_capability(index) >= need
 
 
@@ -213,16 +475,15 @@ def supported_formats(device: torch.device | str = "cpu") -> dict[Format, Suppor
     FP32 there, so FP8 counts as emulated everywhere except CUDA sm_89+ (rowwise: sm_90+).
     """
     device = torch.device(device)
-    out = {Format.FP32: Support.NATIVE, Format.BF16: Support.NATIVE,
-           Format.FP16: Support.NATIVE, **{f: Support.EMULATED for f in FP8_FORMATS}}
+    out = {f: Support.EMULATED if f.is_fp8 else Support.NATIVE for f in Format}
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError(f"Device {device} was requested but CUDA is not available.")
-        if not torch.cuda.is_bf16_supported():
-            out[Format.BF16] = Support.EMULATED
-        for f in FP8_FORMATS:
-            if fp8_is_native(device, f):
+        for f in Format:
+            if f.is_fp8 and fp8_is_native(device, f):
                 out[f] = Support.NATIVE
+            elif f.compute_dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
+                out[f] = Support.EMULATED
     # Elsewhere (CPU and other devices) autocast runs both half formats; whether they are fast
     # is for timing to say.
     return out
