@@ -40,6 +40,9 @@ __all__ = [
     "text_table",
     "ProgressBar",
     "log",
+    "brief",
+    "number",
+    "MAX_INT",
 ]
 
 
@@ -356,6 +359,24 @@ def text_table(header: Sequence[str], rows: Sequence[Sequence[Any]], *,
         out.append(indent + "-" * (len(out[0]) - len(indent)))
     out += [line(r) for r in cells[1:]]
     return "\n".join(out)
+
+
+def brief(value: Any) -> str:
+    """A value for an error message: its type and a short repr."""
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+# Integers beyond this are no count or size anything measures, and overflow a float.
+MAX_INT = 2 ** 63
+
+
+def number(value: Any, what: str) -> float:
+    """``value`` as a float: an int (of a sane size) or float, not a bool."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            (isinstance(value, int) and abs(value) >= MAX_INT):
+        raise ValueError(f"{what} must be a number, got {brief(value)}.")
+    return float(value)
 
 
 def log(msg: str, enabled: bool = True) -> None:

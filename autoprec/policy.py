@@ -41,8 +41,9 @@ import torch
 import yaml
 from torch import nn
 
-from autoprec._util import atomic_write, read_bounded
+from autoprec._util import MAX_INT, atomic_write, brief, number, read_bounded
 from autoprec.formats import FP8_RECIPES, Format
+from autoprec.stats import Interval
 
 __all__ = [
     "Policy",
@@ -95,7 +96,7 @@ class LossScaling:
     def __post_init__(self):
         scale = self.init_scale
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
-                or not 0 < scale < _MAX_INT:
+                or not 0 < scale < MAX_INT:
             raise PolicyError(f"loss_scaling.init_scale must be a positive finite number, "
                               f"got {scale!r}.")
         growth = self.growth_interval
@@ -137,54 +138,6 @@ class Budget:
 
 
 @dataclass(frozen=True)
-class Interval:
-    """A measured ratio with its confidence interval, e.g. a speed-up over FP32."""
-
-    value: float
-    low: float
-    high: float
-    # Timing rounds behind it (0: not measured, e.g. priced by a cost model).
-    rounds: int = 0
-
-    def __str__(self) -> str:
-        if self.rounds == 0 or self.low == self.high:
-            return f"{self.value:.2f}x"
-        return f"{self.value:.2f}x [{self.low:.2f}-{self.high:.2f}]"
-
-    @property
-    def excludes_one(self) -> bool:
-        """The interval lies wholly above or below 1: a difference, not a tie."""
-        return self.low > 1.0 or self.high < 1.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"value": round(self.value, 4), "low": round(self.low, 4),
-                "high": round(self.high, 4), "rounds": int(self.rounds)}
-
-    @classmethod
-    def from_value(cls, value: Any, what: str = "interval") -> Interval | None:
-        """From a file: a mapping as to_dict writes it (``value``, optional ``low``, ``high``,
-        ``rounds``), or a bare number (older files). Anything else is a ValueError naming
-        ``what``."""
-        if value is None:
-            return None
-        if not isinstance(value, Mapping):
-            v = _number(value, what)
-            return cls(v, v, v, 0)
-        unknown = [k for k in value if k not in ("value", "low", "high", "rounds")]
-        if unknown or "value" not in value:
-            raise ValueError(f"{what} must be a number or a mapping with `value` (and optional "
-                             f"low, high, rounds), got {_brief(value)}.")
-        v = _number(value["value"], f"{what}.value")
-        bounds = [v if value.get(k) is None else _number(value[k], f"{what}.{k}")
-                  for k in ("low", "high")]
-        rounds = value.get("rounds", 0)
-        if isinstance(rounds, bool) or not isinstance(rounds, int) or not 0 <= rounds < 2 ** 31:
-            raise ValueError(f"{what}.rounds must be a non-negative integer, got "
-                             f"{_brief(rounds)}.")
-        return cls(v, bounds[0], bounds[1], rounds)
-
-
-@dataclass(frozen=True)
 class Provenance:
     """Where a tuned policy came from (the policy file's ``tuned:``), as typed data. Every
     field is optional: a hand-written or older policy has fewer."""
@@ -211,14 +164,14 @@ class Provenance:
         The rest is kept in ``extra`` as plain values; :func:`check_provenance` checks the
         parts of it that tune writes, as loading a policy file does."""
         if not isinstance(data, Mapping):
-            raise _tuned_error("`tuned` must be a mapping, got " + _brief(data), "", where)
+            raise _tuned_error("`tuned` must be a mapping, got " + brief(data), "", where)
         data = {k: _plain(v) for k, v in data.items()}
         try:
             strings = {}
             for key in ("device", "torch", "task"):
                 value = data.pop(key, None)
                 if value is not None and not isinstance(value, str):
-                    raise _Bad(key, f"`tuned.{key}` must be text, got {_brief(value)}")
+                    raise _Bad(key, f"`tuned.{key}` must be text, got {brief(value)}")
                 strings[key] = value
             budget_key = "budget" if data.get("budget") is not None else "objective"
             budget = data.pop("budget", None) or data.pop("objective", None)
@@ -227,7 +180,7 @@ class Provenance:
                 budget = _budget(budget, budget_key)
             metrics = data.pop("metrics", None)
             if metrics is not None and not isinstance(metrics, Mapping):
-                raise _Bad("metrics", f"`tuned.metrics` must be a mapping, got {_brief(metrics)}")
+                raise _Bad("metrics", f"`tuned.metrics` must be a mapping, got {brief(metrics)}")
             metrics = dict(metrics or {})
             found: dict[str, tuple[str, Any]] = {}
             for key in ("speedup_vs_fp32", "loss_increase", "grad_error"):
@@ -244,7 +197,7 @@ class Provenance:
                     if key == "speedup_vs_fp32":
                         speedup = Interval.from_value(value, f"tuned.{name}")
                     else:
-                        numbers[key] = _number(value, f"tuned.{name}")
+                        numbers[key] = number(value, f"tuned.{name}")
                 except ValueError as e:
                     raise _Bad(name, str(e)) from None
             verdict = data.pop("verdict", None) or ()
@@ -253,7 +206,7 @@ class Provenance:
             if not isinstance(verdict, (list, tuple)) or \
                     not all(isinstance(v, str) for v in verdict):
                 raise _Bad("verdict", "`tuned.verdict` must be a list of sentences (text), got "
-                                      + _brief(verdict))
+                                      + brief(verdict))
         except _Bad as e:
             raise _tuned_error(e.message, e.key, where) from None
         return cls(device=strings["device"], torch=strings["torch"], task=strings["task"],
@@ -292,29 +245,11 @@ def _tuned_error(message: str, key: str, where: Callable[[str], str] | None) -> 
                        "(`tuned:` is the provenance tune writes; nothing trains by it).")
 
 
-def _brief(value: Any) -> str:
-    """A value for an error message: its type and a short repr."""
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
-
-
-# Integers beyond this are no count or size anything measures, and overflow a float.
-_MAX_INT = 2 ** 63
-
-
-def _number(value: Any, what: str) -> float:
-    """``value`` as a float: an int (of a sane size) or float, not a bool."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            (isinstance(value, int) and abs(value) >= _MAX_INT):
-        raise ValueError(f"{what} must be a number, got {_brief(value)}.")
-    return float(value)
-
-
 def _budget(value: Any, key: str) -> Budget:
     name = f"tuned.{key}"
     if not isinstance(value, Mapping):
         raise _Bad(key, f"`{name}` must be a mapping with max_loss_increase and "
-                         f"max_grad_error, got {_brief(value)}")
+                         f"max_grad_error, got {brief(value)}")
     known = [f.name for f in dataclasses.fields(Budget)]
     unknown = [k for k in value if k not in known]
     if unknown:
@@ -350,7 +285,7 @@ def _fits(value: Any, kind: str) -> bool:
     if kind == _BOOL:
         return isinstance(value, bool)
     if kind == _INT:
-        return isinstance(value, int) and not isinstance(value, bool) and abs(value) < _MAX_INT
+        return isinstance(value, int) and not isinstance(value, bool) and abs(value) < MAX_INT
     if kind == _NUM:
         return _fits(value, _INT) or isinstance(value, float)
     if kind == "drift":
@@ -379,7 +314,7 @@ def check_provenance(tuned: Mapping[str, Any],
                     raise _Bad(key, str(e)) from None
             elif schema is not None:
                 if not isinstance(value, Mapping):
-                    raise _Bad(key, f"`{name}` must be a mapping, got {_brief(value)}")
+                    raise _Bad(key, f"`{name}` must be a mapping, got {brief(value)}")
                 for field_, item in value.items():
                     kind = schema.get(field_, schema.get("*"))
                     if item is None or kind is None and _shallow(item, _EXTRA_DEPTH - 1):
@@ -387,15 +322,15 @@ def check_provenance(tuned: Mapping[str, Any],
                     if kind is None or not _fits(item, kind):
                         raise _Bad(key, f"`{name}.{field_}` must be "
                                         f"{_descriptions.get(kind, 'plain data')}, got "
-                                        f"{_brief(item)}")
+                                        f"{brief(item)}")
             elif key == "guard" and not (isinstance(value, list)
                                          and all(isinstance(e, Mapping) for e in value)):
                 raise _Bad(key, f"`{name}` must be a list of the guard's demotions (mappings), "
-                                f"got {_brief(value)}")
+                                f"got {brief(value)}")
             if not _shallow(value, _EXTRA_DEPTH):
                 raise _Bad(key, f"`{name}` must be plain values (text, numbers, true/false) "
                                 f"in lists or mappings at most {_EXTRA_DEPTH} deep, got "
-                                f"{_brief(value)}")
+                                f"{brief(value)}")
     except _Bad as e:
         raise _tuned_error(e.message, e.key, where) from None
     return prov
@@ -409,7 +344,7 @@ def _shallow(value: Any, depth: int) -> bool:
         return depth > 0 and all(_shallow(k, 0) and _shallow(v, depth - 1)
                                  for k, v in value.items())
     if isinstance(value, int) and not isinstance(value, bool):
-        return abs(value) < _MAX_INT
+        return abs(value) < MAX_INT
     return value is None or isinstance(value, (str, float, bool))
 
 
