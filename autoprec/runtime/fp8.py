@@ -1,6 +1,11 @@
 """FP8 matmul with an explicit backward: real ``torch._scaled_mm`` on CUDA sm_89+, exact emulation elsewhere.
 
-Three recipes, with torchao's names (``Float8LinearConfig.from_recipe_name``):
+The kernels read a format's :class:`~autoprec.formats.Numerics` (what each GEMM's operands are
+cast to and how they are scaled); :func:`check_kernels` says which numerics they compute. Two
+kernels: per-tensor scales on all three GEMMs, any FP8 dtype per operand (the quantized
+forward operands are saved and reused by dgrad and wgrad, the gradient quantized once), and
+per-row power-of-two scales in E4M3 with the weight-gradient GEMM in FP8 or BF16. The built-in
+recipes, with torchao's names (``Float8LinearConfig.from_recipe_name``):
 
 ``rowwise``: every operand, gradients included, in E4M3 with one scale per row along the
 contracted dimension (so each GEMM of forward, dgrad and wgrad re-quantizes its operands along
@@ -34,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from autoprec.formats import FP8_E4M3, FP8_E5M2, Format, fp8_is_native
+from autoprec.formats import FP8_E4M3, Format, Gemm, Numerics, fp8_is_native
 from autoprec.runtime.calls import fp8_shape_supported, product_of
 
 __all__ = [
@@ -44,6 +49,7 @@ __all__ = [
     "rowwise_scale",
     "quantize",
     "dequantize",
+    "check_kernels",
 ]
 
 # Lower bound on amax: an all-zero tensor would otherwise give an infinite scale
@@ -132,14 +138,15 @@ def _input_grads(ctx, grad_out: torch.Tensor, grad_a, grad_b) -> tuple:
 
 
 class _FP8Matmul(torch.autograd.Function):
-    """``a @ b (+ bias)`` with FP8 operands; see the module docstring for the recipe."""
+    """``a @ b (+ bias)`` with per-tensor scaled FP8 operands: ``a`` in ``a_dtype``, ``b`` in
+    ``b_dtype``, the incoming gradient in ``grad_dtype`` (tensorwise: E4M3, E4M3, E5M2)."""
 
     @staticmethod
-    def forward(ctx, a, b, bias, native):
+    def forward(ctx, a, b, bias, native, a_dtype, b_dtype, grad_dtype):
         device_type = a.device.type
         with torch.autocast(device_type, enabled=False):
-            sa, sb = tensorwise_scale(a, FP8_E4M3), tensorwise_scale(b, FP8_E4M3)
-            qa, qb = quantize(a, sa, FP8_E4M3), quantize(b, sb, FP8_E4M3)
+            sa, sb = tensorwise_scale(a, a_dtype), tensorwise_scale(b, b_dtype)
+            qa, qb = quantize(a, sa, a_dtype), quantize(b, sb, b_dtype)
             if b.dim() > 2:
                 batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
                 qa_b = qa.expand(*batch, *qa.shape[-2:])
@@ -151,7 +158,7 @@ class _FP8Matmul(torch.autograd.Function):
                 out = out + bias.to(torch.float32)
             out = out.to(torch.bfloat16)
         ctx.save_for_backward(qa, sa, qb, sb)
-        ctx.native = native
+        ctx.native, ctx.grad_dtype = native, grad_dtype
         ctx.shapes = (a.shape, b.shape, None if bias is None else bias.shape)
         ctx.dtypes = (a.dtype, b.dtype, None if bias is None else bias.dtype)
         return out
@@ -162,8 +169,8 @@ class _FP8Matmul(torch.autograd.Function):
         a_shape, b_shape, _ = ctx.shapes
         grad_a = grad_b = None
         with torch.autocast(grad_out.device.type, enabled=False):
-            sg = tensorwise_scale(grad_out, FP8_E5M2)
-            qg = quantize(grad_out, sg, FP8_E5M2)
+            sg = tensorwise_scale(grad_out, ctx.grad_dtype)
+            qg = quantize(grad_out, sg, ctx.grad_dtype)
             if len(b_shape) == 2:
                 g2 = qg.reshape(-1, qg.shape[-1])
                 a2 = qa.reshape(-1, qa.shape[-1])
@@ -182,7 +189,7 @@ class _FP8Matmul(torch.autograd.Function):
                 if ctx.needs_input_grad[1]:
                     grad_b = _mm(qa_b.transpose(-1, -2), sa, qg, sg, native=ctx.native,
                                  out_dtype=torch.float32).sum_to_size(b_shape)
-        return (*_input_grads(ctx, grad_out, grad_a, grad_b), None)
+        return (*_input_grads(ctx, grad_out, grad_a, grad_b), None, None, None, None)
 
 
 class _FP8RowwiseMatmul(torch.autograd.Function):
@@ -256,10 +263,29 @@ def _bf16_matmul(a, b, bias):
         return out
 
 
+def check_kernels(numerics: Numerics) -> None:
+    """A ValueError unless this module's kernels compute ``numerics`` (see the module
+    docstring); :func:`autoprec.formats.register` calls it for every new FP8 format."""
+    fwd, dgrad, wgrad = numerics.fwd, numerics.dgrad, numerics.wgrad
+    if numerics.scaling == "tensor":
+        ok = (all(g.scaling == "tensor" and not g.pow2_scales for g in (fwd, dgrad, wgrad))
+              and dgrad.b == fwd.b and wgrad.a == fwd.a and dgrad.a == wgrad.b)
+    else:
+        row = Gemm(FP8_E4M3, FP8_E4M3, "row", pow2_scales=True)
+        ok = fwd == row and dgrad == row and wgrad in (row, Gemm(torch.bfloat16, torch.bfloat16))
+    if not ok:
+        raise ValueError(
+            f"autoprec's FP8 kernels do not compute {numerics.label}: they take per-tensor scales "
+            "on all three GEMMs (the forward operands reused by dgrad and wgrad, one dtype for "
+            "the gradient), or power-of-two row scales in E4M3 with the weight gradient in E4M3 "
+            "or BF16. Add a kernel in autoprec/runtime/fp8.py for these numerics.")
+
+
 def fp8_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
                native: bool | None = None, recipe: str = "tensorwise") -> torch.Tensor:
     """``a @ b + bias`` (``torch.matmul`` broadcasting, both operands at least 2-D) in FP8
-    with ``recipe`` (tensorwise, rowwise, rowwise_with_gw_hp; see the module docstring).
+    with ``recipe`` (tensorwise, rowwise, rowwise_with_gw_hp or a registered one; see the
+    module docstring).
 
     ``native=None`` picks ``torch._scaled_mm`` where the device has kernels for the recipe and
     the emulation elsewhere; ``native=True`` forces the kernel (on CPU it runs, slowly: useful
@@ -275,9 +301,10 @@ def fp8_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = Non
         return _bf16_matmul(a, b, bias)
     if native is None:
         native = fp8_is_native(a.device, fmt)
-    if fmt.recipe == "tensorwise":
-        return _FP8Matmul.apply(a, b, bias, native)
-    return _FP8RowwiseMatmul.apply(a, b, bias, native, fmt.recipe == "rowwise_with_gw_hp")
+    num = fmt.numerics
+    if num.saves_quantized:
+        return _FP8Matmul.apply(a, b, bias, native, num.fwd.a, num.fwd.b, num.dgrad.a)
+    return _FP8RowwiseMatmul.apply(a, b, bias, native, not num.wgrad.is_fp8)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
