@@ -42,7 +42,7 @@ import yaml
 from torch import nn
 
 from autoprec._util import MAX_INT, atomic_write, brief, number, read_bounded
-from autoprec.formats import FP8_RECIPES, Format
+from autoprec.formats import Format, fp8_recipes
 from autoprec.stats import Interval
 
 __all__ = [
@@ -461,9 +461,9 @@ class Policy:
     lines: Mapping[str, int] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
-        if self.fp8_recipe not in FP8_RECIPES:
+        if self.fp8_recipe not in fp8_recipes():
             raise PolicyError(f"Unknown fp8 recipe {self.fp8_recipe!r}{self._where('fp8')}; "
-                              f"expected one of {', '.join(FP8_RECIPES)}.")
+                              f"expected one of {', '.join(fp8_recipes())}.")
         if self.fp8_engine not in FP8_ENGINES:
             raise PolicyError(f"Unknown fp8 engine {self.fp8_engine!r}{self._where('fp8')}; "
                               f"expected one of {', '.join(FP8_ENGINES)}.")
@@ -601,13 +601,17 @@ class Policy:
         ``convert_to_float8_training(module_filter_fn=..., config=Float8LinearConfig
         .from_recipe_name(recipe))``): the layers ``apply`` gives torchao. A Linear whose
         in/out features are not multiples of 16 is left out: the FP8 kernel cannot take it
-        (torchao's own auto filter skips it too), so it runs in bf16."""
+        (torchao's own auto filter skips it too), so it runs in bf16; so is a recipe torchao
+        has no name for (:func:`autoprec.runtime.engines.torchao_takes`, the one rule)."""
+        from autoprec.runtime.engines import torchao_takes
+
         def keep(module: nn.Module, fqn: str) -> bool:
-            if not isinstance(module, nn.Linear) or module.in_features % 16 or \
-                    module.out_features % 16:
+            if not isinstance(module, nn.Linear):
                 return False
             fmt = self.format_for(fqn)
-            return fmt.is_fp8 and (recipe is None or fmt.recipe == recipe)
+            return torchao_takes(fmt, linear=True, in_features=module.in_features,
+                                 out_features=module.out_features) and \
+                (recipe is None or fmt.numerics.torchao_recipe == recipe)
         return keep
 
     def with_layers(self, updates: Mapping[str, Format | str], **changes) -> Policy:

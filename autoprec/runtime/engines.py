@@ -35,8 +35,8 @@ from torch import nn
 from autoprec.formats import Format, Support, supported_formats
 from autoprec.runtime.calls import KERNEL_MULTIPLE
 
-__all__ = ["Swap", "torchao_available", "engine_for", "swap_to_torchao", "restore",
-           "keeping_sharded_swaps"]
+__all__ = ["Swap", "torchao_available", "torchao_takes", "torchao_runs", "engine_for",
+           "swap_to_torchao", "restore", "keeping_sharded_swaps"]
 
 # Inside keeping_sharded_swaps(): id(Float8Linear) -> its Swap, for the swaps restore() left in
 # place because the model was sharded since (None outside: restore refuses those).
@@ -79,20 +79,45 @@ def _quiet():
             logging.getLogger(name).setLevel(level)
 
 
+def torchao_takes(fmt: Format, *, linear: bool, in_features: int, out_features: int) -> bool:
+    """The one rule of which layers torchao's float8 training computes: an ``nn.Linear``
+    (``linear``) in an FP8 format torchao has a recipe for (``Numerics.torchao_recipe``) whose
+    in and out features are multiples of 16. The FP8 kernel cannot take other widths; torchao's
+    own filter skips them too, and autoprec runs them in bf16. Whether torchao *does* run the
+    layer also depends on the policy's engine and the machine: :func:`torchao_runs`,
+    :func:`engine_for`."""
+    return (linear and fmt.numerics.torchao_recipe is not None
+            and not in_features % KERNEL_MULTIPLE and not out_features % KERNEL_MULTIPLE)
+
+
+def torchao_runs(fmt: Format, *, linear: bool, in_features: int, out_features: int,
+                 engine: str) -> bool:
+    """Whether ``apply`` gives such a layer (not yet sharded) to torchao: it takes it
+    (:func:`torchao_takes`), the policy's engine is not "autoprec" and torchao imports here.
+    What :func:`engine_for` decides for a module, for a layer known by its shape (the memory
+    model's captured layers)."""
+    return (torchao_takes(fmt, linear=linear, in_features=in_features, out_features=out_features)
+            and engine != "autoprec" and torchao_available())
+
+
+def _takes(module: nn.Module, fmt: Format) -> bool:
+    linear = isinstance(module, nn.Linear)
+    return torchao_takes(fmt, linear=linear, in_features=module.in_features if linear else 0,
+                         out_features=module.out_features if linear else 0)
+
+
 def engine_for(module: nn.Module, fmt: Format, engine: str) -> str:
     """The engine that runs ``module`` in ``fmt``: "torchao" for an ``nn.Linear`` in fp8 when
-    the policy's engine allows it and torchao is installed, else "autoprec". A Linear whose
-    K or N is not a multiple of 16 stays on autoprec's engine, which runs it in bf16 (the
-    kernel cannot take it; torchao's own filter skips it on the same rule). Asking for
+    the policy's engine allows it, torchao is installed and takes it (:func:`torchao_takes`),
+    else "autoprec" (a Linear whose K or N is not a multiple of 16 runs in bf16 there, a
+    recipe torchao has no name for in autoprec's FP8 kernel). Asking for
     "torchao" where it is not installed is an error that says how to get it."""
     kept = (_KEPT.get() or {}).get(id(module))
     if kept is not None:
         # a Float8Linear kept in place (sharded since its swap): it goes on computing its FP8
         # recipe only in that recipe; any other format runs it as nn.Linear (swap_to_torchao)
         return "torchao" if fmt is kept.format and engine != "autoprec" else "autoprec"
-    if not fmt.is_fp8 or not isinstance(module, nn.Linear) or engine == "autoprec":
-        return "autoprec"
-    if module.in_features % KERNEL_MULTIPLE or module.out_features % KERNEL_MULTIPLE:
+    if engine == "autoprec" or not _takes(module, fmt):
         return "autoprec"
     if _sharded(module):
         # FSDP2 keeps a reference to the module that owns each sharded parameter and
@@ -159,7 +184,7 @@ def swap_to_torchao(model: nn.Module, targets: dict[str, Format]) -> list[Swap]:
         device = next((p.device for p in modules[next(iter(names))].parameters()), None)
         native = device is not None and device.type != "meta" and \
             supported_formats(device)[fmt] is Support.NATIVE
-        config = Float8LinearConfig.from_recipe_name(fmt.recipe)
+        config = Float8LinearConfig.from_recipe_name(fmt.numerics.torchao_recipe)
         if not native:
             config = dataclasses.replace(config, emulate=True)
         before = {fqn: modules[fqn] for fqn in names}
