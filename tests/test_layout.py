@@ -64,15 +64,123 @@ def test_no_import_cycle_inside_the_package():
             visit(m, [m])
 
 
-def test_no_function_over_80_lines():
-    long = []
+def _functions():
+    """(module, function node) of every function and method in the package."""
     for name, path in _modules().items():
         for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                lines = node.end_lineno - node.lineno + 1
-                if lines > 80:
-                    long.append(f"{name}.{node.name}: {lines} lines")
+                yield name, node
+
+
+def test_no_function_over_60_lines():
+    long = [f"{m}.{f.name}: {f.end_lineno - f.lineno + 1} lines" for m, f in _functions()
+            if f.end_lineno - f.lineno + 1 > 60]
     assert not long, long
+
+
+def _parameters(f: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    a = f.args
+    names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+    names += [x.arg for x in (a.vararg, a.kwarg) if x is not None]
+    return names[1:] if names[:1] in (["self"], ["cls"]) else names
+
+
+def test_no_function_over_8_parameters():
+    # more than 8 means a config or context object is missing (TuneConfig, a measurement plan)
+    wide = [f"{m}.{f.name}: {len(_parameters(f))} parameters" for m, f in _functions()
+            if len(_parameters(f)) > 8]
+    assert not wide, wide
+
+
+def _private_definitions(tree: ast.Module) -> set[str]:
+    """Single-underscore names a module defines: module-level and class-level functions,
+    classes and assignments, and attributes assigned on ``self``/``cls``."""
+    names = set()
+
+    def target_names(t):
+        if isinstance(t, ast.Name):
+            yield t.id
+        elif isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) \
+                and t.value.id in ("self", "cls"):
+            yield t.attr
+        elif isinstance(t, (ast.Tuple, ast.List)):
+            for e in t.elts:
+                yield from target_names(e)
+
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names.update(target_names(t))
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) in (
+                "object.__setattr__", "setattr") and len(node.args) > 1 \
+                and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+            names.add(node.args[1].value)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def _private_uses(trees: dict[str, ast.Module], packaged: set[str]) -> list[str]:
+    """Where a module reads or writes a _private name that only another module defines."""
+    defined = {m: _private_definitions(t) for m, t in trees.items()}
+    found = []
+    for m, tree in trees.items():
+        elsewhere = set().union(*(d for other, d in defined.items() if other != m)) - defined[m]
+        # os._exit, torch._dynamo, nn.modules.conv._ConvNd: other libraries' names, not ours
+        external = {(a.asname or a.name).split(".")[0] for node in ast.walk(tree)
+                    if isinstance(node, (ast.Import, ast.ImportFrom)) for a in node.names
+                    if not (isinstance(node, ast.ImportFrom) and (node.level or (
+                        node.module or "").startswith("autoprec")))
+                    and not (isinstance(node, ast.Import) and a.name.startswith("autoprec"))}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith(
+                    "autoprec")):
+                found += [f"{m}:{node.lineno} imports {a.name} from {node.module}"
+                          for a in node.names if a.name.startswith("_")
+                          and not a.name.startswith("__") and a.name not in packaged]
+            elif isinstance(node, ast.Attribute) and node.attr in elsewhere and not (
+                    isinstance(node.value, ast.Name)
+                    and node.value.id in ({"self", "cls"} | external)):
+                found.append(f"{m}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_the_private_name_check_finds_reads_writes_and_imports():
+    owner = ast.parse("class Guard:\n    def __init__(self):\n        self._suspects = set()\n"
+                      "def _blame(x):\n    return x\n")
+    part = ast.parse("import os\nfrom autoprec.runtime.guard import _blame\n"
+                     "class Watch:\n    def hook(self):\n        self.guard._suspects.add(1)\n"
+                     "        self._mine = os._exit\n        return self._mine\n")
+    found = _private_uses({"a.guard": owner, "a.watch": part}, set())
+    assert found == ["a.watch:2 imports _blame from autoprec.runtime.guard",
+                     "a.watch:5 self.guard._suspects"], found
+
+
+def test_no_module_reads_another_modules_private_names():
+    # A part that reads or writes another's _private state is one class split over two files;
+    # same-module access (a class and its helpers) is the module's own business. Modules named
+    # with an underscore (autoprec._util) are the package's shared internals, importable.
+    modules = _modules()
+    trees = {m: ast.parse(open(p, encoding="utf-8").read()) for m, p in modules.items()}
+    found = _private_uses(trees, {m.rsplit(".", 1)[-1] for m in modules})
+    assert not found, "private names used across modules:\n" + "\n".join(found)
+
+
+def test_the_default_error_budget_is_defined_once():
+    # One constant (autoprec.policy.DEFAULT_MAX_LOSS_INCREASE); every default budget reads it
+    from autoprec.policy import DEFAULT_MAX_LOSS_INCREASE, Budget
+
+    assert Budget().max_loss_increase == DEFAULT_MAX_LOSS_INCREASE
+    literals = []
+    for name, path in _modules().items():
+        tree = ast.parse(open(path, encoding="utf-8").read())
+        allowed = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                   and [ast.unparse(t) for t in n.targets] == ["DEFAULT_MAX_LOSS_INCREASE"]}
+        literals += [f"{name}:{n.lineno}" for n in ast.walk(tree)
+                     if isinstance(n, ast.Constant) and type(n.value) is float
+                     and n.value == DEFAULT_MAX_LOSS_INCREASE and id(n) not in allowed]
+    assert not literals, (f"the literal {DEFAULT_MAX_LOSS_INCREASE} outside autoprec.policy."
+                          f"DEFAULT_MAX_LOSS_INCREASE (use the constant): {literals}")
 
 
 def test_applying_a_policy_loads_no_tuning_library():
