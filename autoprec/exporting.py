@@ -589,7 +589,7 @@ def load_name_map(path: str | os.PathLike) -> dict[str, str | None]:
         if len(key) > MAX_NAME_MAP_PATTERN or len(value or "") > MAX_NAME_MAP_PATTERN:
             raise ExportError(f"Name map {path}: the entry {key[:60]!r}... is longer than "
                               f"{MAX_NAME_MAP_PATTERN} characters; module names are far shorter.")
-    _rules(data)  # a bad regex is an error now, naming the key
+    _rules(data)  # compiles every pattern: a bad regex is a one-line error naming its key
     return dict(data)
 
 

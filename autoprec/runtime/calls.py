@@ -78,8 +78,8 @@ Shape = Sequence[int]
 
 
 def _prod(xs) -> int:
-    # a list, not a generator: torch.compile cannot trace a generator passed to a builtin and
-    # broke the graph at every fp8 matmul
+    # a list, not a generator: torch.compile cannot trace a generator passed to a builtin, and
+    # this runs at every fp8 matmul (a graph break each)
     return math.prod([int(x) for x in xs])
 
 

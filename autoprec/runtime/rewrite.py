@@ -8,9 +8,9 @@ master weights, names, ``state_dict``, hooks and optimizer state are untouched, 
 
 Before::                              After::
 
-    model.forward(x)                      model.forward = _Region(orig, bf16)
+    model.forward(x)                      model.forward = Region(orig, bf16)
       lm_head.forward(h)                    with autocast(bf16): orig(x)
-                                              lm_head.forward = _Region(orig, fp32)
+                                              lm_head.forward = Region(orig, fp32)
                                                 with autocast(off): orig(h.float())
 
 What a region does, by format:
@@ -295,8 +295,9 @@ class Region:
         # The format travels in a mode where the router has to see the calls anyway (an fp8
         # region, a region inside one) and under torch.compile (traced away: free at run
         # time; dynamo refuses the list push inside a checkpointed block, a graph break).
-        # Elsewhere a mode would cost a Python call per op in eager mode (an all-bf16 tiny GPT-2
-        # step 1.19x): the per-thread stack carries it, always outside every format mode.
+        # Elsewhere a mode would cost a Python call per op in eager mode (a measurable share of
+        # a small model's step): the per-thread stack carries it, always outside every format
+        # mode.
         compiling = torch.compiler.is_compiling()
         in_mode = routes or found is not None or compiling
         if in_mode:
