@@ -15,6 +15,13 @@ without edges every layer pays its own casts in and out (an upper bound, and wha
 per-layer table shows).
 
 A format a device only emulates is priced as its emulation and never below fp32 or bf16.
+
+Everything about a format comes from its :class:`~autoprec.formats.Numerics`: each GEMM is
+priced at the rate and operand width of what it runs in (an FP8 GEMM at the format's rate, a
+high-precision one at its dtype's), the casts by the FP8 GEMMs' scaling, the edges by the
+dtype activations leave in. A device rates and runs a format it does not name as it does a
+named one of the same kernels (:func:`kernel_class`): a new FP8 recipe with per-tensor scales
+is what a device says of tensorwise.
 """
 
 from __future__ import annotations
@@ -26,12 +33,40 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from autoprec.formats import FP8_FORMATS, Format, Support
+import torch
+
+from autoprec.formats import FP8_FORMATS, Format, Numerics, Support
 from autoprec.measure.timing import MODEL_PREFIX, LayerTime
 from autoprec.runtime.calls import fp8_shape_supported
 
 __all__ = ["DeviceSpec", "DEVICES", "estimate_layer", "estimate_layers", "estimate_step",
-           "linear_seconds", "resolve_target"]
+           "linear_seconds", "resolve_target", "kernel_class", "output_elements",
+           "produced_elements"]
+
+
+def kernel_class(fmt: Format) -> tuple[torch.dtype, tuple[int, int] | None]:
+    """What a device's matmul rate and support for ``fmt`` depend on: the dtype of its
+    forward operands and the CUDA capability its FP8 GEMMs need (None: no FP8 GEMMs)."""
+    return fmt.numerics.fwd.a, fmt.numerics.cuda_capability
+
+
+class _PerFormat(dict):
+    """A DeviceSpec's per-format table: a format it does not name reads the entry of a named
+    format of the same :func:`kernel_class`, so a registered format needs no device edits."""
+
+    def __missing__(self, fmt):
+        if isinstance(fmt, Format):
+            for named, value in list(self.items()):
+                if kernel_class(named) == kernel_class(fmt):
+                    return value
+        raise KeyError(fmt)
+
+    def has(self, fmt: Format) -> bool:
+        try:
+            self[fmt]
+        except KeyError:
+            return False
+        return True
 
 
 @dataclass(frozen=True)
@@ -55,13 +90,13 @@ class DeviceSpec:
     launch_s: float = 3e-6
 
     def __post_init__(self):
-        flops = {Format.parse(k, where=f"in DeviceSpec {self.name!r}"): float(v)
-                 for k, v in dict(self.matmul_flops).items()}
-        support = {Format.parse(k, where=f"in DeviceSpec {self.name!r}"): Support(v)
-                   for k, v in dict(self.support).items()}
+        flops = _PerFormat({Format.parse(k, where=f"in DeviceSpec {self.name!r}"): float(v)
+                            for k, v in dict(self.matmul_flops).items()})
+        support = _PerFormat({Format.parse(k, where=f"in DeviceSpec {self.name!r}"): Support(v)
+                              for k, v in dict(self.support).items()})
         object.__setattr__(self, "matmul_flops", flops)
         object.__setattr__(self, "support", support)
-        missing = [f.value for f in Format if f not in support]
+        missing = [f.value for f in Format if not support.has(f)]
         if missing:
             raise ValueError(f"DeviceSpec {self.name!r} does not say how it runs "
                              f"{', '.join(missing)}; give support for every format "
@@ -151,15 +186,6 @@ DEVICES["h200"] = dataclasses.replace(DEVICES["h100"], name="NVIDIA H200 SXM 141
                                       bandwidth=4.8e12)
 DEVICES = {k: DEVICES[k] for k in ("h100", "h200", "a100", "cpu-amx")}  # in this order
 
-# Bytes per element of a matmul operand and of its output, per (natively run) format.
-_OPERAND_BYTES = {Format.FP32: 4, Format.BF16: 2, Format.FP16: 2,
-                  **{f: 1 for f in FP8_FORMATS}}
-_OUTPUT_BYTES = {Format.FP32: 4, Format.BF16: 2, Format.FP16: 2,
-                 **{f: 2 for f in FP8_FORMATS}}  # fp8 -> bf16
-# The dtype activations leave a layer in, per format (fp8 layers output bf16).
-_ACTIVATION = {Format.FP32: "fp32", Format.BF16: "bf16", Format.FP16: "fp16",
-               **{f: "bf16" for f in FP8_FORMATS}}
-_ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _FP32 = 4
 
 
@@ -193,43 +219,56 @@ def _gemm(m: int, k: int, n: int, in_bytes: int, out_bytes: int, flops: float,
 
 
 def _gemms(b: int, m: int, k: int, n: int, fmt: Format, spec: DeviceSpec) -> float:
-    """Forward (M,K,N), dgrad (M,N,K) and wgrad (K,M,N) of one product in a native format. In
-    fp8 the wgrad of rowwise_with_gw_hp runs in BF16, and a batched product runs one
-    ``_scaled_mm`` per matrix (it takes 2-D operands only)."""
-    run = {g: fmt for g in ("fwd", "dgrad", "wgrad")}
-    if fmt.recipe == "rowwise_with_gw_hp":
-        run["wgrad"] = Format.BF16
+    """Forward (M,K,N), dgrad (M,N,K) and wgrad (K,M,N) of one product in a native format,
+    each as its Gemm says: an FP8 GEMM at the format's rate, a high-precision one (the wgrad of
+    rowwise_with_gw_hp) at its dtype's; a batched FP8 product runs one ``_scaled_mm`` per
+    matrix (it takes 2-D operands only)."""
     shapes = {"fwd": (m, k, n), "dgrad": (m, n, k), "wgrad": (k, m, n)}
     total = 0.0
-    for gemm, (x, y, z) in shapes.items():
-        f = run[gemm]
-        in_b, out_b = _OPERAND_BYTES[f], _OUTPUT_BYTES[f]
-        if f.is_fp8 and b > 1:  # one _scaled_mm per matrix
-            total += b * _gemm(x, y, z, in_b, out_b, spec.matmul_flops[f], spec)
+    for name, gemm in fmt.numerics.gemms.items():
+        x, y, z = shapes[name]
+        run = fmt if gemm.is_fp8 else Format.of_dtype(gemm.a)
+        in_b, out_b = gemm.operand_bytes, run.output_dtype.itemsize
+        if gemm.is_fp8 and b > 1:  # one _scaled_mm per matrix
+            total += b * _gemm(x, y, z, in_b, out_b, spec.matmul_flops[run], spec)
         else:  # one batched kernel
-            total += _gemm(x, y, z, in_b, out_b, spec.matmul_flops[f], spec, batch=b)
+            total += _gemm(x, y, z, in_b, out_b, spec.matmul_flops[run], spec, batch=b)
     return total
 
 
-# Bytes each cast kernel moves per element of a tensor, per FP8 recipe and role of the tensor
-# in the linear layer, from torchao's roofline (torchao/testing/training/roofline_utils.py,
-# get_tensor_memory_traffic_ovhd_s, no fusion with the previous op): reads in BF16, writes in
-# FP8 (a tensorwise amax reduction reads once more; rowwise needs a transposed BF16 copy).
+# Bytes each cast kernel moves per element of a tensor, per cast scheme (the FP8 GEMMs'
+# scaling, and which GEMMs stay in high precision) and role of the tensor in the linear layer,
+# from torchao's roofline (torchao/testing/training/roofline_utils.py,
+# get_tensor_memory_traffic_ovhd_s, no fusion with the previous op; its tensorwise, rowwise and
+# rowwise_with_gw_hp): reads in BF16, writes in FP8 (a per-tensor amax reduction reads once
+# more; row scales need a transposed BF16 copy, except for a tensor only the forward or only
+# the dgrad quantizes, as when the wgrad stays in BF16).
 _BF, _F8 = 2, 1
 _CAST_KERNELS = {
-    ("tensorwise", "weight"): (_BF, 0, _BF + _F8, _BF + _F8),
-    ("tensorwise", "input"): (_BF, 0, _BF + 2 * _F8),
-    ("tensorwise", "grad_output"): (_BF, 0, _BF + 2 * _F8),
-    ("rowwise", "weight"): (_BF + _F8, 2 * _BF, _BF + _F8),
-    ("rowwise", "input"): (2 * _BF + _F8, _BF + _F8),
-    ("rowwise", "grad_output"): (2 * _BF + _F8, _BF + _F8),
-    ("rowwise_with_gw_hp", "weight"): (_BF + _F8, 0, _BF + _F8),
-    ("rowwise_with_gw_hp", "input"): (_BF + _F8,),
-    ("rowwise_with_gw_hp", "grad_output"): (_BF + _F8,),
+    (("tensor", ()), "weight"): (_BF, 0, _BF + _F8, _BF + _F8),
+    (("tensor", ()), "input"): (_BF, 0, _BF + 2 * _F8),
+    (("tensor", ()), "grad_output"): (_BF, 0, _BF + 2 * _F8),
+    (("row", ()), "weight"): (_BF + _F8, 2 * _BF, _BF + _F8),
+    (("row", ()), "input"): (2 * _BF + _F8, _BF + _F8),
+    (("row", ()), "grad_output"): (2 * _BF + _F8, _BF + _F8),
+    (("row", ("wgrad",)), "weight"): (_BF + _F8, 0, _BF + _F8),
+    (("row", ("wgrad",)), "input"): (_BF + _F8,),
+    (("row", ("wgrad",)), "grad_output"): (_BF + _F8,),
 }
 
 
-def _fp8_casts(b: int, m: int, k: int, n: int, recipe: str, weight: bool,
+def _cast_scheme(numerics: Numerics) -> tuple[str, tuple[str, ...]]:
+    """The key of ``_CAST_KERNELS``: an FP8 format's scaling and its high-precision GEMMs; a
+    ValueError for a scheme whose casts this model has no traffic for."""
+    scheme = (numerics.scaling, numerics.high_precision)
+    if (scheme, "weight") not in _CAST_KERNELS:
+        raise ValueError(f"The cost model has no cast traffic for {numerics.label} ({scheme[0]} "
+                         f"scales, high-precision GEMMs {scheme[1] or 'none'}); add its cast "
+                         "kernels to autoprec.costmodel._CAST_KERNELS.")
+    return scheme
+
+
+def _fp8_casts(b: int, m: int, k: int, n: int, scheme: tuple, weight: bool,
                spec: DeviceSpec) -> float:
     """The casts to FP8 around one product, forward and backward: A (M x K, the input), B (K x N,
     the weight, or a second input), the incoming gradient (M x N); each kernel max(traffic,
@@ -239,17 +278,17 @@ def _fp8_casts(b: int, m: int, k: int, n: int, recipe: str, weight: bool,
     for numel, role in ((b * m * k, "input"), (b * k * n, "weight" if weight else "input"),
                         (b * m * n, "grad_output")):
         total += sum(max(per * numel / bw, spec.launch_s)
-                     for per in _CAST_KERNELS[(recipe, role)])
+                     for per in _CAST_KERNELS[(scheme, role)])
     return total
 
 
 def _boundary_casts(a: int, c: int, fmt: Format, spec: DeviceSpec) -> float:
     """Activations arriving in FP32 and leaving back to it, forward and backward (a layer
     priced alone, without the graph's edges: an upper bound)."""
-    if fmt is Format.FP32:
+    if fmt.compute_dtype is torch.float32:
         return 0.0
     bw = spec.bandwidth * spec.bandwidth_efficiency
-    per = _FP32 + _OPERAND_BYTES[Format.BF16]
+    per = _FP32 + torch.bfloat16.itemsize
     return sum(max(2 * el * per / bw, spec.launch_s) for el in (a, a, c, c)) / 2
 
 
@@ -289,7 +328,7 @@ def _price(layer: Any, fmt: Format, spec: DeviceSpec, *,
         else:
             total += _gemms(b, m, k, n, run, spec)
             if run.is_fp8:
-                total += _fp8_casts(b, m, k, n, run.recipe, weight, spec)
+                total += _fp8_casts(b, m, k, n, _cast_scheme(run.numerics), weight, spec)
     blocked = [r for r in blockers if r]
     if fmt.is_fp8 and blocked:
         notes.append(f"{len(blocked)} of {len(matmuls)} matmuls priced as bf16: {blocked[0]}")
@@ -387,14 +426,22 @@ def estimate_layers(layers: Iterable[Any], formats: Iterable[Format | str],
     return {layer.fqn: {f: estimate_layer(layer, f, target) for f in fmts} for layer in layers}
 
 
-def _output_elements(layer: Any) -> int:
-    """Elements of the tensor a layer passes on: its last product's result, or for a layer
-    without matmuls half its FP32 traffic (input and output of equal size)."""
+def output_elements(layer: Any) -> int:
+    """Elements of the tensor a layer passes on along an edge (what a cast between two layers
+    converts): its last product's result (attention's ``scores @ v``, not the scores), or for
+    a layer without matmuls half its FP32 traffic (input and output of equal size)."""
     matmuls = tuple(getattr(layer, "matmuls", ()) or ())
     if matmuls:
         b, m, _, n = matmuls[-1]
         return b * m * n
     return int(getattr(layer, "bytes", 0)) // (2 * _FP32)
+
+
+def produced_elements(layer: Any) -> int:
+    """Elements of every product's result in one forward (all calls of a layer called twice,
+    attention's scores too): what the elementwise work after the products reads and saves in
+    the layer's output dtype (the memory model's residual is per such element)."""
+    return sum(p[0] * p[1] * p[3] for p in tuple(getattr(layer, "matmuls", ()) or ()))
 
 
 def estimate_step(layers: Iterable[Any], assignment: Mapping[str, Format | str],
@@ -441,12 +488,12 @@ def estimate_step(layers: Iterable[Any], assignment: Mapping[str, Format | str],
                 bad = src if src not in by_fqn else dst
                 raise ValueError(f"Edge ({src!r}, {dst!r}) names {bad!r}, which is not one of "
                                  "the layers.")
-            a, b = _ACTIVATION[fmts[src]], _ACTIVATION[fmts[dst]]
+            a, b = fmts[src].output_dtype, fmts[dst].output_dtype
             if a == b:
                 continue
-            elems = _output_elements(by_fqn[src])
+            elems = output_elements(by_fqn[src])
             # Forward cast of the activation, backward cast of its gradient.
-            per = elems * (_ACTIVATION_BYTES[a] + _ACTIVATION_BYTES[b])
+            per = elems * (a.itemsize + b.itemsize)
             total += 2 * per / bw + 2 * spec.launch_s
     return total
 
