@@ -254,7 +254,8 @@ class _Estimator:
                 out, gx, gp = self._run(watch, call, fmt, g_out)
             finally:
                 rewrite.remove(model)
-            _accumulate(est, call.batch, ref_out, out, g_out, ref_gx, gx, ref_gp, gp, watch.own)
+            _accumulate(est, call.batch, (ref_out, ref_gx, ref_gp), (out, gx, gp), g_out,
+                        watch.own)
 
     def _run(self, watch: _Watch, call: _Call, fmt: Format | None, g_out=None):
         """The layer alone on the recorded inputs: its floating outputs, and (given output
@@ -294,8 +295,11 @@ def _sq(t: torch.Tensor) -> float:
     return float(t.detach().to(torch.float64).square().sum())
 
 
-def _accumulate(est: Estimate, b: int, ref_out, out, g_out, ref_gx, gx, ref_gp, gp,
+def _accumulate(est: Estimate, b: int, ref: tuple, run: tuple, g_out: list,
                 own: list[int]) -> None:
+    """Add batch ``b``'s call to ``est``: ``ref`` and ``run`` are (outputs, input grads,
+    parameter grads) of the layer in FP32 and in the estimated format (see ``_run``)."""
+    (ref_out, ref_gx, ref_gp), (out, gx, gp) = ref, run
     finite = all_finite(list(out)) and all_finite([g for g in (*gx, *gp)])
     est.finite = est.finite and finite
     if not finite:

@@ -62,9 +62,10 @@ from torch.overrides import TorchFunctionMode
 
 from autoprec._util import ProgressFn, check_keys, decode_float, encode_float, floating, move_to
 from autoprec.formats import FP8_E4M3, FP8_E5M2, FP8_FORMATS, Format
+from autoprec.measure.config import SensitivityOptions, with_keywords
 from autoprec.measure.estimate import estimate_during_reference, needs_exact
 from autoprec.measure.numerics import Deviation, Numerics, prepare_for_measurement
-from autoprec.policy import Budget, LossScaling, Policy
+from autoprec.policy import DEFAULT_MAX_LOSS_INCREASE, Budget, LossScaling, Policy
 from autoprec.runtime import calls, rewrite
 from autoprec.runtime.fp8 import rowwise_scale, tensorwise_scale
 from autoprec.task import Task, default_loss
@@ -72,6 +73,7 @@ from autoprec.task import Task, default_loss
 __all__ = [
     "LayerSensitivity",
     "measure_sensitivity",
+    "SensitivityResults",
     "DEFAULT_N_BATCHES",
     "SENSITIVITY_MODES",
     "check_sensitivity_mode",
@@ -148,7 +150,8 @@ class LayerSensitivity:
                              f"{self.n_batches!r} for layer `{self.layer}`.")
 
     # -------------------------------------------------------------- judging
-    def judge(self, *, max_loss_change: float = 0.01, max_grad_error: float = 0.25,
+    def judge(self, *, max_loss_change: float = DEFAULT_MAX_LOSS_INCREASE,
+              max_grad_error: float = 0.25,
               min_sqnr_db: float = 15.0) -> str:
         """One word for tables: ``non-finite`` (inf/NaN anywhere), ``overflow`` (values beyond
         the format's range, before loss scaling), ``lossy`` (|loss change| above
@@ -370,16 +373,9 @@ def measure_sensitivity(
     *,
     batches: Sequence[Any] | None = None,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-    n_batches: int | None = None,
-    loss_scale: float = LossScaling().init_scale,
-    include_children: bool = False,
-    seed: int | None = None,
-    progress: ProgressFn | None = None,
-    only: Mapping[str, Sequence[Format | str]] | None = None,
-    mode: str = "exact",
-    budget: Budget | None = None,
-    exact_why: dict[str, dict[Format, tuple[str, float]]] | None = None,
-) -> dict[str, dict[Format, LayerSensitivity]]:
+    options: SensitivityOptions | None = None,
+    **keywords: Any,
+) -> SensitivityResults:
     """Measure every ``layer`` x ``format`` with only that layer switched; see the module
     docstring for what is measured and how.
 
@@ -404,45 +400,99 @@ def measure_sensitivity(
     ``mode``: ``"exact"`` measures every pair as above; ``"fast"`` estimates every pair from
     the reference pass (:mod:`autoprec.measure.estimate`, cost flat in depth); ``"auto"``
     also measures exactly those whose estimate is doubtful or near ``budget``; ``exact_why``
-    receives why, and the estimate replaced. Each result's ``source`` says which it is.
+    says why, and the estimate replaced. Each result's ``source`` says which it is.
 
-    Returns ``{layer: {format: LayerSensitivity}}`` in the order given. Exact mode costs one
+    The settings (``n_batches``, ``loss_scale``, ``include_children``, ``seed``, ``progress``,
+    ``only``, ``mode``, ``budget``) are the fields of ``options``, a
+    :class:`~autoprec.measure.config.SensitivityOptions`, or keywords of their own (a keyword
+    overrides the field). ``exact_why=`` (a dict) is still filled as before, for callers
+    that pass one; the reasons are also the result's ``exact_why``.
+
+    Returns ``{layer: {format: LayerSensitivity}}`` in the order given (a
+    :class:`SensitivityResults`). Exact mode costs one
     forward+backward per batch for the reference plus one per layer x format x batch.
     """
-    fmts = _check_options(formats, loss_scale, mode)
-    model, calib, fn, base_seed = _setup(task_or_model, batches, loss_fn, n_batches)
+    legacy_why = keywords.pop("exact_why", None)
+    opts = with_keywords(options, SensitivityOptions, keywords, "measure_sensitivity")
+    results = _run(task_or_model, layers, formats, batches, loss_fn, opts)
+    if legacy_why is not None:
+        for name, why in results.exact_why.items():
+            legacy_why.setdefault(name, {}).update(why)
+    return results
+
+
+class SensitivityResults(dict):
+    """``{layer: {format: LayerSensitivity}}``, and ``exact_why``: ``{layer: {format: (why,
+    estimated loss change)}}`` for each pair mode "auto" measured exactly instead of its
+    first-order estimate."""
+
+    def __init__(self, results: Mapping[str, dict[Format, LayerSensitivity]],
+                 exact_why: dict[str, dict[Format, tuple[str, float]]]):
+        super().__init__(results)
+        self.exact_why = exact_why
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """One measure_sensitivity call: what it compares, on which layers, and how."""
+
+    numerics: Numerics
+    names: list[str]
+    # per layer, its listed descendants (kept FP32 while it is measured) and the indices of
+    # the parameters it owns (less theirs)
+    pinned: dict[str, list[str]]
+    own: dict[str, list[int]]
+    # the (layer, format) pairs to measure, and the formats of range statistics
+    todo: list[tuple[str, Format]]
+    range_fmts: list[Format]
+    options: SensitivityOptions
+
+    @classmethod
+    def build(cls, numerics: Numerics, model: nn.Module, names: list[str], fmts: list[Format],
+              opts: SensitivityOptions) -> _Plan:
+        pinned = {name: [] if opts.include_children else _listed_descendants(name, names)
+                  for name in names}
+        own = _own_params(numerics, model, names, pinned)
+        only = opts.only
+        todo = [(name, fmt) for name in names for fmt in fmts
+                if only is None or name not in only
+                or fmt in {Format.parse(f) for f in only[name]}]
+        range_fmts = [f for f in _RANGE_FORMATS if f in fmts]
+        return cls(numerics, names, pinned, own, todo, range_fmts, opts)
+
+    def tick(self, done: int, total: int, label: str) -> None:
+        if self.options.progress is not None:
+            self.options.progress(done, total, label)
+
+
+def _run(task_or_model, layers, formats, batches, loss_fn,
+         opts: SensitivityOptions) -> SensitivityResults:
+    fmts = _check_options(formats, opts.loss_scale, opts.mode)
+    model, calib, fn, base_seed = _setup(task_or_model, batches, loss_fn, opts.n_batches)
     numerics = Numerics(prepare_for_measurement(model), calib, fn,
-                        seed=base_seed if seed is None else seed)
-    names = _check_layers(model, layers)
-    pinned = {name: [] if include_children else _listed_descendants(name, names)
-              for name in names}
-    own = _own_params(numerics, model, names, pinned)
-    todo = [(name, fmt) for name in names for fmt in fmts
-            if only is None or name not in only
-            or fmt in {Format.parse(f) for f in only[name]}]
-    range_fmts = [f for f in _RANGE_FORMATS if f in fmts]
-    results: dict[str, dict[Format, LayerSensitivity]] = {name: {} for name in names}
-    if mode != "exact":
-        ranges, estimates = _estimate_all(numerics, names, todo, pinned, own, range_fmts,
-                                          include_children, loss_scale, progress)
+                        seed=base_seed if opts.seed is None else opts.seed)
+    plan = _Plan.build(numerics, model, _check_layers(model, layers), fmts, opts)
+    results: dict[str, dict[Format, LayerSensitivity]] = {name: {} for name in plan.names}
+    exact_why: dict[str, dict[Format, tuple[str, float]]] = {}
+    if opts.mode != "exact":
+        ranges, estimates = _estimate_all(plan)
         for (name, fmt), value in estimates.items():
             results[name][fmt] = value
-        todo = _exact_pairs(estimates, ranges, budget or Budget(), exact_why) \
-            if mode == "auto" else []
-        outputs = {name: None for name in names}
+        todo = _exact_pairs(estimates, ranges, opts.budget or Budget(), exact_why) \
+            if opts.mode == "auto" else []
+        outputs = {name: None for name in plan.names}
     else:
-        outputs, ranges = _reference(numerics, names, range_fmts, include_children)
-        if progress is not None:
-            progress(1, 1 + len(todo), "fp32 reference")
+        todo = plan.todo
+        outputs, ranges = _reference(numerics, plan.names, plan.range_fmts,
+                                     opts.include_children)
+        plan.tick(1, 1 + len(todo), "fp32 reference")
     for done, (name, fmt) in enumerate(todo, start=2):
         old = results[name].get(fmt)
-        results[name][fmt] = _measure_one(
-            numerics, name, fmt, pinned[name], own[name], outputs[name],
-            ranges[name].get(fmt), LossScaling(init_scale=loss_scale),
-            sqnr_db=None if old is None else old.output_sqnr_db)
-        if progress is not None:
-            progress(done, 1 + len(todo), f"{name or '<model>'} {fmt} (exact)")
-    return results
+        results[name][fmt] = _measure_one(plan, name, fmt, outputs[name],
+                                          ranges[name].get(fmt),
+                                          sqnr_db=None if old is None else old.output_sqnr_db)
+        plan.tick(done, 1 + len(todo), f"{name or '<model>'} {fmt} (exact)")
+    return SensitivityResults(results, exact_why)
 
 
 def _own_params(numerics, model, names, pinned) -> dict[str, list[int]]:
@@ -476,26 +526,26 @@ def check_sensitivity_mode(mode: str) -> None:
                          f"{', '.join(SENSITIVITY_MODES)}.")
 
 
-def _estimate_all(numerics, names, todo, pinned, own, range_fmts, subtree, loss_scale,
-                  progress) -> tuple[dict, dict]:
-    """Every pair of ``todo`` estimated to first order during the FP32 reference pass, with
+def _estimate_all(plan: _Plan) -> tuple[dict, dict]:
+    """Every pair of the plan estimated to first order during the FP32 reference pass, with
     the range statistics of that pass."""
+    numerics, names = plan.numerics, plan.names
     if any(name == "" for name in names):
         raise ValueError("The first-order estimate is per layer; measure the whole model "
                          "(layer '') with mode='exact'.")
-    fmts_for = {name: [f for n, f in todo if n == name] for name in names}
+    fmts_for = {name: [f for n, f in plan.todo if n == name] for name in names}
     total = 1 + len(names) * len(numerics.batches)
     done = [1]
 
     def tick(name: str) -> None:
         done[0] += 1
-        if progress is not None:
-            progress(min(done[0], total), total, f"{name} (first-order estimate)")
+        plan.tick(min(done[0], total), total, f"{name} (first-order estimate)")
 
-    with estimate_during_reference(numerics, names, fmts_for, pinned, own,
-                                   loss_scale=loss_scale, progress=tick) as (around, results):
-        _, ranges = _reference(numerics, names, range_fmts, subtree, keep_outputs=False,
-                               extra=around)
+    with estimate_during_reference(numerics, names, fmts_for, plan.pinned, plan.own,
+                                   loss_scale=plan.options.loss_scale,
+                                   progress=tick) as (around, results):
+        _, ranges = _reference(numerics, names, plan.range_fmts, plan.options.include_children,
+                               keep_outputs=False, extra=around)
         estimates, upstream = results()
     ref = numerics.reference()
     total_sq = [float(g.sum()) for g in ref.grad_sq]
@@ -516,16 +566,16 @@ def _estimate_all(numerics, names, todo, pinned, own, range_fmts, subtree, loss_
 
 
 def _exact_pairs(estimates: Mapping, ranges: Mapping, budget: Budget,
-                 exact_why: dict | None) -> list[tuple[str, Format]]:
-    """The estimated pairs to measure exactly (see :func:`needs_exact`), in order."""
+                 exact_why: dict) -> list[tuple[str, Format]]:
+    """The estimated pairs to measure exactly (see :func:`needs_exact`), in order; each one's
+    reason and estimated loss change go into ``exact_why`` (the result's record of them)."""
     todo = []
     for (name, fmt), e in estimates.items():
         over = sum(x or 0.0 for x in (e.act_overflow, e.grad_overflow))
         why = needs_exact(e.loss_rel_change, e.grad_rel_error, e.finite, over, budget)
         if why:
             todo.append((name, fmt))
-            if exact_why is not None:
-                exact_why.setdefault(name, {})[fmt] = (why, e.loss_rel_change)
+            exact_why.setdefault(name, {})[fmt] = (why, e.loss_rel_change)
     return todo
 
 
@@ -620,21 +670,21 @@ def _reference(numerics: Numerics, names: list[str], range_fmts: list[Format],
     return {n: probes[n].batches for n in names}, ranges
 
 
-def _measure_one(numerics: Numerics, name: str, fmt: Format, pinned: list[str],
-                 own: list[int], ref_outputs: list | None, ranges: tuple | None,
-                 loss_scaling: LossScaling, sqnr_db: float | None = None) -> LayerSensitivity:
+def _measure_one(plan: _Plan, name: str, fmt: Format, ref_outputs: list | None,
+                 ranges: tuple | None, *, sqnr_db: float | None = None) -> LayerSensitivity:
     """One pair measured exactly. Without ``ref_outputs`` the output SQNR is ``sqnr_db``
     (the estimate's, which is exact: the layer's inputs are the reference's)."""
     try:
-        return _measure(numerics, name, fmt, pinned, own, ref_outputs, ranges, loss_scaling,
-                        sqnr_db)
+        return _measure(plan, name, fmt, ref_outputs, ranges, sqnr_db)
     except Exception as e:
         raise RuntimeError(f"Measuring layer `{name}` in {fmt} failed: {e}") from e
 
 
-def _measure(numerics, name, fmt, pinned, own, ref_outputs, ranges, loss_scaling,
-             sqnr_db) -> LayerSensitivity:
-    keep_fp32 = {child: Format.FP32 for child in pinned}
+def _measure(plan: _Plan, name: str, fmt: Format, ref_outputs: list | None,
+             ranges: tuple | None, sqnr_db: float | None) -> LayerSensitivity:
+    numerics, own = plan.numerics, plan.own[name]
+    loss_scaling = LossScaling(init_scale=plan.options.loss_scale)
+    keep_fp32 = {child: Format.FP32 for child in plan.pinned[name]}
     # FP8 numerics on autoprec's own engine whatever is installed: torchao's computes the same
     # recipes to BF16 rounding (tests/test_engines.py), and a profile must not depend on an
     # optional extra (nor swap the module the output probe watches)

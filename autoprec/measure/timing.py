@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_map
 
 from autoprec._util import call_model, check_keys, device_of, model_state, tensors
 from autoprec.formats import FORMAT_ORDER, Format, Support, supported_formats
+from autoprec.measure.config import TimingOptions, with_keywords
 from autoprec.measure.timer import Clock, Comparison
 from autoprec.policy import Interval, Policy
 from autoprec.runtime import calls, rewrite
@@ -265,10 +266,12 @@ class _FormatRun:
 
 
 def _time_module(module: nn.Module, inputs: _Inputs, formats: Sequence[Format], clock: Clock,
-                 *, warmup: int, rounds: int, budget_s: float | None, seed: int
+                 options: TimingOptions
                  ) -> tuple[Comparison, dict[Format, _FormatRun], dict[Format, str]]:
     """Time ``formats`` of one module against fp32 in interleaved rounds; drop a format that
     fails, is far slower than fp32, or exceeds its time budget (with a note why)."""
+    warmup, rounds, budget_s, seed = options.warmup, options.repeats, options.budget_s, \
+        options.seed
     gen = torch.Generator(device=clock.device).manual_seed(seed)
     fixed: dict[tuple, torch.Tensor] = {}
 
@@ -313,16 +316,18 @@ def _time_module(module: nn.Module, inputs: _Inputs, formats: Sequence[Format], 
 
 
 def measure_layers(model: nn.Module, example_batch: Any, fqns: Iterable[str],
-                   formats: Iterable[Format | str] = FORMAT_ORDER, *, warmup: int = 1,
-                   repeats: int = 5, loss_fn: Callable[[nn.Module, Any], Any] | None = None,
-                   train: bool = True, budget_s: float | None = 30.0,
-                   seed: int = 0) -> dict[str, dict[Format, LayerTime]]:
+                   formats: Iterable[Format | str] = FORMAT_ORDER, *,
+                   options: TimingOptions | None = None,
+                   **keywords: Any) -> dict[str, dict[Format, LayerTime]]:
     """Time each module in ``fqns`` alone, forward + backward, in each format, at the shapes it
     sees when ``model`` runs on ``example_batch``.
 
     ``example_batch`` is what the model takes: a dict (``model(**b)``), a tuple or list
     (``model(*b)``) or a tensor; ``loss_fn(model, batch)``, when given, is called instead for
-    the one capture run. Each module's formats are timed against fp32 in ``repeats``
+    the one capture run. ``options`` (a :class:`~autoprec.measure.config.TimingOptions`) or
+    its fields as keywords (``warmup=``, ``repeats=``, ``loss_fn=``, ``train=``,
+    ``budget_s=``, ``seed=``; a keyword overrides the field) say how. Each module's formats
+    are timed against fp32 in ``repeats``
     interleaved rounds (two repetitions each, the minimum kept) after ``warmup`` untimed ones;
     see :mod:`autoprec.measure.timer`. ``train`` runs the model in training mode (dropout as
     in a training step). ``budget_s`` caps the seconds spent on one (module, format): a format
@@ -334,6 +339,7 @@ def measure_layers(model: nn.Module, example_batch: Any, fqns: Iterable[str],
     error text and ``seconds=inf``. The model is left as it was: no regions or hooks, the same
     parameters, buffers, gradients and training flags, and the caller's RNG state.
     """
+    opts = with_keywords(options, TimingOptions, keywords, "measure_layers")
     if not isinstance(model, nn.Module):
         raise TypeError(f"measure_layers(model, ...) needs an nn.Module, got {type(model).__name__}.")
     fqns = list(dict.fromkeys(fqns))
@@ -341,28 +347,34 @@ def measure_layers(model: nn.Module, example_batch: Any, fqns: Iterable[str],
     if not fqns or not fmts:
         raise ValueError("measure_layers needs at least one fqn and one format; got "
                          f"fqns={fqns!r}, formats={fmts!r}.")
-    if warmup < 0 or repeats < 1:
+    if opts.warmup < 0 or opts.repeats < 1:
         raise ValueError(f"measure_layers needs warmup >= 0 and repeats >= 1, got "
-                         f"warmup={warmup}, repeats={repeats}.")
+                         f"warmup={opts.warmup}, repeats={opts.repeats}.")
     modules = dict(model.named_modules())
     _check_measurable(model, modules, fqns)
     device = device_of(model, example_batch)
-    support = supported_formats(device)
-    clock = Clock(device)
+    bench = _Bench(supported_formats(device), Clock(device), opts)
     rng_devices = [device.index if device.index is not None else torch.cuda.current_device()] \
         if device.type == "cuda" else []
     results: dict[str, dict[Format, LayerTime]] = {}
     with model_state(model, weights=False), torch.random.fork_rng(devices=rng_devices):
         for p in model.parameters():
             p.grad = None
-        model.train(train)
-        torch.manual_seed(seed)
-        captured = _capture_inputs(model, example_batch, fqns, loss_fn)
+        model.train(opts.train)
+        torch.manual_seed(opts.seed)
+        captured = _capture_inputs(model, example_batch, fqns, opts.loss_fn)
         for fqn in fqns:
-            results[fqn] = _measure_module(fqn, modules[fqn], captured.get(fqn), fmts, support,
-                                           clock, warmup=warmup, rounds=repeats,
-                                           budget_s=budget_s, seed=seed)
+            results[fqn] = _measure_module(fqn, modules[fqn], captured.get(fqn), fmts, bench)
     return results
+
+
+@dataclass(frozen=True)
+class _Bench:
+    """What every module of one measure_layers call is timed with."""
+
+    support: Mapping[Format, Support]
+    clock: Clock
+    options: TimingOptions
 
 
 def _check_measurable(model: nn.Module, modules: dict[str, nn.Module], fqns: list[str]) -> None:
@@ -383,8 +395,8 @@ def _check_measurable(model: nn.Module, modules: dict[str, nn.Module], fqns: lis
 
 
 def _measure_module(fqn: str, module: nn.Module, inputs: _Inputs | None, fmts: list[Format],
-                    support: Mapping[Format, Support], clock: Clock, *, warmup: int,
-                    rounds: int, budget_s: float | None, seed: int) -> dict[Format, LayerTime]:
+                    bench: _Bench) -> dict[Format, LayerTime]:
+    support, clock = bench.support, bench.clock
     emulated = {f for f in fmts if support[f] is Support.EMULATED}
     if inputs is None:
         msg = (f"module `{fqn}` was not called when the model ran on the example batch, so "
@@ -394,8 +406,7 @@ def _measure_module(fqn: str, module: nn.Module, inputs: _Inputs | None, fmts: l
     runnable = [f for f in fmts if support[f] is not Support.UNSUPPORTED]
     # fp32 is the reference of every comparison, and the floor of emulated formats
     timed = [Format.FP32, *[f for f in runnable if f is not Format.FP32]]
-    timing, runs, notes = _time_module(module, inputs, timed, clock, warmup=warmup,
-                                       rounds=rounds, budget_s=budget_s, seed=seed)
+    timing, runs, notes = _time_module(module, inputs, timed, clock, bench.options)
     fp8_note = ""
     if any(f.is_fp8 for f in runnable):
         try:
