@@ -143,7 +143,7 @@ def test_nan_from_an_unwatched_layer_is_not_blamed_on_the_next_watched_one():
         assert guard.step() == []
     assert math.isnan(loss.item())
     assert guard.events == []
-    assert guard._suspects == {"transformer.h.0.mlp.c_proj"}  # watched closely, not demoted
+    assert guard.recorder.suspects == {"transformer.h.0.mlp.c_proj"}  # watched closely, not demoted
 
 
 def test_overflowing_attention_scores_demote_the_attention_module_not_its_children():
@@ -191,15 +191,15 @@ def test_guard_records_nothing_in_evaluation_and_steps_without_training_are_no_o
     assert set(guard.watched) == projections
     with torch.no_grad():
         model(**gpt2_batch)
-    assert all(not v for v in guard._records.values())
+    assert all(not v for v in guard.recorder.records.values())
     assert guard.step() == []
     assert set(guard.watched) == projections, "an evaluation forward must not count"
     model(**gpt2_batch).loss.backward()
     assert set(guard.watched) == projections | {"transformer.h.0.attn", "transformer.h.1.attn"}
-    assert set(guard._records["out"]) == set(guard.watched)
-    assert set(guard._records["grad"]) == set(guard.watched)
+    assert set(guard.recorder.records["out"]) == set(guard.watched)
+    assert set(guard.recorder.records["grad"]) == set(guard.watched)
     # weight gradients: fp16 layers' own only (lm_head's weight is tied to the embedding)
-    assert set(guard._records["wgrad"]) == {"transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj"}
+    assert set(guard.recorder.records["wgrad"]) == {"transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj"}
     assert guard.step() == [] and guard.events == []
 
 
@@ -236,7 +236,7 @@ def test_deepcopy_of_a_guarded_model_gets_its_own_guard(gpt2_batch):
     twin = copy.deepcopy(model)
     assert get_guard(twin) is not get_guard(model) and get_guard(twin).model is twin
     twin(**gpt2_batch).loss.backward()
-    assert get_guard(twin)._records["out"] and not get_guard(model)._records["out"]
+    assert get_guard(twin).recorder.records["out"] and not get_guard(model).recorder.records["out"]
 
 
 def test_bad_guard_arguments_are_clear_errors():
@@ -371,7 +371,7 @@ def test_state_dict_round_trip_puts_the_demotions_back_on_a_fresh_model(gpt2_bat
     early.load_state_dict(loaded)
     other = tiny_gpt2().train()
     autoprec.apply(other, policy, guard=early)
-    assert early.policy.format_for(POISONED) is Format.BF16 and early._step == 3
+    assert early.policy.format_for(POISONED) is Format.BF16 and early.ledger.step == 3
     assert POISONED not in autoprec.applied_formats(other)  # no fp8 region: bf16 like the root
     # and a guard attached with the amended policy (a run resumed from the amended file)
     # takes the state as it is: nothing more to demote
@@ -547,7 +547,8 @@ def test_a_guard_state_naming_what_the_model_lacks_is_refused_and_changes_nothin
         msg = str(err.value)
         assert "\n" not in msg and named in msg, (name, msg)
         assert autoprec.applied_formats(model) == before, name
-        assert (guard.events, guard._step, guard._counts, guard._suspects) == ([], 0, {}, set())
+        assert (guard.events, guard.ledger.step, guard.ledger.streaks, guard.recorder.suspects) == \
+            ([], 0, {}, set())
     # the state as saved loads (the test can pass)
     get_guard(model).load_state_dict(state)
     assert get_guard(model).policy.format_for(POISONED) is Format.BF16

@@ -1,5 +1,5 @@
 """The runtime guard under torch.compile: it adds no graph break (its checks travel through
-autograd, see ``autoprec.runtime.guard._Probe``), with and without HF activation checkpointing,
+autograd, see ``autoprec.runtime.guard.record.SinkReport``), with and without HF activation checkpointing,
 and a compiled guarded run finds, blames and demotes exactly what the eager one does."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ MODELS = {"gpt2": tiny_gpt2, "llama": tiny_llama}
 CASES = {
     "gpt2 bf16/fp32": ("gpt2", Policy(default="bf16", layers={
         "transformer.h.0.mlp": "fp32", "lm_head": "fp32"})),
-    # fp16 layers: values counted (_stat) and their own weight gradients hooked
+    # fp16 layers: values counted (record.stat) and their own weight gradients hooked
     "gpt2 fp16 mlp": ("gpt2", Policy(default="bf16", layers={
         "transformer.h.0.mlp": "fp16", "lm_head": "fp32"})),
     "gpt2 fp8 + rowwise attn": ("gpt2", Policy(default="bf16", layers={
@@ -171,12 +171,12 @@ def test_compiled_checks_equal_eager_ones_for_watched_layers_and_suspects():
         guard.step()
         model.zero_grad(set_to_none=True)
         plant_overflow(model)
-        guard._suspects = {suspect}
-        guard._hook_suspects_inputs()
+        guard.recorder.set_suspects({suspect}, model)
         forward = torch.compile(model, backend="aot_eager") if compiled else model
         forward(**batch).loss.backward()
         torch._dynamo.reset()
-        return guard._collect()
+        checks = guard.recorder.collect()
+        return checks.level, checks.share
 
     (level, frac), (level_c, frac_c) = checks(False), checks(True)
     for kind in ("out", "grad", "in", "ingrad"):

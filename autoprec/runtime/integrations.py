@@ -277,28 +277,10 @@ def _make_policy_callback():
             self._warned = self._restored = False  # restored: the guard's state was loaded
 
         def _apply(self, model: nn.Module) -> None:
-            if model is None or applied_policy(model) is not None:
-                return  # already applied (e.g. on_init_end, then on_train_begin)
-            if "_original_forward" in model.__dict__:
-                raise PolicyError(
-                    "PolicyCallback was added after the Trainer's Accelerator prepared the "
-                    "model with mixed precision (TrainingArguments bf16 or fp16): its autocast "
-                    "would sit inside the policy's regions and decide the format of every layer "
-                    "the policy does not name. Pass the callback in Trainer(callbacks=[...]), "
-                    "call autoprec.runtime.integrations.use_policy(trainer, policy) before train(), or "
-                    "set bf16=False and fp16=False.")
-            apply(model, self.policy, strict=self.strict, guard=self.guard_arg)
-            self.guard = get_guard(model)
+            _apply_in_callback(self, model)
 
         def _scaler(self, args=None):
-            accelerator = getattr(self._trainer, "accelerator", None)
-            scaler = getattr(accelerator, "scaler", None)
-            if scaler is None and self._trainer is None and args is not None and args.fp16 \
-                    and torch.cuda.is_available():
-                # Accelerate scales the loss but this callback cannot see its scaler: the
-                # guard judges outputs only (use_policy(trainer, ...) lets it see the scale)
-                return _UnknownScale()
-            return scaler
+            return _callback_scaler(self._trainer, args)
 
         def on_init_end(self, args, state, control, model=None, **kwargs):
             self._apply(model)
@@ -312,11 +294,7 @@ def _make_policy_callback():
             _resume_guard(self, args, state)
             if self.policy.uses(Format.FP16) and self._scaler(args) is None and not self._warned:
                 self._warned = True
-                warnings.warn(
-                    "The policy puts layers in fp16 but this Trainer scales no loss: fp16 "
-                    "gradients may underflow. On a GPU set TrainingArguments(fp16=True) "
-                    "(Accelerate's GradScaler); on a CPU Accelerate has no loss scaling, so "
-                    "prefer bf16 for those layers.", stacklevel=2)
+                _warn_unscaled_fp16()
 
         def on_step_end(self, args, state, control, **kwargs):
             if self.guard is not None:
@@ -363,6 +341,43 @@ def _resume_guard(callback: Any, args: Any, state: Any) -> None:
             "guard starts without the demotions it had. Call "
             "callback.load_guard_state(CHECKPOINT_DIR) before train() when the checkpoint lies "
             "elsewhere.", stacklevel=3)
+
+
+def _apply_in_callback(callback, model: nn.Module | None) -> None:
+    """PolicyCallback's apply: once, and refused inside an Accelerator's mixed precision."""
+    if model is None or applied_policy(model) is not None:
+        return  # already applied (e.g. on_init_end, then on_train_begin)
+    if "_original_forward" in model.__dict__:
+        raise PolicyError(
+            "PolicyCallback was added after the Trainer's Accelerator prepared the "
+            "model with mixed precision (TrainingArguments bf16 or fp16): its autocast "
+            "would sit inside the policy's regions and decide the format of every layer "
+            "the policy does not name. Pass the callback in Trainer(callbacks=[...]), "
+            "call autoprec.runtime.integrations.use_policy(trainer, policy) before train(), or "
+            "set bf16=False and fp16=False.")
+    apply(model, callback.policy, strict=callback.strict, guard=callback.guard_arg)
+    callback.guard = get_guard(model)
+
+
+def _callback_scaler(trainer, args=None):
+    """The GradScaler the Trainer's Accelerator scales the loss with, if the callback can see
+    it (it knows the Trainer: use_policy)."""
+    accelerator = getattr(trainer, "accelerator", None)
+    scaler = getattr(accelerator, "scaler", None)
+    if scaler is None and trainer is None and args is not None and args.fp16 \
+            and torch.cuda.is_available():
+        # Accelerate scales the loss but this callback cannot see its scaler: the
+        # guard judges outputs only (use_policy(trainer, ...) lets it see the scale)
+        return _UnknownScale()
+    return scaler
+
+
+def _warn_unscaled_fp16() -> None:
+    warnings.warn(
+        "The policy puts layers in fp16 but this Trainer scales no loss: fp16 "
+        "gradients may underflow. On a GPU set TrainingArguments(fp16=True) "
+        "(Accelerate's GradScaler); on a CPU Accelerate has no loss scaling, so "
+        "prefer bf16 for those layers.", stacklevel=3)
 
 
 class _UnknownScale:

@@ -1,0 +1,95 @@
+"""What the guard is told (GuardConfig) and what it reports (GuardEvent), and the ranges it
+judges values against."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from autoprec.formats import FP8_FORMATS, Format
+
+__all__ = ["GuardConfig", "GuardEvent"]
+
+BF16_MAX = float(torch.finfo(torch.bfloat16).max)
+FP16_MAX = float(torch.finfo(torch.float16).max)
+# What the diagnosis names when the non-finite values were in the model's inputs already; no
+# module is named so (a module name holds no "<").
+INPUT = "<input batch>"
+# GuardEvent.where, in the words the log and the checkpoint use.
+WHERE = ("outputs", "gradients", "weight gradients", "backward")
+
+
+def limit(fmt: Format) -> float:
+    """Largest magnitude a layer of ``fmt`` can hand on: the range of its output dtype."""
+    return FP16_MAX if fmt is Format.FP16 else BF16_MAX
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """How the runtime guard judges and demotes layers."""
+
+    # Consecutive steps a layer must be blamed before it is demoted (>= 2: see __post_init__).
+    patience: int = 2
+    # Watch dL/d(output) of each watched layer as well as its outputs.
+    check_gradients: bool = True
+    # Layers whose policy format is one of these are watched.
+    formats: tuple[Format, ...] = (Format.FP16, *FP8_FORMATS, Format.BF16)
+    # With an enabled GradScaler, non-finite gradients count against a layer only once the
+    # scaler's scale is at or below this (above it, backing off the scale is the remedy).
+    min_loss_scale: float = 1.0
+    # Write the amended policy here after every demotion (None: only on guard.save()). Under
+    # torch.distributed only rank 0 writes it (every rank holds the same amended policy).
+    save_to: str | None = None
+    # Under an initialized torch.distributed, every rank demotes the same layers at the same
+    # step (one small all_reduce per step). False: each rank decides for itself (ranks that hold
+    # different parts of the model, e.g. pipeline stages).
+    distributed: bool = True
+
+    def __post_init__(self):
+        if int(self.patience) != self.patience or self.patience < 2:
+            raise ValueError(
+                f"GuardConfig.patience must be an integer >= 2, got {self.patience!r}: a "
+                "layer's first failing step makes it a suspect, and only the next one checks "
+                "whether its inputs were already non-finite (the fault upstream, not its own).")
+        # a bare "fp8" means every FP8 recipe
+        formats = tuple(dict.fromkeys(
+            g for f in self.formats
+            for g in (FP8_FORMATS if isinstance(f, str) and f.strip().lower() == "fp8"
+                      else (Format.parse(f, where="in GuardConfig.formats"),))))
+        if Format.FP32 in formats:
+            raise ValueError("GuardConfig.formats cannot include fp32: an fp32 layer has no "
+                             "safer format to be demoted to. Use a subset of fp16, fp8, bf16.")
+        object.__setattr__(self, "formats", formats)
+        if not self.min_loss_scale > 0:
+            raise ValueError(f"GuardConfig.min_loss_scale must be positive, got "
+                             f"{self.min_loss_scale!r}.")
+        if self.save_to is not None:
+            object.__setattr__(self, "save_to", os.fspath(self.save_to))
+
+
+@dataclass(frozen=True)
+class GuardEvent:
+    """One demotion."""
+
+    # Training step at which the layer was demoted (guard.step() count, or the step passed).
+    step: int
+    # Module fqn of the demoted layer.
+    fqn: str
+    old: Format
+    new: Format
+    # What was measured, e.g. "26% of outputs overflow fp16 max 65504 or are NaN; 2 steps in
+    # a row".
+    reason: str
+    # One of WHERE: "outputs", "gradients" (at the layer's output, beyond its format's range),
+    # "weight gradients", or "backward" (it sent non-finite gradients upstream).
+    where: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "layer": self.fqn, "from": self.old.value,
+                "to": self.new.value, "reason": self.reason}
+
+    def __str__(self) -> str:
+        return f"step {self.step}: {self.fqn} {self.old} -> {self.new} ({self.reason})"
