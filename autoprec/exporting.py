@@ -92,11 +92,9 @@ MEGATRON_NAMES: tuple[tuple[str, str | None], ...] = (
     (r"lm_head", None),
 )
 
-# autoprec (torchao) recipe -> Megatron-Core's Fp8Recipe (megatron/core/enums.py: delayed,
-# tensorwise, blockwise, mxfp8, custom). Only tensorwise computes the same: dynamic per-tensor
-# scales (Transformer Engine's Float8CurrentScaling); blockwise (1x128 / 128x128 tiles) and
-# mxfp8 (1x32 blocks) are other recipes, and Transformer Engine has no rowwise one.
-_MEGATRON_FP8 = {"tensorwise": "tensorwise"}
+# A format's Megatron-Core Fp8Recipe (megatron/core/enums.py: delayed, tensorwise, blockwise,
+# mxfp8, custom) is its Numerics.megatron_recipe: only tensorwise computes the same as one of
+# autoprec's (dynamic per-tensor scales, Transformer Engine's Float8CurrentScaling).
 
 
 class ExportError(PolicyError):
@@ -175,7 +173,7 @@ class TorchaoExport(Exported):
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         for r in self.recipes:
             emu = emulate if emulate is not None else \
-                supported_formats(device)[Format.fp8(r.recipe)] is not Support.NATIVE
+                supported_formats(device)[_torchao_format(r.recipe)] is not Support.NATIVE
             convert_to_float8_training(model, config=r.config(emulate=emu),
                                        module_filter_fn=r.module_filter_fn)
         return model
@@ -264,14 +262,31 @@ def _problems(problems: list[str], strict: bool, fix: str) -> tuple[str, ...]:
 
 
 # ------------------------------------------------------------------ torchao
+def _torchao_format(recipe: str) -> Format:
+    """The format torchao's recipe ``recipe`` computes (Numerics.torchao_recipe)."""
+    return next(f for f in Format if f.numerics.torchao_recipe == recipe)
+
+
+def _unnamed_recipes(policy: Policy) -> list[str]:
+    """The policy's FP8 formats torchao has no recipe for, as problems."""
+    named = ", ".join(f.numerics.torchao_recipe for f in Format if f.numerics.torchao_recipe)
+    where = {"the policy's default": policy.default,
+             **{f"layer pattern `{p}`": f for p, f in policy.layers.items()}}
+    return [f"{what} is {f.label}, which torchao's float8 training has no recipe for (it has "
+            f"{named})" for what, f in where.items()
+            if f.is_fp8 and f.numerics.torchao_recipe is None]
+
+
 def _torchao(policy: Policy, layers: list[_Layer] | None, strict: bool) -> TorchaoExport:
-    recipes = list(dict.fromkeys(f.recipe for f in [policy.default, *policy.layers.values()]
-                                 if f.is_fp8))
+    used = [f for f in [policy.default, *policy.layers.values()] if f.is_fp8]
+    recipes = list(dict.fromkeys(f.numerics.torchao_recipe for f in used
+                                 if f.numerics.torchao_recipe is not None))
     rest = _rest(policy, layers)
-    problems = []
+    problems = _unnamed_recipes(policy)
+    unnamed = bool(problems)
     if layers is None:
-        problems = [f"layer pattern `{p}` is {f.label}" for p, f in policy.layers.items()
-                    if not f.is_fp8 and f is not rest]
+        problems += [f"layer pattern `{p}` is {f.label}" for p, f in policy.layers.items()
+                     if not f.is_fp8 and f is not rest]
         out = tuple(TorchaoRecipe(r, None, policy.module_filter_fn(r)) for r in recipes)
         notes = ("without a model the filters select nn.Linear layers by the policy's patterns; "
                  "fp8 layers torchao cannot convert are not checked",)
@@ -284,14 +299,16 @@ def _torchao(policy: Policy, layers: list[_Layer] | None, strict: bool) -> Torch
             out.append(TorchaoRecipe(r, fqns, lambda m, fqn, names=frozenset(fqns): fqn in names))
         out = tuple(r for r in out if r.fqns)
         for layer in layers:
-            if layer.runs.is_fp8 and layer.fqn not in taken:
+            if layer.runs.is_fp8 and layer.fqn not in taken and \
+                    layer.runs.numerics.torchao_recipe is not None:
                 problems.append(f"{layer.what} is {layer.runs.label}, but torchao's float8 "
                                 f"training converts nn.Linear only: it would run in {rest}")
             elif not layer.runs.is_fp8 and layer.runs is not rest:
                 problems.append(f"{layer.what} is {layer.runs}, but torchao sets the format of "
                                 f"fp8 layers only: it would run in {rest} with the rest")
         notes = ()
-    fix = _TORCHAO_LINEAR_FIX if problems and "nn.Linear only" in problems[0] else _TORCHAO_FIX
+    fix = _TORCHAO_RECIPE_FIX if unnamed else \
+        _TORCHAO_LINEAR_FIX if problems and "nn.Linear only" in problems[0] else _TORCHAO_FIX
     notes += _problems(problems, strict, fix.format(rest=rest))
     notes += (_rest_note(rest),)
     data = {r.recipe: None if r.fqns is None else list(r.fqns) for r in out}
@@ -299,6 +316,8 @@ def _torchao(policy: Policy, layers: list[_Layer] | None, strict: bool) -> Torch
     return TorchaoExport("torchao", data, text, notes, recipes=out, rest=rest)
 
 
+_TORCHAO_RECIPE_FIX = ("re-tune with formats torchao has (e.g. --formats {rest} fp8), or pass "
+                       "strict=False (--no-strict) to export anyway with those layers in {rest}")
 _TORCHAO_LINEAR_FIX = ("autoprec.apply runs such layers in FP8 on its own engine; or pass "
                        "strict=False (--no-strict) to export anyway with them in {rest}")
 _TORCHAO_FIX = ("torchao's float8 training gives fp8 nn.Linear layers their recipe and leaves "
@@ -318,10 +337,12 @@ def _rest(policy: Policy, layers: list[_Layer] | None) -> Format:
 
 
 def _rest_note(rest: Format) -> str:
-    how = {Format.FP32: "without autocast (fp32)",
-           Format.BF16: "under torch.autocast(dtype=torch.bfloat16)",
-           Format.FP16: "under torch.autocast(dtype=torch.float16) with a GradScaler "
-                        "(policy.grad_scaler())"}[rest]
+    if rest.autocast_dtype is None:
+        how = f"without autocast ({rest})"
+    else:
+        how = f"under torch.autocast(dtype={rest.autocast_dtype})"
+        if rest.needs_loss_scaling:
+            how += " with a GradScaler (policy.grad_scaler())"
     return f"train with every layer torchao does not convert {how}"
 
 
@@ -408,12 +429,12 @@ _MEGATRON_FIX = ("Megatron's precision file chooses bf16 or an FP8 recipe per Tr
 def _megatron_config(fmt: Format, what: str) -> str:
     """The config name a format becomes; an error for an FP8 recipe Megatron does not have."""
     if fmt.is_fp8:
-        if fmt.recipe not in _MEGATRON_FP8:
+        if fmt.numerics.megatron_recipe is None:
             raise ExportError(
                 f"{what} is {fmt.label}: Megatron-Core's FP8 recipes are tensorwise, blockwise "
-                "and mxfp8 (Transformer Engine has no rowwise recipe). Re-tune with --formats "
-                "bf16 fp8:tensorwise to export to Megatron.")
-        return f"fp8_{_MEGATRON_FP8[fmt.recipe]}"
+                f"and mxfp8 and none computes {fmt.label} (Transformer Engine has no rowwise "
+                "recipe). Re-tune with --formats bf16 fp8:tensorwise to export to Megatron.")
+        return f"fp8_{fmt.numerics.megatron_recipe}"
     return "bf16"
 
 

@@ -33,7 +33,6 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from autoprec.formats import Format
 from autoprec.measure.timer import noise_of
 from autoprec.policy import Interval, Policy
 from autoprec.profiling import Profile
@@ -47,10 +46,6 @@ NOISE_ADVICE = ("run the tune on a quiet machine (no other jobs on its cores), p
                 "cores of its own (taskset) with OMP_NUM_THREADS set to their number, or price "
                 "speed with a cost model (--target) instead of measuring it")
 
-# Low-precision weight of each format: how much of a matmul's precision it gives up (the
-# rowwise recipes scale each row to its own range, and gw_hp keeps the weight gradient in BF16).
-_PRECISION_RANK = {Format.FP32: 0, Format.FP16: 1, Format.BF16: 1, Format.FP8_ROWWISE_GW_HP: 1.5,
-                   Format.FP8_ROWWISE: 1.75, Format.FP8: 2}
 
 
 @dataclass
@@ -99,9 +94,10 @@ class Selection:
 
 def precision_cost(policy: Policy, prof: Profile) -> float:
     """Matmul FLOPs run in low precision, weighted by how much precision each format gives up
-    (fp8 twice bf16/fp16), as a share of all: 0 for all-fp32."""
+    (``Numerics.precision_rank``: per GEMM fp8 twice bf16/fp16, a quarter less with row
+    scales; the mean of a layer's three GEMMs), as a share of all: 0 for all-fp32."""
     total = sum(lp.layer.flops for lp in prof.layers) or 1
-    return sum(lp.layer.flops * _PRECISION_RANK[fmt]
+    return sum(lp.layer.flops * fmt.numerics.precision_rank
                for lp, fmt in zip(prof.layers, expand(policy, prof).values())) / total
 
 
