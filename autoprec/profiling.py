@@ -22,20 +22,17 @@ from typing import Any
 
 import torch
 
+from autoprec import profile_view
 from autoprec._util import (
-    ProgressBar,
     check_schema,
     decode_float,
     encode_float,
-    log,
     read_json,
-    text_table,
     worker_id,
     write_json,
 )
-from autoprec.costmodel import estimate_layer, estimate_step
+from autoprec.costmodel import estimate_step
 from autoprec.formats import (
-    FORMAT_ORDER,
     Format,
     Support,
     device_name,
@@ -43,16 +40,21 @@ from autoprec.formats import (
     supported_formats,
 )
 from autoprec.measure.capture import Layer, LayerGraph, capture
+from autoprec.measure.config import SensitivityOptions, TimingOptions, with_keywords
 from autoprec.measure.sensitivity import (
     LayerSensitivity,
     check_sensitivity_mode,
     measure_sensitivity,
 )
 from autoprec.measure.timing import LayerTime, measure_layers
-from autoprec.policy import Budget
+from autoprec.policy import DEFAULT_MAX_LOSS_INCREASE, Budget
+from autoprec.pricing import CostSource
+from autoprec.reporter import Reporter
 from autoprec.runtime.calls import COMPUTING_KINDS
+from autoprec.verdict import Verdict, can_win
 
-__all__ = ["Profile", "LayerProfile", "profile", "split_units", "PROFILE_SCHEMA"]
+__all__ = ["Profile", "LayerProfile", "ProfileOptions", "profile", "split_units",
+           "PROFILE_SCHEMA"]
 
 # Version 2: LayerProfile's `errors` became `sensitivity`, LayerTime's `fmt` became `format`,
 # layers carry the registered call of each matmul. Version 1 files are read and migrated.
@@ -113,6 +115,14 @@ class LayerProfile:
         """"measured", "estimated", or "" (no numbers) for this layer in ``fmt``."""
         err = self.sensitivity.get(fmt)
         return "" if err is None else err.source
+
+    def verdict(self, fmt: Format, *, max_loss_increase: float | None = None) -> Verdict:
+        """Whether ``fmt`` can win on this layer as profiled (:func:`autoprec.verdict.can_win`
+        on its times, fp8 blocker, recorded skips and numbers); ``max_loss_increase`` also
+        asks its loss change to stay within that budget."""
+        return can_win(fmt, self.times, blocker=self.fp8_blocker if fmt.is_fp8 else "",
+                       skipped=self.skipped, sensitivity=self.sensitivity,
+                       max_loss_increase=max_loss_increase)
 
 
 @dataclass
@@ -176,16 +186,17 @@ class Profile:
         t = self.layer(fqn).times.get(fmt)
         return math.nan if t is None else t.seconds
 
+    def verdict(self, fqn: str, fmt: Format, *,
+                max_loss_increase: float | None = None) -> Verdict:
+        """Whether ``fmt`` can win on this layer, and if not which rule says so and why (see
+        :mod:`autoprec.verdict`)."""
+        return self.layer(fqn).verdict(fmt, max_loss_increase=max_loss_increase)
+
     def allows(self, fqn: str, fmt: Format) -> bool:
-        """Whether the search should offer ``fmt`` for this layer: its numerics stayed finite,
-        and for fp8, its matmuls can really run as FP8 (otherwise fp8 = bf16 here)."""
-        if fmt is Format.FP32:
-            return True
-        lp = self.layer(fqn)
-        if fmt in lp.skipped or (fmt.is_fp8 and lp.fp8_blocker):
-            return False
-        err = lp.sensitivity.get(fmt)
-        return err is not None and err.finite and math.isfinite(self.seconds(fqn, fmt))
+        """Whether the search should offer ``fmt`` for this layer: it can win here on speed,
+        its numerics stayed finite, and for fp8, its matmuls can really run as FP8 (otherwise
+        fp8 = bf16 here)."""
+        return self.verdict(fqn, fmt).can_win
 
     def layer_seconds(self, assignment: Mapping[str, Format]) -> float:
         """Sum of the profiled per-layer seconds under ``assignment`` (fqn -> format)."""
@@ -200,122 +211,26 @@ class Profile:
         return estimate_step(layers, {k: Format.parse(v) for k, v in assignment.items()},
                              target, edges=edges)
 
-    def reason(self, fqn: str, fmt: Format, *, max_loss_change: float = 0.01) -> str:
+    # ------------------------------------------------------------ output (profile_view)
+    def reason(self, fqn: str, fmt: Format, *,
+               max_loss_change: float = DEFAULT_MAX_LOSS_INCREASE) -> str:
         """The measured reason this layer is not in ``fmt`` (for `autoprec show`)."""
-        lp = self.layer(fqn)
-        if fmt.is_fp8 and lp.fp8_blocker:
-            return lp.fp8_blocker
-        if fmt in lp.skipped:
-            return lp.skipped[fmt]
-        err = lp.sensitivity.get(fmt)
-        name = fmt.label
-        if err is not None and not err.finite:
-            return f"{name} non-finite (loss or gradients overflowed)"
-        lc = self.loss_change(fqn, fmt)
-        if math.isfinite(lc) and lc > max_loss_change:
-            return f"{name} alone changes the loss by {lc:+.2%} (> {max_loss_change:.2%})"
-        t = lp.times.get(fmt)
-        t16 = lp.times.get(Format.BF16)
-        if t is not None and t.emulated:
-            return f"{name} only emulated on {self.device}: never faster than fp32 here"
-        if t is not None and t16 is not None and fmt.is_fp8 and t.seconds >= t16.seconds:
-            return (f"{name} not faster than bf16 here ({_us(t.seconds)} vs "
-                    f"{_us(t16.seconds)}): too small to gain")
-        parts = []
-        if math.isfinite(lc):
-            parts.append(f"loss {lc:+.3%}")
-        ge = self.grad_error(fqn, fmt)
-        if math.isfinite(ge):
-            parts.append(f"grad err {ge:.3g}")
-        if t is not None:
-            parts.append(f"{t.seconds * 1e6:.0f} us")
-        return f"{name}: " + ", ".join(parts) + " (the search preferred another format overall)"
+        return profile_view.reason(self, fqn, fmt, max_loss_change=max_loss_change)
 
-    def fp8_reason(self, fqn: str, chosen: Format, *, max_loss_change: float = 0.01) -> str:
-        """For ``autoprec show``: why this layer is in ``chosen`` and, for a layer not in fp8,
-        why not in its fastest profiled FP8 recipe; for an fp8 layer, each profiled recipe's
-        speed against bf16 and its loss change, the chosen one first."""
-        recipes = [f for f in self.formats if f.is_fp8]
-        if not recipes:
-            return "fp8 not profiled"
-        if not chosen.is_fp8:
-            fastest = min(recipes, key=lambda f: _or_inf(self.seconds(fqn, f)))
-            return self.reason(fqn, fastest, max_loss_change=max_loss_change)
-        order = [chosen, *(f for f in recipes if f is not chosen)]
-        return "; ".join(("chosen: " if f is chosen else "") + self._recipe_summary(fqn, f)
-                         for f in order)
+    def fp8_reason(self, fqn: str, chosen: Format, *,
+                   max_loss_change: float = DEFAULT_MAX_LOSS_INCREASE) -> str:
+        """Why this layer is in ``chosen`` against the FP8 recipes (for ``autoprec show``);
+        see :func:`autoprec.profile_view.fp8_reason`."""
+        return profile_view.fp8_reason(self, fqn, chosen, max_loss_change=max_loss_change)
 
-    def _recipe_summary(self, fqn: str, fmt: Format) -> str:
-        lp = self.layer(fqn)
-        why = lp.fp8_blocker or lp.skipped.get(fmt, "")
-        if why:
-            return f"{fmt.recipe} skipped ({why.removeprefix(fmt.label + ' ')})"
-        t, t16 = lp.times.get(fmt), lp.times.get(Format.BF16)
-        speed = (f"{t16.seconds / t.seconds:.2f}x bf16" if t is not None and t16 is not None
-                 and t.seconds > 0 else "speed ?")
-        lc = self.loss_change(fqn, fmt)
-        loss = "non-finite" if math.isinf(lc) else f"loss {lc:+.3%}"
-        return f"{fmt.recipe} {speed}, {loss}"
-
-    # ------------------------------------------------------------ output
     def table(self) -> str:
-        fmts = [f for f in FORMAT_ORDER if f in self.formats]
-        low = [f for f in fmts if f is not Format.FP32]
-        header = ["layer", "kind", "shape (M,K,N)", "GFLOP", *[f"{f} err" for f in low],
-                  *[f"{f} us" for f in fmts], "verdict"]
-        rows = []
-        for lp in self.layers:
-            L = lp.layer
-            shape = ",".join(str(x) for x in L.matmuls[0][1:]) if L.matmuls else "-"
-            if len(L.matmuls) > 1:
-                shape += f" +{len(L.matmuls) - 1}"
-            row = [L.fqn, L.kind, shape, f"{L.flops / 1e9:.3f}"]
-            for f in low:
-                e = lp.sensitivity.get(f)
-                mark = "~" if e is not None and e.source == "estimated" else ""
-                row.append(("skip" if f in lp.skipped else "-") if e is None else
-                           ("NONFINITE" if not e.finite else f"{mark}{e.loss_rel_change:+.1e}"))
-            for f in fmts:
-                t = lp.times.get(f)
-                row.append("-" if t is None else f"{t.seconds * 1e6:.0f}" + ("*" if t.emulated
-                                                                             else ""))
-            rows.append([*row, self._verdict(lp, fmts)])
-        src = f"cost model {self.target}" if self.target else f"measured on {self.device}"
-        return (text_table(header, rows) + "\nerr: relative loss change with the layer alone in "
-                f"the format (~ first-order estimate, else measured); us: fwd+bwd microseconds "
-                f"({src}); * emulated (never counted as fast); skip: not measured, the format "
-                f"cannot win here (see `skipped`).\n{self.sensitivity_summary()}")
+        """The per-layer table of ``autoprec profile``."""
+        return profile_view.table(self)
 
     def sensitivity_summary(self) -> str:
         """One line: how many layer x format numbers were estimated and how many measured,
         and why the measured ones were (for ``autoprec show``)."""
-        est = sum(1 for lp in self.layers for e in lp.sensitivity.values()
-                  if e.source == "estimated")
-        meas = sum(1 for lp in self.layers for e in lp.sensitivity.values()
-                   if e.source == "measured")
-        skipped = sum(len(lp.skipped) for lp in self.layers)
-        why: dict[str, int] = {}
-        for lp in self.layers:
-            for reason in lp.exact_why.values():
-                why[reason] = why.get(reason, 0) + 1
-        detail = f" ({'; '.join(f'{r}: {n}' for r, n in why.items())})" if why else ""
-        return (f"sensitivity ({self.sensitivity_mode}): {est} layer x format pairs estimated "
-                f"to first order, {meas} measured exactly{detail}, {skipped} not measured "
-                "(cannot win here)")
-
-    def _verdict(self, lp: LayerProfile, fmts) -> str:
-        """Fastest format whose solo loss change stays under 1%."""
-        best, best_t = Format.FP32, lp.times.get(Format.FP32)
-        for f in fmts:
-            if f is Format.FP32 or not self.allows(lp.fqn, f):
-                continue
-            t = lp.times.get(f)
-            if t is None or t.emulated or abs(self.loss_change(lp.fqn, f)) > 0.01:
-                continue
-            if best_t is None or t.seconds < best_t.seconds:
-                best, best_t = f, t
-        flags = [f"{f} non-finite" for f, e in lp.sensitivity.items() if not e.finite]
-        return f"{best}" + (f" ({'; '.join(flags)})" if flags else "")
+        return profile_view.sensitivity_summary(self)
 
     def __str__(self) -> str:
         return self.table()
@@ -480,33 +395,64 @@ def _device_name(device: torch.device) -> str:
     return f"{device.type} ({device_name(device)})"
 
 
+@dataclass(frozen=True)
+class ProfileOptions:
+    """How :func:`profile` measures: batches, timing and sensitivity settings."""
+
+    # calibration batches of the task when no batches are given
+    n_batches: int = 1
+    # report progress on stderr (or a Reporter to report through)
+    progress: bool | Reporter = True
+    # timing rounds per layer, and the seconds of timing one layer x format may spend
+    # (the keyword `budget_s` of profile() sets it too)
+    repeats: int = 8
+    time_budget_s: float = 5.0
+    # "auto", "fast" or "exact" (see measure_sensitivity)
+    sensitivity: str = "auto"
+    # the error budget (a Budget, not seconds): "auto" measures the estimates near it exactly
+    budget: Budget | None = None
+
+    @classmethod
+    def of(cls, options: ProfileOptions | None, keywords: dict[str, Any]) -> ProfileOptions:
+        """``options`` with the fields given as keywords of profile() replaced, checked."""
+        if "budget_s" in keywords:
+            if "time_budget_s" in keywords:
+                raise TypeError("profile() got both budget_s and time_budget_s; they are one "
+                                "setting (seconds of timing per layer x format): pass one.")
+            keywords["time_budget_s"] = keywords.pop("budget_s")
+        opts = with_keywords(options, cls, keywords, "profile")
+        for name in ("n_batches", "repeats"):
+            value = getattr(opts, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"profile({name}=...) must be a positive integer, got "
+                                 f"{value!r}.")
+        check_sensitivity_mode(opts.sensitivity)  # before any model is built
+        return opts
+
+
 def profile(task, formats: Sequence[Format | str] = ("fp32", "bf16", "fp16", "fp8"), *,
             target: str | None = None, batches: Sequence[Any] | None = None,
-            layers: Sequence[str] | None = None, n_batches: int = 1, progress: bool = True,
-            repeats: int = 8, budget_s: float = 5.0, sensitivity: str = "auto",
-            budget: Budget | None = None, share: UnitRunner | None = None) -> Profile:
+            layers: Sequence[str] | None = None, options: ProfileOptions | None = None,
+            share: UnitRunner | None = None, **keywords: Any) -> Profile:
     """Measure every layer of ``task``'s model that computes, in every format.
 
     ``target=None`` times layers on the task's device; ``target="h100"`` (etc.) prices them
     with the cost model instead (numerics are still measured here). ``batches`` defaults to the
     task's first ``n_batches`` calibration batches. ``layers`` restricts the profile to these
-    fqns. ``repeats`` and ``budget_s``: timing rounds per layer and seconds per layer x format.
-    ``sensitivity``: "auto" (default: first-order estimates, the doubtful and those near
-    ``budget`` measured exactly), "fast" (estimates only) or "exact" (every pair measured);
-    see :func:`autoprec.measure.sensitivity.measure_sensitivity`.
+    fqns. The settings are the fields of ``options`` (a :class:`ProfileOptions`) or keywords
+    of their own, which override them: ``n_batches``, ``progress``, ``repeats`` and
+    ``time_budget_s`` (also spelled ``budget_s``: timing rounds per layer and seconds per
+    layer x format), ``sensitivity``: "auto" (default: first-order estimates, the doubtful and
+    those near the error budget ``budget`` measured exactly), "fast" (estimates only) or
+    "exact" (every pair measured); see
+    :func:`autoprec.measure.sensitivity.measure_sensitivity`.
 
     ``share``: runs the profile's units of layers, possibly split with other workers (see
     :mod:`autoprec.tuning.share`); ``share(units, work)`` returns each unit's rows and who did
     it. Without it this process does every layer in one unit.
     """
-    for name, value in (("n_batches", n_batches), ("repeats", repeats)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"profile({name}=...) must be a positive integer, got {value!r}.")
-    check_sensitivity_mode(sensitivity)  # before any model is built
-    if target is not None:
-        from autoprec.costmodel import resolve_target
-
-        resolve_target(target)  # an unknown target fails here, before any measurement
+    opts = ProfileOptions.of(options, keywords)
+    source = CostSource.of(target)  # an unknown target fails here, before any measurement
     if batches is not None:  # the task's own batches were checked when it was built
         from autoprec.task import check_batches
 
@@ -515,9 +461,8 @@ def profile(task, formats: Sequence[Format | str] = ("fp32", "bf16", "fp16", "fp
     fmts = expand_formats(formats, where="in profile(formats=...)")
     if Format.FP32 not in fmts:
         fmts = (Format.FP32, *fmts)
-    ctx = _Context.build(task, fmts, target, batches, layers, n_batches, progress)
-    work = functools.partial(_profile_unit, ctx, repeats=repeats, budget_s=budget_s,
-                             mode=sensitivity, budget=budget or Budget())
+    ctx = _Context.build(task, fmts, source, batches, layers, opts)
+    work = functools.partial(_profile_unit, ctx, opts)
     fqns = [L.fqn for L in ctx.chosen]
     if share is None:
         rows, units = work(fqns), [{"layers": len(fqns), "by": worker_id(), "tries": 1}]
@@ -531,7 +476,7 @@ def profile(task, formats: Sequence[Format | str] = ("fp32", "bf16", "fp16", "fp
                    layers=[LayerProfile.from_dict(by_fqn[f]) for f in fqns],
                    edges=[tuple(e) for e in ctx.graph.edges],
                    fixed={L.fqn: L.kind for L in ctx.graph.layers if L.fqn not in set(fqns)},
-                   elapsed=time.perf_counter() - t_start, sensitivity_mode=sensitivity,
+                   elapsed=time.perf_counter() - t_start, sensitivity_mode=opts.sensitivity,
                    units=units)
 
 
@@ -563,57 +508,55 @@ class _Context:
 
     task: Any
     fmts: tuple[Format, ...]
-    target: str | None
+    source: CostSource
     model: Any
     example: Any
     graph: LayerGraph
     chosen: list[Layer]
     calib: list
-    progress: bool
+    reporter: Reporter
 
     @classmethod
-    def build(cls, task, fmts, target, batches, layers, n_batches, progress) -> _Context:
+    def build(cls, task, fmts: tuple[Format, ...], source: CostSource, batches, layers,
+              opts: ProfileOptions) -> _Context:
         model = task.build_model()
         # what the loss function runs the model on: `(inputs, labels)` batches whose loss_fn
         # calls model(inputs) are captured and timed as model(inputs)
         example = task.model_call(model, task.example_batch())
         graph: LayerGraph = capture(model, example)
         chosen = _computing_layers(graph, layers)
-        if target is not None and task.shape_batch is not None:
+        if source.priced and task.shape_batch is not None:
             chosen = _at_production_shapes(model, task.model_call(model, task.shape_batch),
                                            [L.fqn for L in chosen])
-        calib = list(batches) if batches is not None else list(task.batches[:n_batches])
+        calib = list(batches) if batches is not None else list(task.batches[:opts.n_batches])
         # every unit's sensitivity copies this model instead of building a fresh one (a
         # seconds-long init on a large model, once per unit)
         copying = copy.copy(task)
         copying.model = model
-        return cls(copying, fmts, target, model, example, graph, chosen, calib, progress)
+        return cls(copying, fmts, source, model, example, graph, chosen, calib,
+                   Reporter.of(opts.progress))
 
     def release(self) -> None:
         self.model = self.example = self.task = None
 
 
-def _profile_unit(ctx: _Context, fqns: list[str], *, repeats: int, budget_s: float, mode: str,
-                  budget: Budget) -> list[dict]:
+def _profile_unit(ctx: _Context, opts: ProfileOptions, fqns: list[str]) -> list[dict]:
     """One unit's rows (LayerProfile dicts): speed first (measured, or priced at production
     shapes), then the numerics of only the formats that can win: a format far slower than
     fp32 is never chosen for speed."""
     fmts, layer_of = ctx.fmts, {L.fqn: L for L in ctx.chosen}
     chosen = [layer_of[f] for f in fqns]
-    if ctx.target is None:
-        times = _measured_times(ctx, fqns, repeats, budget_s)
+    if ctx.source.measured:
+        times = _measured_times(ctx, fqns, opts)
     else:
-        # without the casts in and out of each layer: the search prices the step with the
-        # graph's edges, where a cast is paid only between layers of different dtypes
-        times = {L.fqn: {fmt: estimate_layer(L, fmt, ctx.target, boundary_casts=False)
-                         for fmt in fmts} for L in chosen}
-    skipped = {L.fqn: _cannot_win(L, times.get(L.fqn, {}), fmts) for L in chosen}
+        times = {L.fqn: {fmt: ctx.source.price_layer(L, fmt) for fmt in fmts} for L in chosen}
+    skipped = {L.fqn: _skips(L, times.get(L.fqn, {}), fmts) for L in chosen}
     low = [f for f in fmts if f is not Format.FP32]
-    bar = ProgressBar("sensitivity", enabled=ctx.progress)
-    why: dict[str, dict[Format, tuple[str, float]]] = {}
     only = {f: [x for x in low if x not in skipped[f]] for f in fqns}
-    errors = measure_sensitivity(ctx.task, fqns, low, batches=ctx.calib, progress=bar,
-                                 only=only, mode=mode, budget=budget, exact_why=why)
+    errors = measure_sensitivity(ctx.task, fqns, low, batches=ctx.calib, options=SensitivityOptions(
+        progress=ctx.reporter.bar("sensitivity"), only=only, mode=opts.sensitivity,
+        budget=opts.budget or Budget()))
+    why = errors.exact_why
     rows = [LayerProfile(layer=L, sensitivity=dict(errors.get(L.fqn, {})),
                          times=dict(times.get(L.fqn, {})), skipped=skipped[L.fqn],
                          exact_why={f: w for f, (w, _) in why.get(L.fqn, {}).items()},
@@ -622,15 +565,16 @@ def _profile_unit(ctx: _Context, fqns: list[str], *, repeats: int, budget_s: flo
     return [r.to_dict() for r in rows]
 
 
-def _measured_times(ctx: _Context, fqns: list[str], repeats: int, budget_s: float):
+def _measured_times(ctx: _Context, fqns: list[str], opts: ProfileOptions):
     """Each layer's time in each format the device runs natively; a format it only emulates
     (FP8 on CPU) is not timed: it is never faster than fp32 there, so its time is fp32's (the
     floor measure_layers would report too) and timing it would only cost seconds per layer."""
     support = supported_formats(ctx.task.device)
     native = [f for f in ctx.fmts if support[f] is Support.NATIVE]
-    log(f"timing {len(fqns)} layers x {len(native)} formats", ctx.progress)
-    times = _own_times(measure_layers(ctx.model, ctx.example, fqns, native, repeats=repeats,
-                                      budget_s=budget_s), fqns)
+    ctx.reporter.log(f"timing {len(fqns)} layers x {len(native)} formats")
+    timing = TimingOptions(repeats=opts.repeats, budget_s=opts.time_budget_s)
+    times = _own_times(measure_layers(ctx.model, ctx.example, fqns, native, options=timing),
+                       fqns)
     for fqn in fqns:
         t32 = times[fqn].get(Format.FP32)
         for fmt in ctx.fmts:
@@ -642,41 +586,18 @@ def _measured_times(ctx: _Context, fqns: list[str], repeats: int, budget_s: floa
     return times
 
 
-def _or_inf(x: float) -> float:
-    return x if math.isfinite(x) else math.inf
-
-
-def _us(seconds: float) -> str:
-    return f"{seconds * 1e6:.0f} us" if seconds >= 1e-5 else f"{seconds * 1e6:.1f} us"
-
-
-# A format this many times slower than fp32 on a layer cannot win on this device.
-_CANNOT_WIN = 2.0
-
-
-def _cannot_win(layer: Layer, times: Mapping[Format, LayerTime],
-                fmts: Sequence[Format]) -> dict[Format, str]:
-    """Formats not worth measuring the numerics of for ``layer``, and why: fp8 the kernel does
-    not take (it would run bf16), a format the device only emulates, one at least twice as
-    slow as fp32 here, or an fp8 recipe no faster than bf16 (which is as fast and more
-    precise)."""
+def _skips(layer: Layer, times: Mapping[Format, LayerTime],
+           fmts: Sequence[Format]) -> dict[Format, str]:
+    """The timed formats not worth measuring the numerics of for ``layer``, and why: those
+    that cannot win on it (:func:`autoprec.verdict.can_win` before any numerics)."""
+    blocker = LayerProfile(layer).fp8_blocker
     out = {}
-    t32, t16 = times.get(Format.FP32), times.get(Format.BF16)
     for fmt in fmts:
-        t = times.get(fmt)
-        if fmt is Format.FP32 or t is None:
+        if times.get(fmt) is None:
             continue
-        blocker = LayerProfile(layer).fp8_blocker if fmt.is_fp8 else ""
-        if blocker:
-            out[fmt] = blocker
-        elif t.emulated:
-            out[fmt] = f"{fmt} only emulated here: never faster than fp32; numerics not measured"
-        elif t32 is not None and t32.ok and (not t.ok or t.seconds >= _CANNOT_WIN * t32.seconds):
-            what = "failed" if not t.ok else f"{t.seconds / t32.seconds:.1f}x the fp32 time"
-            out[fmt] = f"{fmt} cannot win here ({what}); numerics not measured"
-        elif fmt.is_fp8 and t16 is not None and t16.ok and t.seconds >= t16.seconds:
-            out[fmt] = (f"{fmt} not faster than bf16 here ({_us(t.seconds)} vs "
-                        f"{_us(t16.seconds)}): bf16 is as fast and more precise")
+        verdict = can_win(fmt, times, blocker=blocker if fmt.is_fp8 else "")
+        if not verdict.can_win:
+            out[fmt] = verdict.why
     return out
 
 

@@ -17,6 +17,7 @@ from autoprec.formats import FORMAT_ORDER, Format
 from autoprec.policy import Policy
 from autoprec.profiling import Profile
 from autoprec.tuning.config import Grouping
+from autoprec.verdict import unit_can_win
 
 __all__ = ["group_layers", "split_outliers", "SearchSpace", "assignment_policy", "expand"]
 
@@ -235,18 +236,10 @@ def _member_error(prof: Profile, fqns: Sequence[str], fmt: Format, *, loss: bool
 
 
 def _not_offered(prof: Profile, fqns: Sequence[str], fmt: Format, t32: float) -> str:
-    """Why ``fmt`` is not offered for a unit of these layers ("" when it is)."""
-    lps = [prof.layer(f) for f in fqns]
-    if any(fmt in lp.skipped for lp in lps):
-        return "cannot win here (numerics not measured)"
-    if fmt.is_fp8 and any(lp.fp8_blocker for lp in lps):
-        return "FP8 does not take its matmuls"
-    if not all(prof.allows(f, fmt) for f in fqns):
-        return "non-finite"
-    t = sum(prof.seconds(f, fmt) for f in fqns)
-    if not (math.isfinite(t) and t < t32):
-        return "not faster than fp32 in the profile"
-    return ""
+    """Why ``fmt`` is not offered for a unit of these layers ("" when it is): the one
+    can-win rule (:mod:`autoprec.verdict`) on each layer, then on the unit's summed time."""
+    verdicts = [prof.verdict(f, fmt) for f in fqns]
+    return unit_can_win(verdicts, sum(prof.seconds(f, fmt) for f in fqns), t32)
 
 
 def assignment_policy(units: Mapping[str, Sequence[str]], choice: Mapping[str, str], *,
