@@ -55,8 +55,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoprec.costmodel import produced_elements
 from autoprec.formats import Format
-from autoprec.measure.capture import Layer
+from autoprec.graph import Layer
 from autoprec.policy import Policy
 
 __all__ = ["StepMemory", "MemoryModel", "measure_step_memory", "parse_size", "format_size"]
@@ -206,13 +207,17 @@ def _traced_step(model, batch, loss_fn, optimizer, scaler) -> StepMemory:
 
 
 # ============================================================================ predicting
-def _torchao_runs(layer: Layer, policy: Policy) -> bool:
-    """Whether ``apply`` would run this fp8 layer on torchao's Float8Linear (see
-    :func:`autoprec.runtime.engines.engine_for`; shape rules from the captured products)."""
-    from autoprec.runtime.engines import torchao_available
+def _torchao_runs(layer: Layer, fmt: Format, policy: Policy) -> bool:
+    """Whether ``apply`` would run this layer on torchao's Float8Linear: the one rule,
+    :func:`autoprec.runtime.engines.torchao_runs`, with the Linear's in and out features read
+    off its captured product (K and N)."""
+    from autoprec.runtime.engines import torchao_runs
 
-    return (layer.module_type == "Linear" and policy.fp8_engine != "autoprec"
-            and not any(layer.fp8_blockers()) and torchao_available())
+    if not layer.matmuls:
+        return False
+    p = layer.matmuls[0]
+    return torchao_runs(fmt, linear=layer.module_type == "Linear", in_features=p.k,
+                        out_features=p.n, engine=policy.fp8_engine)
 
 
 def _product_bytes(layer: Layer, fmt: Format, policy: Policy,
@@ -220,26 +225,29 @@ def _product_bytes(layer: Layer, fmt: Format, policy: Policy,
     """(bytes this layer itself keeps for backward beyond its FP32 input, whether it keeps its
     FP32 input alive). For weight layers the input is counted by the caller (it may be shared
     with sibling layers); for products of two activations both operands are counted here.
-    ``low_input``: the layer's inputs arrive in 16 bits, which only the rowwise recipes on
-    autoprec's engine keep as they are (the other formats copy, cast or are FP32 anyway)."""
+    ``low_input``: the layer's inputs arrive in 16 bits, which only the recipes whose kernel
+    saves its inputs (row scales, on autoprec's engine) keep as they are (the other formats
+    copy, cast or are FP32 anyway)."""
     weighted = layer.kind in _WEIGHT_KINDS
     own, keeps_fp32 = 0, False
     blockers = layer.fp8_blockers()
-    torchao = fmt.is_fp8 and weighted and _torchao_runs(layer, policy)
+    num = fmt.numerics
+    torchao = fmt.is_fp8 and weighted and _torchao_runs(layer, fmt, policy)
     for i, p in enumerate(layer.matmuls):
         a, b = p.batch * p.m * p.k, p.batch * p.k * p.n
-        if fmt is Format.FP32:
+        fp8 = fmt.is_fp8 and not (i < len(blockers) and blockers[i])
+        if fmt.autocast_dtype is None:  # fp32: the input itself, no copies
             own, keeps_fp32 = own + (0 if weighted else 4 * (a + b)), True
         elif fmt.is_fp8 and torchao:
             own += 2 * a
-        elif fmt.is_fp8 and not (i < len(blockers) and blockers[i]) and fmt.recipe != "tensorwise":
-            # rowwise saves its operands as they came: the weight is the parameter
+        elif fp8 and not num.saves_quantized:
+            # saves its operands as they came: the weight is the parameter
             if low_input:
                 own += 2 * a if weighted else 2 * (a + b)
             else:
                 own, keeps_fp32 = own + (0 if weighted else 4 * (a + b)), True
-        elif fmt.is_fp8 and not (i < len(blockers) and blockers[i]):
-            own += a + b
+        elif fp8:  # the quantized forward operands
+            own += a * num.fwd.a.itemsize + b * num.fwd.b.itemsize
         else:  # bf16, fp16, or fp8 the kernel does not take: autocast's 16-bit copies
             own += 2 * (a + b)
     return own, keeps_fp32
@@ -251,10 +259,6 @@ def _input_bytes(layer: Layer) -> int:
         return 0
     p = layer.matmuls[0]
     return 4 * p.batch * p.m * p.k
-
-
-def _output_elements(layer: Layer) -> int:
-    return sum(p.batch * p.m * p.n for p in layer.matmuls)
 
 
 def _shared_inputs(layers: Sequence[Layer], edges: Iterable[tuple[str, str]]) -> list[list[str]]:
@@ -314,7 +318,7 @@ class MemoryModel:
                     producers=producers)
         bf16 = measure(_BF16)
         formula = model.compute_peak(_BF16)
-        elements = sum(_output_elements(lay) for lay in model.layers)
+        elements = sum(produced_elements(lay) for lay in model.layers)
         if elements:
             model.residual_per_element = (bf16.compute_peak - formula) / elements
         return model
@@ -334,7 +338,7 @@ class MemoryModel:
                 keeps = keeps or keeps_fp32
                 change += own - base
                 if fmt is not Format.FP32 and policy.format_for(_parent(fqn)) is not Format.FP32:
-                    change += self.residual_per_element * _output_elements(lay)
+                    change += self.residual_per_element * produced_elements(lay)
             out[group[0]] = change + (0 if keeps else -fp32_input)
         return out
 
