@@ -22,7 +22,10 @@ __all__ = ["main"]
 
 
 def _profile_path(policy_path: str) -> str:
-    return os.path.splitext(policy_path)[0] + ".profile.json"
+    """The profile `tune` writes beside a policy."""
+    from autoprec.tuning.config import TunePaths
+
+    return TunePaths.from_output(policy_path).profile
 
 
 class _Terminated(KeyboardInterrupt):
@@ -139,13 +142,13 @@ def _writable_output(path: str, *side: str) -> None:
 def _check_tune_files(args) -> None:
     """Every file a tune reads or writes, checked before any work: none is two of them, each
     can be written, and the storage's file (SQLite, journal) can be opened for writing."""
+    from autoprec.tuning.config import TunePaths
     from autoprec.tuning.storage import check_storage, storage_file
 
     out = args.output
-    stem = os.path.splitext(out)[0]
-    side = {f"{stem}.profile.json": "the profile", f"{stem}.pareto.csv": "the trials' CSV",
-            f"{stem}.pareto.png": "the Pareto plot"}
-    study = storage_file(args.storage, f"{stem}.study.db")
+    paths = TunePaths.from_output(out)
+    side = paths.beside()
+    study = storage_file(args.storage, paths.study_db)
     task = _task_file(args.task)
     _distinct_files([(out, f"-o {out}", True),
                      *((path, f"{path} ({what} written beside -o {out})", True)
@@ -154,7 +157,7 @@ def _check_tune_files(args) -> None:
                       if args.storage is None else f"the file {study} of --storage", True),
                      (task, f"the task file {task}", False)])
     _writable_output(out, *side)
-    check_storage(args.storage, f"{stem}.study.db")
+    check_storage(args.storage, paths.study_db)
 
 
 def _cmd_tune(args) -> int:
@@ -294,8 +297,10 @@ def _provenance_text(prov) -> str:
 def _layer_reasons(policy, prof, prof_path: str) -> str:
     from autoprec._util import text_table
 
+    from autoprec.policy import DEFAULT_MAX_LOSS_INCREASE
+
     budget = policy.provenance.budget
-    limit = budget.max_loss_increase if budget is not None else 0.01
+    limit = budget.max_loss_increase if budget is not None else DEFAULT_MAX_LOSS_INCREASE
     rows = []
     mix: dict[str, float] = {}
     for lp in prof.layers:
@@ -456,33 +461,40 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _tune_parser(sub, fmts: dict, target: dict, sens: dict) -> None:
+def _tune_parser(sub, common: dict) -> None:
+    from autoprec.policy import Budget
+    from autoprec.tuning.config import default
+
+    budget = Budget()
     p = sub.add_parser("tune", help="search a per-layer policy and write it as YAML")
     p.add_argument("task")
-    p.add_argument("--sensitivity", **sens)
+    p.add_argument("--sensitivity", **common["sensitivity"])
     p.add_argument("-o", "--output", required=True, help="policy path, e.g. policies/NAME.yaml")
-    p.add_argument("--formats", **fmts)
-    p.add_argument("--target", **target)
-    p.add_argument("--max-loss-increase", type=_nonneg_float, default=0.01,
-                   help="relative loss change allowed vs FP32 (default 0.01 = 1%%)")
-    p.add_argument("--max-grad-error", type=_nonneg_float, default=0.25,
-                   help="relative gradient error allowed vs FP32 (default 0.25)")
-    p.add_argument("--n-trials", type=_positive_int, default=40,
-                   help="distinct policies to measure, warm starts included (default 40)")
-    p.add_argument("--timeout", type=_positive_float, default=None,
+    p.add_argument("--formats", **common["formats"])
+    p.add_argument("--target", **common["target"])
+    p.add_argument("--max-loss-increase", type=_nonneg_float, default=budget.max_loss_increase,
+                   help="relative loss change allowed vs FP32 (default "
+                        f"{budget.max_loss_increase:g} = {budget.max_loss_increase:.0%}".replace("%", "%%") + ")")
+    p.add_argument("--max-grad-error", type=_nonneg_float, default=budget.max_grad_error,
+                   help="relative gradient error allowed vs FP32 (default "
+                        f"{budget.max_grad_error:g})")
+    p.add_argument("--n-trials", type=_positive_int, default=default("n_trials"),
+                   help="distinct policies to measure, warm starts included (default "
+                        f"{default('n_trials')})")
+    p.add_argument("--timeout", type=_positive_float, default=default("timeout"),
                    help="seconds for this worker")
-    p.add_argument("--storage", default=None,
+    p.add_argument("--storage", default=default("storage"),
                    help="Optuna storage URL (sqlite:///, postgresql://, journal:PATH); "
                         "default: SQLite beside the output, so a rerun resumes")
-    p.add_argument("--study", type=_study_name, default=None,
+    p.add_argument("--study", type=_study_name, default=default("study_name"),
                    help="study name (share it between workers)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--groups", choices=["auto", "layer", "role"], default="auto",
+    p.add_argument("--seed", type=int, default=default("seed"))
+    p.add_argument("--groups", choices=["auto", "layer", "role"], default=str(default("grouping")),
                    help="one choice per layer, per role (transformer.h.*.mlp.c_fc) or auto")
     p.add_argument("--couple", type=_names, action="append", default=[], metavar="A,B,...",
                    help="sibling layers that share one choice because the model fuses them, "
                         "e.g. --couple q_proj,k_proj,v_proj (repeatable)")
-    p.add_argument("--max-memory", type=_size, default=None, metavar="SIZE",
+    p.add_argument("--max-memory", type=_size, default=default("max_memory"), metavar="SIZE",
                    help="peak training-step memory the policy may need, as predicted for the "
                         "task's calibration batch: bytes or 2GiB, 512MB (default: no limit)")
     p.add_argument("--validate-steps", type=_nonneg_int, default=0,
@@ -491,37 +503,50 @@ def _tune_parser(sub, fmts: dict, target: dict, sens: dict) -> None:
     p.set_defaults(fn=_cmd_tune)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _common_options() -> dict[str, dict]:
+    """The options several commands share: --formats, --target, --sensitivity."""
     from autoprec.costmodel import DEVICES
     from autoprec.formats import FP8_RECIPES
     from autoprec.measure.sensitivity import SENSITIVITY_MODES
+    from autoprec.tuning.config import default
 
-    ap = argparse.ArgumentParser(prog="autoprec", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    fmts = dict(nargs="+", default=["fp32", "bf16", "fp16", "fp8"],
-                choices=["fp32", "bf16", "fp16", "fp8", *(f"fp8:{r}" for r in FP8_RECIPES)],
-                help="formats to consider (default: all; fp8 means every FP8 recipe, "
-                     "fp8:<recipe> one of them)")
+    formats = dict(nargs="+", default=["fp32", "bf16", "fp16", "fp8"],
+                   choices=["fp32", "bf16", "fp16", "fp8", *(f"fp8:{r}" for r in FP8_RECIPES)],
+                   help="formats to consider (default: all; fp8 means every FP8 recipe, "
+                        "fp8:<recipe> one of them)")
     target = dict(default=None, choices=list(DEVICES),
                   help="price speed with the cost model of this device instead of measuring "
                        f"here: {', '.join(DEVICES)}")
+    sensitivity = dict(choices=list(SENSITIVITY_MODES), default=default("sensitivity"),
+                       help="how each layer x format's sensitivity is obtained: auto (default: "
+                            "first-order estimates from one reference pass, those near the "
+                            "budget or doubtful measured exactly), fast (estimates only), exact "
+                            "(all measured)")
+    return {"formats": formats, "target": target, "sensitivity": sensitivity}
 
-    sens = dict(choices=list(SENSITIVITY_MODES), default="auto",
-                help="how each layer x format's sensitivity is obtained: auto (default: "
-                     "first-order estimates from one reference pass, those near the budget or "
-                     "doubtful measured exactly), fast (estimates only), exact (all measured)")
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="autoprec", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    common = _common_options()
     p = sub.add_parser("profile", help="each layer's error and speed in each format")
     p.add_argument("task", help="path/file.py:function or package.module:function")
     p.add_argument("-o", "--output", help="write the profile as JSON")
-    p.add_argument("--formats", **fmts)
-    p.add_argument("--target", **target)
+    p.add_argument("--formats", **common["formats"])
+    p.add_argument("--target", **common["target"])
     p.add_argument("--batches", type=_positive_int, default=2,
                    help="calibration batches (default 2)")
-    p.add_argument("--sensitivity", **sens)
+    p.add_argument("--sensitivity", **common["sensitivity"])
     p.set_defaults(fn=_cmd_profile)
+    _tune_parser(sub, common)
+    _policy_parsers(sub)
+    return ap
 
-    _tune_parser(sub, fmts, target, sens)
+
+def _policy_parsers(sub) -> None:
+    """The commands that read a policy: validate, show, diff, export."""
+    from autoprec.policy import DEFAULT_MAX_LOSS_INCREASE
 
     p = sub.add_parser("validate", help="train with a policy and in FP32; compare loss curves")
     p.add_argument("policy")
@@ -529,7 +554,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_positive_int, default=100)
     p.add_argument("--tolerance", type=_nonneg_float, default=None,
                    help="allowed loss gap beyond FP32's run-to-run noise (default: the "
-                        "policy's max_loss_increase, else 0.01)")
+                        f"policy's max_loss_increase, else {DEFAULT_MAX_LOSS_INCREASE:g})")
     p.add_argument("--no-strict", action="store_true",
                    help="apply a policy made for another model anyway (warn, do not refuse)")
     p.set_defaults(fn=_cmd_validate)
@@ -560,7 +585,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-strict", action="store_true",
                    help="export what the target cannot express exactly anyway, with notes")
     p.set_defaults(fn=_cmd_export)
-    return ap
 
 
 def _one_line(e: BaseException) -> str:

@@ -26,7 +26,7 @@ import torch
 
 from autoprec._util import log
 from autoprec.measure.timer import Clock
-from autoprec.policy import Policy
+from autoprec.policy import DEFAULT_MAX_LOSS_INCREASE, Policy
 from autoprec.runtime.rewrite import apply
 from autoprec.task import Task, optimizer_step
 
@@ -143,14 +143,15 @@ def validate(task: Task, policy: Policy, *, steps: int = 100, tolerance: float |
     """Train ``steps`` steps in FP32 and with ``policy`` from the same initialization and
     judge the held-out loss gap against FP32's own run-to-run noise (see module docstring).
 
-    ``tolerance`` defaults to the budget the policy was tuned under, else 1%. ``strict``: a
+    ``tolerance`` defaults to the budget the policy was tuned under, else
+    :data:`~autoprec.policy.DEFAULT_MAX_LOSS_INCREASE`. ``strict``: a
     policy made for another model (fingerprint, patterns) is an error, as in ``apply``.
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"validate needs steps >= 1, got {steps!r}.")
     if tolerance is None:
         budget = policy.provenance.budget
-        tolerance = budget.max_loss_increase if budget is not None else 0.01
+        tolerance = budget.max_loss_increase if budget is not None else DEFAULT_MAX_LOSS_INCREASE
     if eval_batches is None:
         eval_batches = task.eval_batches if task.eval_batches is not None else task.batches[-2:]
     eval_batches = list(eval_batches)

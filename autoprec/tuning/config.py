@@ -1,5 +1,7 @@
-"""What a tune searches for and how: :class:`TuneConfig` (with :class:`~autoprec.policy.Budget`,
-:class:`Grouping` and :class:`TimingConfig`), checked before any work starts."""
+"""What a tune searches for and how: :class:`TuneConfig`, grouped into :class:`SearchConfig`
+(with :class:`~autoprec.policy.Budget` and :class:`Grouping`), :class:`StudyConfig` and
+:class:`TimingConfig`, checked before any work starts; and :class:`TunePaths`, the files a
+tune writes beside its policy."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import dataclasses
 import enum
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,7 +18,7 @@ from autoprec.formats import FORMAT_ORDER, Format, expand_formats
 from autoprec.measure.sensitivity import check_sensitivity_mode
 from autoprec.policy import Budget
 
-__all__ = ["TuneConfig", "TimingConfig", "Grouping"]
+__all__ = ["TuneConfig", "SearchConfig", "StudyConfig", "TimingConfig", "Grouping", "TunePaths"]
 
 
 class Grouping(str, enum.Enum):
@@ -79,22 +82,22 @@ class TimingConfig:
 
 
 @dataclass(frozen=True)
-class TuneConfig:
-    """Everything :func:`autoprec.tune` needs besides the task."""
+class SearchConfig:
+    """What a tune searches for: the formats, the budget and other constraints, the units, the
+    number of trials, and how the profile measures sensitivity."""
 
     # Formats the search may use; fp32 is always added (the reference and the fallback). A
     # bare "fp8" means every FP8 recipe; "fp8:rowwise" (etc.) names one.
     formats: tuple[Format, ...] = FORMAT_ORDER
     # How far the winner may move training from FP32.
     budget: Budget = field(default_factory=Budget)
+    # Peak training-step memory the winner may need, in bytes, as autoprec.memory predicts it
+    # (None: no limit).
+    max_memory: int | None = None
     # Trials in the study, warm starts included; a resumed study runs only the rest.
     n_trials: int = 40
     # Seconds this worker may search (None: until n_trials).
     timeout: float | None = None
-    # Optuna storage URL, `journal:PATH`, or None for SQLite beside the output.
-    storage: str | None = None
-    # Study name (share it between workers); None derives one from the task and the model.
-    study_name: str | None = None
     # Price step time with the cost model of this device instead of measuring it here.
     target: str | None = None
     # Seed of the sampler (and of everything random in the measurements).
@@ -104,8 +107,6 @@ class TuneConfig:
     # Sets of sibling layer names that share one choice (the model fuses them), e.g.
     # (("q_proj", "k_proj", "v_proj"),); see autoprec.tuning.space.group_layers.
     couple: tuple[tuple[str, ...], ...] = ()
-    # The policy path; the default study lives beside it (`<stem>.study.db`).
-    output: str | None = None
     # Error budgets of the integer-program warm starts, as fractions of max_loss_increase.
     milp_budgets: tuple[float, ...] = (0.25, 0.5, 1.0)
     # Calibration batches held out to judge trials (the rest are profiled).
@@ -113,22 +114,9 @@ class TuneConfig:
     # How the profile gets each layer x format's sensitivity: "auto" (first-order estimates,
     # those near the budget or doubtful measured exactly), "fast" or "exact".
     sensitivity: str = "auto"
-    timing: TimingConfig = field(default_factory=TimingConfig)
-    # Peak training-step memory the winner may need, in bytes, as autoprec.memory predicts it
-    # (None: no limit).
-    max_memory: int | None = None
 
     def __post_init__(self):
-        fmts = expand_formats(self.formats, where="in TuneConfig.formats")
-        if not fmts:
-            raise ValueError("TuneConfig.formats is empty; give at least one of "
-                             f"{', '.join(f.value for f in Format)}.")
-        fmts = [f for f in FORMAT_ORDER if f in set(fmts) | {Format.FP32}]
-        if fmts == [Format.FP32]:
-            raise ValueError("TuneConfig.formats (fp32,) leaves nothing to choose: fp32 is the "
-                             "reference every policy is compared with, always included; add "
-                             "at least one of bf16, fp16, fp8.")
-        object.__setattr__(self, "formats", tuple(fmts))
+        self._check_formats()
         couple = tuple(tuple(names) for names in self.couple)
         if any(isinstance(names, str) or len(names) < 2 for names in self.couple) or \
                 any(not isinstance(n, str) or not n for names in couple for n in names):
@@ -137,8 +125,6 @@ class TuneConfig:
         object.__setattr__(self, "couple", couple)
         if isinstance(self.budget, Mapping):
             object.__setattr__(self, "budget", Budget(**self.budget))
-        if isinstance(self.timing, Mapping):
-            object.__setattr__(self, "timing", TimingConfig(**self.timing))
         if not isinstance(self.grouping, Mapping):
             try:
                 object.__setattr__(self, "grouping", Grouping(str(self.grouping).lower()))
@@ -162,6 +148,32 @@ class TuneConfig:
 
             resolve_target(self.target)  # an unknown target fails here, before any work
             object.__setattr__(self, "target", str(self.target).strip().lower())
+
+    def _check_formats(self) -> None:
+        fmts = expand_formats(self.formats, where="in TuneConfig.formats")
+        if not fmts:
+            raise ValueError("TuneConfig.formats is empty; give at least one of "
+                             f"{', '.join(f.value for f in Format)}.")
+        fmts = [f for f in FORMAT_ORDER if f in set(fmts) | {Format.FP32}]
+        if fmts == [Format.FP32]:
+            raise ValueError("TuneConfig.formats (fp32,) leaves nothing to choose: fp32 is the "
+                             "reference every policy is compared with, always included; add "
+                             "at least one of bf16, fp16, fp8.")
+        object.__setattr__(self, "formats", tuple(fmts))
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    """Where a tune keeps its study and writes its policy."""
+
+    # Optuna storage URL, `journal:PATH`, or None for SQLite beside the output.
+    storage: str | None = None
+    # Study name (share it between workers); None derives one from the task and the model.
+    study_name: str | None = None
+    # The policy path; the default study lives beside it (`<stem>.study.db`).
+    output: str | None = None
+
+    def __post_init__(self):
         if self.study_name is not None and (not isinstance(self.study_name, str)
                                             or not self.study_name.strip()):
             raise ValueError(f"Study name {self.study_name!r} is empty; give a name with at "
@@ -174,18 +186,96 @@ class TuneConfig:
             raise ValueError(f"-o/--output {self.output} is a directory; give the policy's file "
                              "path, e.g. policies/NAME.yaml.")
 
+    def paths(self, task_name: str) -> TunePaths:
+        """The files of this tune: beside ``output``, or beside ``autoprec-<task>.yaml``."""
+        return TunePaths.from_output(self.output or
+                                     f"autoprec-{re.sub(r'[^A-Za-z0-9_.-]', '_', task_name)}.yaml")
+
+
+# Each group's fields, by flat name: TuneConfig(n_trials=20, storage=...) sets them in their group.
+_GROUPS = {"search": SearchConfig, "study": StudyConfig, "timing": TimingConfig}
+_FLAT = {f.name: group for group in ("search", "study") for f in dataclasses.fields(_GROUPS[group])}
+
+
+@dataclass(frozen=True, init=False)
+class TuneConfig:
+    """Everything :func:`autoprec.tune` needs besides the task, in three groups: ``search``
+    (:class:`SearchConfig`: formats, budget, memory limit, trials, units), ``study``
+    (:class:`StudyConfig`: storage, study name, output) and ``timing`` (:class:`TimingConfig`).
+
+    Built from the groups or from their fields by name, ``TuneConfig(n_trials=20,
+    storage="journal:s.log")``; a field reads by name too (``config.n_trials``)."""
+
+    search: SearchConfig
+    study: StudyConfig
+    timing: TimingConfig
+
+    def __init__(self, search: SearchConfig | None = None, study: StudyConfig | None = None,
+                 timing: TimingConfig | Mapping[str, Any] | None = None, **fields: Any):
+        unknown = [k for k in fields if k not in _FLAT]
+        if unknown:
+            raise TypeError(f"Unknown tune option(s) {', '.join(unknown)}; TuneConfig's fields "
+                            f"are {', '.join(_FLAT)} and timing, plus max_loss_increase and "
+                            "max_grad_error.")
+        groups = {"search": search or SearchConfig(), "study": study or StudyConfig()}
+        for name in groups:
+            mine = {k: v for k, v in fields.items() if _FLAT[k] == name}
+            if mine:
+                groups[name] = dataclasses.replace(groups[name], **mine)
+        if timing is None:
+            timing = TimingConfig()
+        elif isinstance(timing, Mapping):
+            timing = TimingConfig(**timing)
+        for name, value in (*groups.items(), ("timing", timing)):
+            object.__setattr__(self, name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        # only called for names that are not attributes: a group's field, by its flat name
+        group = _FLAT.get(name)
+        if group is None:
+            raise AttributeError(f"TuneConfig has no field {name!r}.")
+        return getattr(object.__getattribute__(self, group), name)
+
     def replace(self, **changes: Any) -> TuneConfig:
-        """A copy with ``changes``; ``max_loss_increase`` and ``max_grad_error`` set the budget."""
+        """A copy with ``changes`` (fields by name, or whole groups); ``max_loss_increase``
+        and ``max_grad_error`` set the budget."""
         budget = {k: changes.pop(k) for k in ("max_loss_increase", "max_grad_error")
                   if k in changes}
         if budget:
-            changes["budget"] = dataclasses.replace(self.budget, **budget)
-        unknown = [k for k in changes if k not in {f.name for f in dataclasses.fields(self)}]
-        if unknown:
-            raise TypeError(f"Unknown tune option(s) {', '.join(unknown)}; TuneConfig's fields "
-                            f"are {', '.join(f.name for f in dataclasses.fields(self))}, plus "
-                            "max_loss_increase and max_grad_error.")
-        return dataclasses.replace(self, **changes)
+            changes["budget"] = dataclasses.replace(changes.get("budget", self.search.budget),
+                                                    **budget)
+        groups = {name: changes.pop(name, getattr(self, name)) for name in _GROUPS}
+        return TuneConfig(**groups, **changes)
+
+
+def default(name: str) -> Any:
+    """The default of a tune option, by its flat name (``n_trials``), for the CLI's help."""
+    fld = next(f for f in dataclasses.fields(_GROUPS[_FLAT[name]]) if f.name == name)
+    return fld.default_factory() if fld.default is dataclasses.MISSING else fld.default
+
+
+@dataclass(frozen=True)
+class TunePaths:
+    """The files of one tune, all derived from the policy's path (``-o``): the one place that
+    names the files beside the policy."""
+
+    policy: str
+    profile: str
+    study_db: str
+    csv: str
+    png: str
+
+    @classmethod
+    def from_output(cls, path: str | os.PathLike) -> TunePaths:
+        path = os.fspath(path)
+        stem = os.path.splitext(path)[0]
+        return cls(policy=path, profile=f"{stem}.profile.json", study_db=f"{stem}.study.db",
+                   csv=f"{stem}.pareto.csv", png=f"{stem}.pareto.png")
+
+    def beside(self) -> dict[str, str]:
+        """The files written beside the policy -> what each is (for messages)."""
+        return {self.profile: "the profile", self.csv: "the trials' CSV",
+                self.png: "the Pareto plot"}
 
 
 def _positive_int(name: str, value: Any) -> None:

@@ -12,6 +12,8 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from torch import nn
+
 from autoprec._util import move_to
 from autoprec.formats import Format
 from autoprec.measure.numerics import Deviation, Numerics, prepare_for_measurement
@@ -52,9 +54,11 @@ class Evaluator:
     batches and, when measuring, a timing copy and the fp32 step time; evaluates policies."""
 
     def __init__(self, task: Task, holdout: Sequence[Any], *, prof: Profile,
-                 target: str | None, timing: TimingConfig):
+                 target: str | None, timing: TimingConfig, model: nn.Module | None = None):
+        """``model``: a fresh build of the task's model to measure on (prepared for
+        measurement in place, so no one else's), or None to build one."""
         self.task, self.prof, self.target, self.timing = task, prof, target, timing
-        model = prepare_for_measurement(task.build_model())
+        model = prepare_for_measurement(model if model is not None else task.build_model())
         self.fingerprint = model_fingerprint(model)
         self.model_name = type(model).__name__
         self.numerics = Numerics(model, [move_to(b, task.device) for b in holdout],

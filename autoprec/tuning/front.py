@@ -9,10 +9,10 @@ import dataclasses
 import json
 from typing import Any
 
-from autoprec._util import log as _log
-from autoprec.policy import Policy
+from autoprec.policy import DEFAULT_MAX_LOSS_INCREASE, Policy, Provenance
 from autoprec.task import Task
-from autoprec.tuning.report import TrialResult, TuneResult, fallback_provenance
+from autoprec.tuning.report import (Reporter, TrialResult, TuneResult, fallback_provenance,
+                                    with_provenance)
 from autoprec.tuning.space import assignment_policy
 
 __all__ = ["validate_front"]
@@ -26,45 +26,65 @@ def validate_front(result: TuneResult, task: Task, *, steps: int, tolerance: flo
     what passed (``best``: all-fp32's trial, when there is one, after the last resort)."""
     from autoprec.validation import validate
 
+    report = Reporter(progress)
     units = result.units or {u: [u] for u in result.best.assignment}
     winner = result.best
-    # a repeat of a trial on the front is the same policy: validating it again tells nothing
-    candidates: list[TrialResult] = []
+    budget = result.policy.provenance.budget
+    tol = tolerance if tolerance is not None else (
+        budget.max_loss_increase if budget is not None else DEFAULT_MAX_LOSS_INCREASE)
+    rejected: list[tuple[TrialResult, Any]] = []
+    for cand in _candidates(result)[:max_candidates]:
+        policy = (result.policy if cand.number == winner.number else
+                  assignment_policy(units, cand.assignment, model_name=result.policy.model_name,
+                                    fingerprint=result.policy.fingerprint))
+        report(f"validating trial {cand.number} ({cand.speedup}) over {steps} steps")
+        val = validate(task, policy, steps=steps, tolerance=tol, progress=progress)
+        report(val.report())
+        if not val.passed:
+            rejected.append((cand, val))
+            continue
+        result.policy = with_provenance(policy, _passed(result, policy, cand, val, rejected,
+                                                                steps))
+        result.best = cand
+        result.validation = val
+        return result
+    return _all_fp32(result, rejected, steps)
+
+
+def _candidates(result: TuneResult) -> list[TrialResult]:
+    """The winner, then the rest of the Pareto front, fastest first; a repeat of a trial on the
+    front is the same policy: validating it again tells nothing."""
+    winner = result.best
+    out: list[TrialResult] = []
     seen: set[str] = set()
     for t in [winner] + [t for t in result.pareto if t.number != winner.number]:
         key = json.dumps(t.assignment, sort_keys=True)
         if key not in seen:
             seen.add(key)
-            candidates.append(t)
-    budget = result.policy.provenance.budget
-    tol = tolerance if tolerance is not None else (
-        budget.max_loss_increase if budget is not None else 0.01)
-    rejected: list[tuple[TrialResult, Any]] = []
-    for cand in candidates[:max_candidates]:
-        policy = (result.policy if cand.number == winner.number else
-                  assignment_policy(units, cand.assignment, model_name=result.policy.model_name,
-                                    fingerprint=result.policy.fingerprint))
-        _log(f"validating trial {cand.number} ({cand.speedup}) over {steps} steps", progress)
-        val = validate(task, policy, steps=steps, tolerance=tol, progress=progress)
-        _log(val.report(), progress)
-        if not val.passed:
-            rejected.append((cand, val))
-            continue
-        section = {"steps": steps, "gap": round(val.gap, 6), "noise": round(val.noise, 6),
-                   "passed": True, "trial": cand.number}
-        if not rejected:  # the winner passed: its provenance is the tune's
-            tuned = {**(result.policy.tuned or {}), "validation": section}
-        else:
-            section["rejected"] = _rejected(rejected)
-            verdict = _rejections(rejected, steps) + [
-                f"wrote trial {cand.number}, the next-fastest policy on the Pareto front, which "
-                f"passed: its held-out loss gap {val.gap:+.3%} vs FP32 is within the allowed "
-                f"{val.tolerance + val.noise:.3%}", _speed_source(result, cand)]
-            tuned = fallback_provenance(result, policy, cand, verdict, section)
-        result.policy = dataclasses.replace(policy, tuned=tuned)
-        result.best = cand
-        result.validation = val
-        return result
+            out.append(t)
+    return out
+
+
+def _passed(result: TuneResult, policy: Policy, cand: TrialResult, val: Any,
+            rejected: list[tuple[TrialResult, Any]], steps: int) -> Provenance:
+    """The provenance of the policy that passed validation: the tune's, when it is the
+    winner; else its own, saying which policies were rejected and why."""
+    section = {"steps": steps, "gap": round(val.gap, 6), "noise": round(val.noise, 6),
+               "passed": True, "trial": cand.number}
+    prov = result.policy.provenance
+    if not rejected:  # the winner passed: its provenance is the tune's
+        return dataclasses.replace(prov, extra={**prov.extra, "validation": section})
+    section["rejected"] = _rejected(rejected)
+    verdict = _rejections(rejected, steps) + [
+        f"wrote trial {cand.number}, the next-fastest policy on the Pareto front, which "
+        f"passed: its held-out loss gap {val.gap:+.3%} vs FP32 is within the allowed "
+        f"{val.tolerance + val.noise:.3%}", _speed_source(result, cand)]
+    return fallback_provenance(result, policy, cand, verdict, section)
+
+
+def _all_fp32(result: TuneResult, rejected: list[tuple[TrialResult, Any]],
+              steps: int) -> TuneResult:
+    """The last resort: all-fp32, with its own provenance (no speed-up claimed)."""
     fp32 = next((t for t in result.trials if t.finite
                  and all(f == "fp32" for f in t.assignment.values())), None)
     policy = Policy(default="fp32", model_name=result.policy.model_name,
@@ -75,7 +95,7 @@ def validate_front(result: TuneResult, task: Task, *, steps: int, tolerance: flo
         "so no speed-up is claimed"]
     section = {"steps": steps, "passed": False,
                "note": "no Pareto policy passed; fell back to fp32", "rejected": _rejected(rejected)}
-    result.policy = dataclasses.replace(policy, tuned=fallback_provenance(
+    result.policy = with_provenance(policy, fallback_provenance(
         result, policy, None, verdict, section, memory=None if fp32 is None else fp32.memory))
     if fp32 is not None:
         result.best = fp32

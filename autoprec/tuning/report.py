@@ -1,5 +1,6 @@
-"""What a tune reports: each trial, the result (winner, Pareto front, the verdict), the files
-beside the policy (Pareto CSV and plot), and the provenance written into the policy."""
+"""What a tune reports: each trial as the study keeps it (:class:`TrialRecord`) and as the
+result lists it (:class:`TrialResult`), the result (winner, Pareto front, the verdict), the
+files beside the policy (Pareto CSV and plot), and the provenance written into the policy."""
 
 from __future__ import annotations
 
@@ -14,13 +15,112 @@ from typing import Any
 
 import torch
 
-from autoprec._util import atomic_write
+from autoprec._util import atomic_write, brief, log, number
 from autoprec.policy import Budget, Interval, Policy, Provenance
 from autoprec.profiling import Profile
 from autoprec.task import Task
+from autoprec.tuning.config import TunePaths
 from autoprec.tuning.select import Selection
 
-__all__ = ["TrialResult", "TuneResult", "pareto", "provenance", "fallback_provenance"]
+__all__ = ["Reporter", "TrialRecord", "TrialResult", "TuneResult", "pareto", "provenance",
+           "fallback_provenance", "with_provenance"]
+
+
+@dataclass(frozen=True)
+class Reporter:
+    """Where a tune's progress lines go: one line each on stderr, or nowhere (``enabled``
+    False). The one object passed down instead of a ``log`` function and a ``progress`` flag."""
+
+    enabled: bool = True
+
+    def __call__(self, msg: str) -> None:
+        log(msg, self.enabled)
+
+
+@dataclass(frozen=True)
+class TrialRecord:
+    """What one trial measured, as the study keeps it (Optuna user attributes, one key per
+    field): written by the trial, copied by a repeat of its policy, read back for the verdict.
+    A study is a file anyone may have written, so :meth:`from_attrs` checks every value."""
+
+    # (loss, gradient, memory) over their limits, each <= 0 within the budget; studies from
+    # before the memory constraint have two
+    constraints: tuple[float, ...] = (1.0, 1.0)
+    grad_error: float = math.nan
+    finite: bool = False
+    # speed-up over fp32 with its interval (None: derive it from the step time)
+    speedup: Interval | None = None
+    predicted: float | None = None
+    memory: int | None = None
+    origin: str = "search"
+
+    @property
+    def feasible(self) -> bool:
+        return self.finite and all(c <= 0 for c in self.constraints)
+
+    def to_attrs(self) -> dict[str, Any]:
+        """The user attributes the study keeps this record in."""
+        return {"constraints": list(self.constraints), "grad_error": self.grad_error,
+                "finite": self.finite,
+                "speedup": None if self.speedup is None else self.speedup.to_dict(),
+                "predicted": self.predicted, "memory": self.memory, "origin": self.origin}
+
+    def write(self, trial: Any) -> None:
+        """Store this record in ``trial`` (an ``optuna.Trial``), constraints included."""
+        for key, value in self.to_attrs().items():
+            trial.set_user_attr(key, value)
+        for name, value in zip(("loss_increase", "grad_error", "memory"), self.constraints):
+            trial.set_constraint(name, float(value))
+
+    @classmethod
+    def from_trial(cls, trial: Any, where: str = "the study") -> TrialRecord:
+        """The record of ``trial`` (an Optuna trial, frozen or running), each value checked:
+        a value of the wrong type is a one-line ValueError naming the trial and the key."""
+        return cls.from_attrs(trial.user_attrs, f"{where}, trial {trial.number}")
+
+    @classmethod
+    def from_attrs(cls, attrs: Any, where: str) -> TrialRecord:
+        values: dict[str, Any] = {}
+        for key, read in _READERS.items():
+            if attrs.get(key) is None:
+                continue
+            try:
+                values[key] = read(attrs[key], key)
+            except ValueError as e:
+                raise ValueError(f"In {where}: {e} The study was not written by this version of "
+                                 "autoprec's tune; give this tune a new --study name or -o path."
+                                 ) from None
+        return cls(**values)
+
+
+def _constraints(value: Any, key: str) -> tuple[float, ...]:
+    if not isinstance(value, (list, tuple)) or not 2 <= len(value) <= 3:
+        raise ValueError(f"`{key}` must be a list of 2 or 3 numbers, got {brief(value)}.")
+    return tuple(number(v, f"`{key}`") for v in value)
+
+
+def _flag(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"`{key}` must be true or false, got {brief(value)}.")
+    return value
+
+
+def _count(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"`{key}` must be a whole number of bytes >= 0, got {brief(value)}.")
+    return value
+
+
+def _text(value: Any, key: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"`{key}` must be text, got {brief(value)}.")
+    return value
+
+
+# How each of a record's keys is read back (None, or missing: the field's default).
+_READERS = {"constraints": _constraints, "grad_error": lambda v, k: number(v, f"`{k}`"),
+            "finite": _flag, "speedup": lambda v, k: Interval.from_value(v, f"`{k}`"),
+            "predicted": lambda v, k: number(v, f"`{k}`"), "memory": _count, "origin": _text}
 
 
 @dataclass(frozen=True)
@@ -53,6 +153,16 @@ class TrialResult:
         d = dataclasses.asdict(self)
         d["speedup"] = self.speedup.to_dict()
         return d
+
+    @classmethod
+    def of(cls, trial: Any, fp32_seconds: float, where: str = "the study") -> TrialResult:
+        """A complete Optuna trial's result, from its values and its :class:`TrialRecord`."""
+        sec, li = trial.values
+        rec = TrialRecord.from_trial(trial, where)
+        speedup = rec.speedup or Interval(fp32_seconds / sec, fp32_seconds / sec,
+                                          fp32_seconds / sec, 0)
+        return cls(trial.number, dict(trial.params), sec, speedup, li, rec.grad_error,
+                   rec.feasible, rec.finite, rec.origin, rec.predicted, rec.memory)
 
 
 def pareto(trials: list[TrialResult]) -> list[TrialResult]:
@@ -116,13 +226,13 @@ class TuneResult:
 
     def save(self, path: str | os.PathLike, *, plot: bool = True) -> list[str]:
         """Write the policy YAML, the trials as ``<stem>.pareto.csv`` and a
-        ``<stem>.pareto.png`` plot beside it. Returns the written paths."""
-        path = os.fspath(path)
-        self.policy.save(path)
-        stem = os.path.splitext(path)[0]
-        written = [path, atomic_write(f"{stem}.pareto.csv", self._csv())]
+        ``<stem>.pareto.png`` plot beside it (see :class:`TunePaths`). Returns the written
+        paths."""
+        paths = TunePaths.from_output(path)
+        self.policy.save(paths.policy)
+        written = [paths.policy, atomic_write(paths.csv, self._csv())]
         if plot:
-            png = _plot_front(self, f"{stem}.pareto.png")
+            png = _plot_front(self, paths.png)
             if png:
                 written.append(png)
         return written
@@ -180,7 +290,7 @@ def _plot_front(result: TuneResult, path: str) -> str | None:
 
 
 def provenance(task: Task, result: TuneResult, budget: Budget, target: str | None,
-               prof: Profile) -> dict[str, Any]:
+               prof: Profile) -> Provenance:
     """The policy's ``tuned:`` section: where and how it was tuned, its measured speed-up with
     its interval, and the verdict."""
     if target is not None:
@@ -210,7 +320,7 @@ def provenance(task: Task, result: TuneResult, budget: Budget, target: str | Non
                       speedup=_bounded(result.speedup), loss_increase=result.best.loss_increase,
                       grad_error=result.best.grad_error,
                       verdict=tuple(sel.notes) if sel is not None else (),
-                      extra=extra).to_dict()
+                      extra=extra)
 
 
 def _fp8_runs_bf16(policy: Policy, prof: Profile | None) -> dict[str, str]:
@@ -230,7 +340,7 @@ def _bounded(speedup: Interval) -> Interval:
 
 def fallback_provenance(result: TuneResult, policy: Policy, trial: TrialResult | None,
                         verdict: list[str], validation: dict[str, Any], *,
-                        memory: int | None = None) -> dict[str, Any]:
+                        memory: int | None = None) -> Provenance:
     """The ``tuned:`` section of the policy validation fell back to (``trial``: its trial, or
     None for all-fp32): where it was tuned and the study as for the winner, everything else
     its own, never the rejected winner's (its speed-up, timing, memory, fp8_runs_bf16,
@@ -264,4 +374,9 @@ def fallback_provenance(result: TuneResult, policy: Policy, trial: TrialResult |
     extra["validation"] = validation
     return Provenance(device=old.device, torch=old.torch, task=old.task, budget=old.budget,
                       speedup=speedup, loss_increase=loss, grad_error=grad,
-                      verdict=tuple(verdict), extra=extra).to_dict()
+                      verdict=tuple(verdict), extra=extra)
+
+
+def with_provenance(policy: Policy, prov: Provenance) -> Policy:
+    """``policy`` carrying ``prov`` as its ``tuned:`` section."""
+    return dataclasses.replace(policy, tuned=prov.to_dict())

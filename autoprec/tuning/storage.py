@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import optuna
 
 from autoprec._util import unwritable_folder
 
-__all__ = ["open_storage", "check_storage", "storage_file", "StorageError"]
+__all__ = ["open_storage", "check_storage", "storage_file", "StorageError", "StudyHandle"]
 
 # Errors of workers racing to create Optuna's schema on a fresh database; the loser succeeds
 # once the tables exist.
@@ -102,6 +103,26 @@ def open_storage(storage: str | None, default_path: str) -> tuple[Any, str]:
             fix = "check the host, port, database name and credentials, and that the server runs"
         raise StorageError(f"Cannot open storage {_shown(storage)} ({kind}: {first}): {fix}.") \
             from None
+
+
+@dataclass(frozen=True)
+class StudyHandle:
+    """An open study and where it lives: the storage object it was opened on and its URL, kept
+    here rather than recovered from the study (Optuna keeps its storage private)."""
+
+    study: optuna.Study
+    storage: Any
+    url: str
+
+    @property
+    def name(self) -> str:
+        return self.study.study_name
+
+    def fail(self, number: int) -> None:
+        """Mark trial ``number`` of the study failed (a RUNNING trial a worker left behind)."""
+        sid = self.storage.get_study_id_from_name(self.name)
+        tid = self.storage.get_trial_id_from_study_id_trial_number(sid, number)
+        self.storage.set_trial_state_values(tid, state=optuna.trial.TrialState.FAIL)
 
 
 def _journal(path: str):

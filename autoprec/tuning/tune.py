@@ -24,18 +24,16 @@ import hashlib
 import json
 import math
 import os
-import re
 import signal
 import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any
 
 import optuna
+from torch import nn
 
-from autoprec._util import log as _log
 from autoprec._util import tensors, worker_id
 from autoprec.formats import Format, Support, supported_formats
 from autoprec.memory import format_size, memory_model
@@ -45,11 +43,12 @@ from autoprec.profiling import profile as run_profile
 from autoprec.task import Task
 from autoprec.tuning.config import TuneConfig
 from autoprec.tuning.evaluate import Evaluator
-from autoprec.tuning.report import TrialResult, TuneResult, pareto, provenance
+from autoprec.tuning.report import (Reporter, TrialRecord, TrialResult, TuneResult, pareto,
+                                    provenance, with_provenance)
 from autoprec.tuning.select import NOISE_ADVICE, Finalist, select
 from autoprec.tuning.share import SharedUnits, unit_studies
 from autoprec.tuning.space import SearchSpace, assignment_policy
-from autoprec.tuning.storage import open_storage
+from autoprec.tuning.storage import StudyHandle, open_storage
 from autoprec.tuning.warmstart import memory_warm_start, warm_starts
 
 __all__ = ["tune", "evaluate_policy"]
@@ -70,39 +69,42 @@ def tune(task: Task, config: TuneConfig | None = None, *, prof: Profile | None =
     """
     config = (config or TuneConfig()).replace(**options)
     with _Interrupts().installed() as interrupts:
-        return _tune(task, config, prof, progress, interrupts)
+        return _tune(task, config, prof, Reporter(progress), interrupts)
 
 
-def _tune(task: Task, config: TuneConfig, prof: Profile | None, progress: bool,
+def _tune(task: Task, config: TuneConfig, prof: Profile | None, log: Reporter,
           interrupts: _Interrupts) -> TuneResult:
-    log = partial(_log, enabled=progress)
     if len(task.batches) < 2:
         raise ValueError("tune needs at least 2 calibration batches: some to profile, "
                          f"some held out to judge policies; the task has {len(task.batches)}.")
     _note_emulated(task, config, log)
     n_holdout = min(config.n_holdout, len(task.batches) - 1)
-    study = _open_study(task, config, log)
-    prof = _stored_profile(study, task, config, prof, task.batches[:-n_holdout], progress)
+    # the study's identity and the evaluator share one build of the model (a seeded build:
+    # the same weights whenever it is built)
+    model = task.build_model()
+    handle = _open_study(task, model, config, log)
+    prof = _stored_profile(handle, task, config, prof, task.batches[:-n_holdout], log)
     space = SearchSpace.build(prof, config.formats, config.grouping, config.couple)
     log(f"search space: {len(space.units)} units over {len(prof.layers)} layers x "
         f"{len(config.formats)} formats")
     for line in [*space.split_summary(), *space.pruned_summary()]:
         log(line)
     ev = Evaluator(task, task.batches[-n_holdout:], prof=prof, target=config.target,
-                   timing=config.timing)
+                   timing=config.timing, model=model)
+    del model  # the evaluator owns it now (prepared for measurement in place)
     if ev.aa is not None:
         log(f"timing noise before the search: fp32 against itself {ev.aa} "
             f"(fp32 step {ev.fp32_seconds * 1e3:.0f} ms)")
         if ev.noise > config.timing.noise_limit:
             log(f"warning: this machine is noisy (a tie measured up to {ev.noise:.0%} off): "
                 f"timing may not be able to separate policies. What helps: {NOISE_ADVICE}")
-    _enqueue_warm_starts(study, prof, space, config, log)
-    _optimize(study, _Objective(ev, space, config, log, interrupts), space, config, log,
+    _enqueue_warm_starts(handle, prof, space, config, log)
+    _optimize(handle, _Objective(ev, space, config, log, interrupts), space, config, log,
               interrupts)
-    return _decide(study, task, ev, space, config, prof, log)
+    return _decide(handle, task, ev, space, config, log)
 
 
-def _note_emulated(task: Task, config: TuneConfig, log: Callable[[str], None]) -> None:
+def _note_emulated(task: Task, config: TuneConfig, log: Reporter) -> None:
     if config.target is not None:
         return
     support = supported_formats(task.device)
@@ -114,35 +116,40 @@ def _note_emulated(task: Task, config: TuneConfig, log: Callable[[str], None]) -
 
 
 # ------------------------------------------------------------------------- study
-def _identity(task: Task) -> dict[str, Any]:
+def _identity(task: Task, model: nn.Module) -> dict[str, Any]:
     """What a study's trials are only valid for: the model's layers and the batches' shapes."""
     def shapes(batch: Any) -> list:
         return [list(t.shape) for t in tensors(batch)]
 
-    return {"fingerprint": model_fingerprint(task.build_model()),
+    return {"fingerprint": model_fingerprint(model),
             "batches": shapes(task.batches[0]),
             "shape_batch": None if task.shape_batch is None else shapes(task.shape_batch)}
 
 
-def _open_study(task: Task, config: TuneConfig, log: Callable[[str], None]) -> optuna.Study:
+def _study_name(task: Task, config: TuneConfig, identity: dict[str, Any]) -> str:
+    """The study's name: the configured one, else the task's name and a hash of everything
+    the study's trials depend on."""
+    if config.study_name is not None:
+        return config.study_name
+    search = config.search
+    key = {"formats": [f.value for f in search.formats], "budget": search.budget.to_dict(),
+           "target": search.target, "groups": str(search.grouping), **identity}
+    if search.couple:
+        key["couple"] = [list(c) for c in search.couple]
+    if search.sensitivity != "auto":  # the profile stored in the study depends on it
+        key["sensitivity"] = search.sensitivity
+    if search.max_memory is not None:  # feasibility depends on it
+        key["max_memory"] = search.max_memory
+    key = json.dumps(key, sort_keys=True)
+    return f"{task.name}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+
+
+def _open_study(task: Task, model: nn.Module, config: TuneConfig, log: Reporter) -> StudyHandle:
     """The study of this task, model, batch shapes and objective: resumed when it exists, else
     new (saying so when the same task had a study for another model or objective)."""
-    output = config.output or f"autoprec-{re.sub(r'[^A-Za-z0-9_.-]', '_', task.name)}.yaml"
-    storage, url = open_storage(config.storage, os.path.splitext(output)[0] + ".study.db")
-    identity = _identity(task)
-    name = config.study_name
-    if name is None:
-        key = {"formats": [f.value for f in config.formats],
-               "budget": config.budget.to_dict(), "target": config.target,
-               "groups": str(config.grouping), **identity}
-        if config.couple:
-            key["couple"] = [list(c) for c in config.couple]
-        if config.sensitivity != "auto":  # the profile stored in the study depends on it
-            key["sensitivity"] = config.sensitivity
-        if config.max_memory is not None:  # feasibility depends on it
-            key["max_memory"] = config.max_memory
-        key = json.dumps(key, sort_keys=True)
-        name = f"{task.name}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+    storage, url = open_storage(config.storage, config.study.paths(task.name).study_db)
+    identity = _identity(task, model)
+    name = _study_name(task, config, identity)
     others = [s.study_name for s in storage.get_all_studies() if not unit_studies(s.study_name)]
     sampler = optuna.samplers.TPESampler(seed=config.seed, multivariate=True,
                                          n_startup_trials=8)
@@ -162,15 +169,14 @@ def _open_study(task: Task, config: TuneConfig, log: Callable[[str], None]) -> o
         raise ValueError(f"Study {name} in {url} was made for another {what}; its trials do not "
                          "apply to this one. Give this tune a new --study name, or a new -o path "
                          "(the default study lives beside the policy).")
-    study.set_user_attr("storage_url", url)
-    return study
+    return StudyHandle(study, storage, url)
 
 
-def _stored_profile(study: optuna.Study, task: Task, config: TuneConfig, prof: Profile | None,
-                    batches: Sequence[Any], progress: bool) -> Profile:
+def _stored_profile(handle: StudyHandle, task: Task, config: TuneConfig, prof: Profile | None,
+                    batches: Sequence[Any], log: Reporter) -> Profile:
     """The study's profile (a resumed tune, a second worker), else the given or a new one,
     stored in the study."""
-    log = partial(_log, enabled=progress)
+    study = handle.study
     if prof is None and "profile" in study.user_attrs:
         prof = Profile.from_dict(json.loads(study.user_attrs["profile"]))
         log(f"reusing the profile stored in study {study.study_name}")
@@ -180,10 +186,10 @@ def _stored_profile(study: optuna.Study, task: Task, config: TuneConfig, prof: P
             f"{config.sensitivity}), shared with any worker on study {study.study_name}")
         # the units of the profile are claimed through the storage, so workers started on the
         # same study split them (a killed worker's unit is redone once its lease runs out)
-        share = SharedUnits(study._storage, study.study_name, worker=worker_id(),
-                            progress=progress)
+        share = SharedUnits(handle.storage, study.study_name, worker=worker_id(),
+                            progress=log.enabled)
         prof = run_profile(task, formats=config.formats, target=config.target, batches=batches,
-                           progress=progress, sensitivity=config.sensitivity,
+                           progress=log.enabled, sensitivity=config.sensitivity,
                            budget=config.budget, share=share)
         log(prof.sensitivity_summary())
     if "profile" not in study.user_attrs:
@@ -191,17 +197,16 @@ def _stored_profile(study: optuna.Study, task: Task, config: TuneConfig, prof: P
     return prof
 
 
-def _fail_trials(study: optuna.Study, whose: Callable[[str], bool]) -> list[int]:
+def _fail_trials(handle: StudyHandle, whose: Callable[[str], bool]) -> list[int]:
     """Mark failed the RUNNING trials whose ``worker`` attribute ``whose`` accepts; returns
     their numbers. Best effort: another worker may finish or fail one at the same time."""
     failed = []
-    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+    for t in handle.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         who = t.user_attrs.get("worker")
         if not isinstance(who, str) or not whose(who):
             continue
         try:
-            study._storage.set_trial_state_values(t._trial_id,
-                                                  state=optuna.trial.TrialState.FAIL)
+            handle.fail(t.number)
         except Exception:  # noqa: BLE001 - finished meanwhile, or the storage is going away
             continue
         failed.append(t.number)
@@ -222,13 +227,14 @@ def _gone(who: str) -> bool:
     return False
 
 
-def _enqueue_warm_starts(study: optuna.Study, prof: Profile, space: SearchSpace,
-                         config: TuneConfig, log: Callable[[str], None]) -> None:
+def _enqueue_warm_starts(handle: StudyHandle, prof: Profile, space: SearchSpace,
+                         config: TuneConfig, log: Reporter) -> None:
     """All-fp32, each uniform format and the integer program's solutions, once per study; a
     warm start whose trial failed (interrupted, killed) is queued again on a rerun."""
     # a trial left RUNNING by a killed process on this host is failed now rather than after
     # the storage's heartbeat grace period, so its warm start is queued again below
-    orphans = _fail_trials(study, _gone)
+    study = handle.study
+    orphans = _fail_trials(handle, _gone)
     if orphans:
         log(f"trial(s) {', '.join(map(str, orphans))} were left running by a process that has "
             "exited: marked failed")
@@ -258,7 +264,7 @@ class _Objective:
     """One trial: the sampler's policy, its numerics and its step time."""
 
     def __init__(self, ev: Evaluator, space: SearchSpace, config: TuneConfig,
-                 log: Callable[[str], None], interrupts: _Interrupts | None = None):
+                 log: Reporter, interrupts: _Interrupts | None = None):
         self.ev, self.space, self.config, self.log = ev, space, config, log
         self.interrupts = interrupts or _Interrupts()
         # the trial an interrupt stopped mid-way, if one did
@@ -299,10 +305,8 @@ class _Objective:
         old = _earlier(trial.study, choice)
         if old is not None:
             # The sampler proposed a policy already measured: reuse it instead of re-running.
-            for key in ("constraints", "grad_error", "finite", "speedup", "predicted", "memory"):
-                trial.set_user_attr(key, old.user_attrs.get(key))
-            _set_constraints(trial, old.user_attrs.get("constraints"))
-            trial.set_user_attr("origin", f"repeat of {old.number}")
+            record = TrialRecord.from_trial(old, f"study {trial.study.study_name}")
+            dataclasses.replace(record, origin=f"repeat of {old.number}").write(trial)
             return tuple(old.values)
         policy = assignment_policy(self.space.units, choice, model_name=self.ev.model_name,
                                    fingerprint=self.ev.fingerprint)
@@ -321,17 +325,15 @@ class _Objective:
         cons = (li - budget.max_loss_increase,
                 (ge - budget.max_grad_error) if budget.max_grad_error is not None else -1.0,
                 (mem - limit) / limit if limit is not None else -1.0)
-        for key, value in (("constraints", cons), ("grad_error", ge), ("finite", finite),
-                           ("speedup", speedup.to_dict()), ("predicted", predicted),
-                           ("memory", mem)):
-            trial.set_user_attr(key, value)
-        _set_constraints(trial, cons)
-        origin = trial.user_attrs.get("origin", "search")
-        trial.set_user_attr("origin", origin)
-        feasible = finite and all(c <= 0 for c in cons)
+        # the origin a warm start was enqueued with, else the sampler's
+        origin = trial.user_attrs.get("origin")
+        record = TrialRecord(constraints=cons, grad_error=ge, finite=finite, speedup=speedup,
+                             predicted=predicted, memory=mem,
+                             origin=origin if isinstance(origin, str) else "search")
+        record.write(trial)
         self.log(f"trial {trial.number:3d}  {speedup}  loss {li:+.3%}  grad err {ge:.3g}  "
-                 f"memory {format_size(mem)}  {'ok' if feasible else 'over budget'}  "
-                 f"[{origin}]")
+                 f"memory {format_size(mem)}  {'ok' if record.feasible else 'over budget'}  "
+                 f"[{record.origin}]")
         return sec, li
 
 
@@ -340,14 +342,6 @@ def _earlier(study: optuna.Study, choice: dict[str, str]) -> optuna.trial.Frozen
         if old.params == choice:
             return old
     return None
-
-
-def _set_constraints(trial: optuna.Trial, cons) -> None:
-    if cons is not None:
-        trial.set_constraint("loss_increase", float(cons[0]))
-        trial.set_constraint("grad_error", float(cons[1]))
-        if len(cons) > 2:  # studies from before the memory constraint have two
-            trial.set_constraint("memory", float(cons[2]))
 
 
 class _Stop:
@@ -371,8 +365,9 @@ def _distinct(study: optuna.Study) -> int:
                 for t in study.get_trials(deepcopy=False, states=_COMPLETE)})
 
 
-def _optimize(study: optuna.Study, objective: _Objective, space: SearchSpace,
-              config: TuneConfig, log: Callable[[str], None], interrupts: _Interrupts) -> None:
+def _optimize(handle: StudyHandle, objective: _Objective, space: SearchSpace,
+              config: TuneConfig, log: Reporter, interrupts: _Interrupts) -> None:
+    study = handle.study
     n_trials = config.n_trials
     if space.size < n_trials:
         log(f"the search space holds only {space.size} policies: running {space.size} trials")
@@ -395,7 +390,7 @@ def _optimize(study: optuna.Study, objective: _Objective, space: SearchSpace,
     except KeyboardInterrupt:
         # an interrupt between Optuna's bookkeeping steps can leave this process's trial
         # RUNNING: fail it too, so the rerun queues its warm start again
-        _fail_trials(study, lambda who: who == worker_id())
+        _fail_trials(handle, lambda who: who == worker_id())
         if objective.abandoned is not None:
             log(f"trial {objective.abandoned} abandoned: marked failed, a rerun measures it "
                 "again")
@@ -493,23 +488,11 @@ class _Interrupts:
             self.in_trial = False
 
 
-def _trial_result(t: optuna.trial.FrozenTrial, fp32_seconds: float) -> TrialResult:
-    sec, li = t.values
-    ge = t.user_attrs.get("grad_error", math.nan)
-    finite = bool(t.user_attrs.get("finite", False))
-    cons = t.user_attrs.get("constraints", (1, 1))
-    speedup = Interval.from_value(t.user_attrs.get("speedup")) or \
-        Interval(fp32_seconds / sec, fp32_seconds / sec, fp32_seconds / sec, 0)
-    return TrialResult(t.number, dict(t.params), sec, speedup, li, ge,
-                       finite and all(c <= 0 for c in cons), finite,
-                       t.user_attrs.get("origin", "search"), t.user_attrs.get("predicted"),
-                       t.user_attrs.get("memory"))
-
-
 # ------------------------------------------------------------------------- the verdict
-def _decide(study: optuna.Study, task: Task, ev: Evaluator, space: SearchSpace,
-            config: TuneConfig, prof: Profile, log: Callable[[str], None]) -> TuneResult:
-    trials = [_trial_result(t, ev.fp32_seconds)
+def _decide(handle: StudyHandle, task: Task, ev: Evaluator, space: SearchSpace,
+            config: TuneConfig, log: Reporter) -> TuneResult:
+    study = handle.study
+    trials = [TrialResult.of(t, ev.fp32_seconds, f"study {study.study_name}")
               for t in study.get_trials(deepcopy=False, states=_COMPLETE)]
     feasible = [t for t in trials if t.feasible]
     if not feasible:
@@ -535,11 +518,10 @@ def _decide(study: optuna.Study, task: Task, ev: Evaluator, space: SearchSpace,
     policy = next(f.policy for f in finalists if f.number == sel.winner)
     result = TuneResult(policy=policy, best=best, fp32_seconds=sel.fp32_seconds,
                         pareto=pareto(feasible), trials=trials, best_warm_start=best_warm,
-                        study_name=study.study_name,
-                        storage=study.user_attrs.get("storage_url", ""), profile=prof,
+                        study_name=study.study_name, storage=handle.url, profile=ev.prof,
                         units=space.units, selection=sel)
-    result.policy = dataclasses.replace(policy, tuned=provenance(task, result, config.budget,
-                                                                 config.target, prof))
+    result.policy = with_provenance(policy, provenance(task, result, config.budget,
+                                                       config.target, ev.prof))
     return result
 
 
