@@ -60,7 +60,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from autoprec._util import ProgressFn, check_keys, decode_float, encode_float, floating, move_to
+from autoprec._util import check_keys, decode_float, encode_float, floating, move_to
 from autoprec.formats import FP8_E4M3, FP8_E5M2, FP8_FORMATS, Format
 from autoprec.measure.config import SensitivityOptions, with_keywords
 from autoprec.measure.estimate import estimate_during_reference, needs_exact
