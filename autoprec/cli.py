@@ -162,19 +162,20 @@ def _check_tune_files(args) -> None:
 
 def _cmd_tune(args) -> int:
     from autoprec.policy import Budget
-    from autoprec.tuning import TuneConfig, tune, validate_front
+    from autoprec.tuning import SearchConfig, StudyConfig, TuneConfig, tune, validate_front
+    from autoprec.tuning.config import TunePaths
 
     _more_than_fp32(args.formats, "choose")
     _check_tune_files(args)
-    config = TuneConfig(formats=tuple(args.formats),
-                        budget=Budget(args.max_loss_increase, args.max_grad_error),
-                        n_trials=args.n_trials, timeout=args.timeout, storage=args.storage,
-                        study_name=args.study, target=args.target, seed=args.seed,
-                        grouping=args.groups, output=args.output,
-                        couple=tuple(tuple(names) for names in args.couple),
-                        max_memory=args.max_memory, sensitivity=args.sensitivity)
+    search = SearchConfig(formats=tuple(args.formats),
+                          budget=Budget(args.max_loss_increase, args.max_grad_error),
+                          max_memory=args.max_memory, n_trials=args.n_trials,
+                          timeout=args.timeout, target=args.target, seed=args.seed,
+                          grouping=args.groups, sensitivity=args.sensitivity,
+                          couple=tuple(tuple(names) for names in args.couple))
+    study = StudyConfig(storage=args.storage, study_name=args.study, output=args.output)
     task = _load_task(args.task)
-    result = tune(task, config)
+    result = tune(task, TuneConfig(search=search, study=study))
     print(result.summary())
     if args.validate_steps:
         result = validate_front(result, task, steps=args.validate_steps)
@@ -183,8 +184,9 @@ def _cmd_tune(args) -> int:
                   file=sys.stderr)
     written = result.save(args.output)
     if result.profile is not None:
-        result.profile.save(_profile_path(args.output))
-        written.append(_profile_path(args.output))
+        profile = TunePaths.from_output(args.output).profile
+        result.profile.save(profile)
+        written.append(profile)
     print("wrote " + ", ".join(written))
     print(f"study: {result.study_name} in {result.storage}")
     return 0
