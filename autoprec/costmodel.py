@@ -6,7 +6,7 @@ and its two backward products (dgrad, wgrad), plus the casts into and out of the
 amax reductions and transposed copies, and a fixed cost per kernel. That is why small layers
 gain nothing from FP8 (torchao measured a 1024x2048x1024 linear at 0.80x of BF16 on H100,
 4096x8192x16384 at 1.39x) and the model reproduces the crossover. Which products run in FP8
-is the call registry's to say (:meth:`autoprec.measure.capture.Layer.fp8_blockers`): the
+is the call registry's to say (:meth:`autoprec.graph.Layer.fp8_blockers`): the
 others are priced as bf16, as they run.
 
 :func:`estimate_step` prices a whole assignment. Given the captured graph's edges it prices
@@ -36,11 +36,11 @@ from typing import Any
 import torch
 
 from autoprec.formats import FP8_FORMATS, Format, Numerics, Support
+from autoprec.graph import Layer
 from autoprec.measure.timing import MODEL_PREFIX, LayerTime
-from autoprec.runtime.calls import fp8_shape_supported
 
 __all__ = ["DeviceSpec", "DEVICES", "estimate_layer", "estimate_layers", "estimate_step",
-           "linear_seconds", "resolve_target", "kernel_class", "output_elements",
+           "linear_seconds", "resolve_target", "kernel_class", "as_layer", "output_elements",
            "produced_elements"]
 
 
@@ -105,9 +105,10 @@ class DeviceSpec:
             raise ValueError(f"DeviceSpec {self.name!r} must run fp32 natively: it is the "
                              "reference emulated formats are priced against.")
         for f, s in support.items():
-            if s is Support.NATIVE and not flops.get(f, 0) > 0:
+            rate = flops[f] if flops.has(f) else None
+            if s is Support.NATIVE and not (rate or 0) > 0:
                 raise ValueError(f"DeviceSpec {self.name!r} runs {f} natively but gives no "
-                                 f"positive matmul_flops for it (got {flops.get(f)!r}).")
+                                 f"positive matmul_flops for it (got {rate!r}).")
         for key in ("efficiency", "bandwidth_efficiency"):
             value = getattr(self, key)
             if not 0 < value <= 1:
@@ -199,13 +200,25 @@ def resolve_target(target: str | DeviceSpec) -> tuple[str, DeviceSpec]:
     return key, DEVICES[key]
 
 
-def _weight_operand(layer: Any, batch: int) -> bool:
+def as_layer(record: Any) -> Layer:
+    """``record`` as a :class:`~autoprec.graph.Layer`: a Layer as it is; anything else with
+    ``fqn``, ``kind`` and ``matmuls`` (and optionally ``module_type``, ``calls``, ``flops``,
+    ``bytes``, ``params``, else empty) made into one, so the model below reads one type."""
+    if isinstance(record, Layer):
+        return record
+    return Layer(fqn=record.fqn, kind=record.kind,
+                 module_type=getattr(record, "module_type", ""),
+                 matmuls=tuple(getattr(record, "matmuls", ()) or ()),
+                 calls=tuple(getattr(record, "calls", ()) or ()),
+                 **{k: int(getattr(record, k, 0)) for k in ("flops", "bytes", "params")})
+
+
+def _weight_operand(layer: Layer, batch: int) -> bool:
     """Whether the second operand of a matmul of this layer is a weight (cast from the FP32
     master) rather than an activation (only matters with graph edges)."""
-    kind = getattr(layer, "kind", "")
-    if kind in ("linear", "conv"):
+    if layer.kind in ("linear", "conv"):
         return True
-    return batch == 1 and getattr(layer, "params", 0) > 0
+    return batch == 1 and layer.params > 0
 
 
 def _gemm(m: int, k: int, n: int, in_bytes: int, out_bytes: int, flops: float,
@@ -292,25 +305,17 @@ def _boundary_casts(a: int, c: int, fmt: Format, spec: DeviceSpec) -> float:
     return sum(max(2 * el * per / bw, spec.launch_s) for el in (a, a, c, c)) / 2
 
 
-def _fp8_blockers(layer: Any) -> list[str]:
-    """Why each product of ``layer`` would not run in FP8 ("" where it would): from the call
-    registry for a captured Layer; by the kernel's shape rule alone for a bare record."""
-    if hasattr(layer, "fp8_blockers"):
-        return layer.fp8_blockers()
-    return [fp8_shape_supported(m, k, n)[1] for _, m, k, n in getattr(layer, "matmuls", ())]
-
-
-def _price(layer: Any, fmt: Format, spec: DeviceSpec, *,
+def _price(layer: Layer, fmt: Format, spec: DeviceSpec, *,
            boundary_casts: bool = True) -> tuple[float, bool, list[str]]:
-    """(seconds, emulated, notes) for one layer in one format on ``spec``."""
+    """(seconds, emulated, notes) for one layer in one format on ``spec``. Which products run
+    in FP8 is the call registry's to say (a record without calls: the shape rule alone)."""
     bw = spec.bandwidth * spec.bandwidth_efficiency
-    matmuls = tuple(getattr(layer, "matmuls", ()) or ())
-    kind = getattr(layer, "kind", "")
+    matmuls = layer.matmuls
     notes: list[str] = []
     emulated = False
     total = 0.0
     matmul_fp32_bytes = 0
-    blockers = _fp8_blockers(layer) if fmt.is_fp8 else [""] * len(matmuls)
+    blockers = layer.fp8_blockers() if fmt.is_fp8 else [""] * len(matmuls)
     for (b, m, k, n), blocker in zip(matmuls, blockers):
         matmul_fp32_bytes += _FP32 * b * (m * k + k * n + m * n)
         # A product FP8 does not take (the registry says why) runs, and is priced, as bf16.
@@ -335,11 +340,11 @@ def _price(layer: Any, fmt: Format, spec: DeviceSpec, *,
     # Elementwise work (softmax, masks, norms, lookups): memory-bound, and autocast keeps it
     # in FP32 in every format, so the format changes little. Backward moves about twice the
     # forward's bytes.
-    rest = max(0, int(getattr(layer, "bytes", 0)) - matmul_fp32_bytes)
+    rest = max(0, layer.bytes - matmul_fp32_bytes)
     if rest or not matmuls:
         total += 3 * rest / bw + 3 * spec.launch_s
     if not matmuls:
-        notes.append(f"memory-bound {kind or 'layer'}: the format changes little")
+        notes.append(f"memory-bound {layer.kind or 'layer'}: the format changes little")
     return total, emulated, notes
 
 
@@ -352,38 +357,19 @@ def linear_seconds(m: int, k: int, n: int, fmt: Format | str,
     this model to."""
     fmt = Format.parse(fmt)
     _, spec = resolve_target(target)
-    layer = _Linear(m, k, n)
+    # no elementwise work beyond the product's own operands
+    layer = Layer(fqn="linear", kind="linear", module_type="Linear", matmuls=((1, m, k, n),),
+                  calls=("linear",), params=k * n, bytes=_FP32 * (m * k + k * n + m * n))
     return _price(layer, fmt, spec, boundary_casts=False)[0]
 
 
-@dataclass(frozen=True)
-class _Linear:
-    m: int
-    k: int
-    n: int
-    fqn: str = "linear"
-    kind: str = "linear"
-
-    @property
-    def matmuls(self) -> tuple[tuple[int, int, int, int], ...]:
-        return ((1, self.m, self.k, self.n),)
-
-    @property
-    def params(self) -> int:
-        return self.k * self.n
-
-    @property
-    def bytes(self) -> int:  # no elementwise work beyond the product's own operands
-        return _FP32 * (self.m * self.k + self.k * self.n + self.m * self.n)
-
-
-def estimate_layer(layer: Any, fmt: Format | str, target: str | DeviceSpec, *,
+def estimate_layer(layer: Layer, fmt: Format | str, target: str | DeviceSpec, *,
                    boundary_casts: bool = True) -> LayerTime:
     """Roofline estimate of forward + backward seconds of ``layer`` in ``fmt`` on ``target``.
 
-    ``layer`` is an :class:`autoprec.measure.capture.Layer` or anything with ``fqn``, ``kind``,
-    ``matmuls`` ((batch, M, K, N) per forward), ``bytes`` (read + written per forward at FP32)
-    and ``params``. ``target`` is a key of ``DEVICES`` (h100, h200, a100, cpu-amx) or a
+    ``layer`` is an :class:`autoprec.graph.Layer` or a record :func:`as_layer` makes one of
+    (``fqn``, ``kind``, ``matmuls`` ((batch, M, K, N) per forward), ``bytes`` (read + written
+    per forward at FP32) and ``params``). ``target`` is a key of ``DEVICES`` (h100, h200, a100, cpu-amx) or a
     :class:`DeviceSpec`. Each matmul costs 3x its forward (dgrad, wgrad) at max(compute,
     memory), plus casts in and out of the format (and FP8's amax reductions and transposed
     copies) and a fixed cost per kernel. FP8 products the kernel cannot take run, and are
@@ -392,9 +378,10 @@ def estimate_layer(layer: Any, fmt: Format | str, target: str | DeviceSpec, *,
     from and out to FP32: the layer as part of a graph whose edges price those casts
     (:func:`estimate_step` with ``edges``), as the profile prices it.
     """
-    fmt = Format.parse(fmt, where=f"for layer `{getattr(layer, 'fqn', '?')}`")
+    layer = as_layer(layer)
+    fmt = Format.parse(fmt, where=f"for layer `{layer.fqn}`")
     key, spec = resolve_target(target)
-    fqn = getattr(layer, "fqn", "")
+    fqn = layer.fqn
     if spec.support[fmt] is Support.UNSUPPORTED:
         return LayerTime(fqn=fqn, format=fmt, seconds=math.inf, raw_seconds=math.inf, spread=0.0,
                          source=f"{MODEL_PREFIX}{key}", error=f"{key} cannot run {fmt}")
@@ -404,7 +391,7 @@ def estimate_layer(layer: Any, fmt: Format | str, target: str | DeviceSpec, *,
                      emulated=emulated, source=f"{MODEL_PREFIX}{key}", note="; ".join(notes))
 
 
-def _estimate(layer: Any, fmt: Format, spec: DeviceSpec, key: str, *,
+def _estimate(layer: Layer, fmt: Format, spec: DeviceSpec, key: str, *,
               boundary_casts: bool = True) -> tuple[tuple[float, float], bool, list[str]]:
     """((raw, floored) seconds, emulated, notes)."""
     raw, emulated, notes = _price(layer, fmt, spec, boundary_casts=boundary_casts)
@@ -419,32 +406,31 @@ def _estimate(layer: Any, fmt: Format, spec: DeviceSpec, key: str, *,
     return (raw, seconds), emulated, notes
 
 
-def estimate_layers(layers: Iterable[Any], formats: Iterable[Format | str],
+def estimate_layers(layers: Iterable[Layer], formats: Iterable[Format | str],
                     target: str | DeviceSpec) -> dict[str, dict[Format, LayerTime]]:
     """:func:`estimate_layer` for every layer and format, shaped like :func:`measure_layers`."""
     fmts = [Format.parse(f) for f in formats]
     return {layer.fqn: {f: estimate_layer(layer, f, target) for f in fmts} for layer in layers}
 
 
-def output_elements(layer: Any) -> int:
+def output_elements(layer: Layer) -> int:
     """Elements of the tensor a layer passes on along an edge (what a cast between two layers
     converts): its last product's result (attention's ``scores @ v``, not the scores), or for
     a layer without matmuls half its FP32 traffic (input and output of equal size)."""
-    matmuls = tuple(getattr(layer, "matmuls", ()) or ())
-    if matmuls:
-        b, m, _, n = matmuls[-1]
-        return b * m * n
-    return int(getattr(layer, "bytes", 0)) // (2 * _FP32)
+    if layer.matmuls:
+        p = layer.matmuls[-1]
+        return p.batch * p.m * p.n
+    return layer.bytes // (2 * _FP32)
 
 
-def produced_elements(layer: Any) -> int:
+def produced_elements(layer: Layer) -> int:
     """Elements of every product's result in one forward (all calls of a layer called twice,
     attention's scores too): what the elementwise work after the products reads and saves in
     the layer's output dtype (the memory model's residual is per such element)."""
-    return sum(p[0] * p[1] * p[3] for p in tuple(getattr(layer, "matmuls", ()) or ()))
+    return sum(p.batch * p.m * p.n for p in layer.matmuls)
 
 
-def estimate_step(layers: Iterable[Any], assignment: Mapping[str, Format | str],
+def estimate_step(layers: Iterable[Layer], assignment: Mapping[str, Format | str],
                   target: str | DeviceSpec, *,
                   edges: Iterable[tuple[str, str]] | None = None,
                   default: Format | str | None = None) -> float:
@@ -459,7 +445,7 @@ def estimate_step(layers: Iterable[Any], assignment: Mapping[str, Format | str],
     format of layers the assignment does not name; None makes a missing layer an error.
     """
     key, spec = resolve_target(target)
-    layers = list(layers)
+    layers = [as_layer(x) for x in layers]
     default_fmt = Format.parse(default, where="for `default`") if default is not None else None
     fmts: dict[str, Format] = {}
     for layer in layers:
