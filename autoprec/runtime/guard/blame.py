@@ -185,7 +185,8 @@ def failing(checks: Checks, formats: Mapping[str, Format]) -> bool:
 
 def pct(x: float) -> str:
     """12%, or 0.37% for shares under one percent (a rare overflow must not read as 0%)."""
-    return f"{x:.0%}" if x >= 0.01 or x == 0 else f"{x * 100:.2g}%"
+    percent = x * 100
+    return f"{x:.0%}" if percent >= 1 or x == 0 else f"{percent:.2g}%"
 
 
 def describe(f: Failure, fmt: Format | None) -> str:
