@@ -552,3 +552,34 @@ def test_a_guard_state_naming_what_the_model_lacks_is_refused_and_changes_nothin
     # the state as saved loads (the test can pass)
     get_guard(model).load_state_dict(state)
     assert get_guard(model).policy.format_for(POISONED) is Format.BF16
+
+
+def test_calls_are_attributed_to_the_innermost_running_module(gpt2_batch):
+    """The one attribution capture's hook tracer and the guard's discovery share: a call
+    belongs to the innermost module running it (GPT-2's attention core runs q @ k.T itself,
+    its c_attn and c_proj run their own addmm)."""
+    from autoprec.runtime.attribution import CallAttribution
+
+    class Log(CallAttribution):
+        def __init__(self):
+            super().__init__()
+            self.seen: list[tuple[str, str]] = []
+
+        def attribute(self, call, func, args, kwargs):
+            self.seen.append((self.owner(), call.name))
+            return func(*args, **kwargs)
+
+    model = tiny_gpt2()
+    log = Log()
+    handles = log.track(model.named_modules())
+    try:
+        with log:
+            model(**gpt2_batch)
+    finally:
+        for h in handles:
+            h.remove()
+    owners = {owner for owner, _ in log.seen}
+    assert ("transformer.h.0.attn.c_attn", "addmm") in log.seen
+    assert "transformer.h.0.attn" in owners  # the core's own matmul, not a child's
+    assert "transformer.h.0" not in owners and "" not in owners  # nothing left at a parent
+    assert log.running == []  # every module that entered left

@@ -49,7 +49,6 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -57,6 +56,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from autoprec._util import split_batch, tensors
 from autoprec.graph import METHODS, Layer, LayerGraph
 from autoprec.runtime import calls
+from autoprec.runtime.attribution import CallAttribution
 from autoprec.runtime.calls import KINDS, Product, class_kind, layer_kind
 
 __all__ = ["Layer", "LayerGraph", "CaptureError", "capture", "KINDS", "METHODS"]
@@ -480,6 +480,7 @@ class _HookState:
 
     def __init__(self):
         self.trace = _Trace(ops=[], values={})
+        # the modules running now, innermost last (kept by _CallLog, read by _OpLog too)
         self.stack: list[str] = []
         self.keys = WeakTensorKeyDictionary()  # tensor -> key of the value it holds now
         self.counter = iter(range(1 << 62))
@@ -498,23 +499,20 @@ class _HookState:
     def owner(self) -> str:
         return self.stack[-1] if self.stack else ""
 
-    def pop(self, module, args, output) -> None:
-        self.stack.pop()  # returns None: a forward hook's value would replace the output
 
-
-class _CallLog(TorchFunctionMode):
+class _CallLog(CallAttribution):
     """Records matmul-like calls as the registry's calls, as the FP8 router sees them
-    (F.linear, not the t + addmm it becomes below autograd; einsum, not its bmm)."""
+    (F.linear, not the t + addmm it becomes below autograd; einsum, not its bmm), each in the
+    innermost running module (the stack it keeps is the state's, which _OpLog reads too)."""
 
     def __init__(self, state: _HookState):
         super().__init__()
         self.state = state
+        self.running = state.stack
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        call = calls.lookup(func)
+    def attribute(self, call: calls.Call, func: Callable, args: tuple, kwargs: dict) -> Any:
         st = self.state
-        if call is None or st.inside:
+        if st.inside:
             return func(*args, **kwargs)
         st.inside.append(call)
         try:
@@ -522,10 +520,10 @@ class _CallLog(TorchFunctionMode):
         finally:
             st.inside.pop()
         try:
-            st.trace.ops.append(_call_op(call, args, kwargs, result, st.owner, st.key_of))
+            st.trace.ops.append(_call_op(call, args, kwargs, result, self.owner(), st.key_of))
         except Exception as e:
             raise RuntimeError(f"autoprec.capture(method='hooks') could not record {call.name} "
-                               f"in module {st.owner or '(root)'!r}: {e}") from e
+                               f"in module {self.owner() or '(root)'!r}: {e}") from e
         return result
 
 
@@ -565,13 +563,11 @@ class _OpLog(TorchDispatchMode):
 
 def _trace_hooks(model: nn.Module, args: tuple, kwargs: dict, modules: _Modules) -> _Trace:
     st = _HookState()
+    log = _CallLog(st)
     handles = []
     try:
-        for fqn, module in model.named_modules():
-            handles.append(module.register_forward_pre_hook(
-                lambda m, a, fqn=fqn: st.stack.append(fqn)))
-            handles.append(module.register_forward_hook(st.pop, always_call=True))
-        with torch.no_grad(), _OpLog(st), _CallLog(st):
+        handles = log.track(model.named_modules())
+        with torch.no_grad(), _OpLog(st), log:
             result = model(*args, **kwargs)
         st.trace.read_outputs([st.keys[t] for t in tensors(result) if t in st.keys])
     finally:

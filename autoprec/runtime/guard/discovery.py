@@ -4,24 +4,24 @@ attention core running ``q @ k.T`` has no layer class to know it by)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from autoprec.runtime import calls
+from autoprec.runtime.attribution import CallAttribution
 
 __all__ = ["Discovery"]
 
 
-class Discovery(TorchFunctionMode):
+class Discovery(CallAttribution):
     """Each registered call (``autoprec.runtime.calls``) is attributed to the innermost module
-    running it, and :func:`~autoprec.runtime.calls.layer_kind` judges each module by its own
-    calls. ``known``: fqn -> kind of the modules known to compute (by class; read live, the
-    guard adds the finds); ``found(fqn, module, own_calls)`` is told of each find and returns
-    the watch that checks this forward's output, if any; ``done(handles)`` is told once the
+    running it (``autoprec.runtime.attribution``), and
+    :func:`~autoprec.runtime.calls.layer_kind` judges each module by its own calls.
+    ``known``: fqn -> kind of the modules known to compute (by class; read live, the guard
+    adds the finds); ``found(fqn, module, own_calls)`` is told of each find and returns the
+    watch that checks this forward's output, if any; ``done(handles)`` is told once the
     forward is over and the hooks are removed."""
 
     def __init__(self, modules: dict[str, nn.Module], known: Mapping[str, str],
@@ -29,45 +29,35 @@ class Discovery(TorchFunctionMode):
                  done: Callable[[list], None]):
         super().__init__()
         self.known, self.found, self.done = known, found, done
-        self.stack: list[str] = []
         self.calls: dict[str, set[str]] = {}
         self.active = False
-        self.handles = []
         root = modules[""]
-        self.handles.append(root.register_forward_pre_hook(self._start))
-        # Bound methods (in partials), not closures: copy.deepcopy(model) rebinds them to the
-        # copy's guard, as the watches' hooks. Every module is on the stack (a call belongs to
-        # the innermost one); only those not yet known to compute are judged.
-        for fqn, module in modules.items():
-            self.handles.append(module.register_forward_pre_hook(partial(self._pre, fqn)))
-            self.handles.append(module.register_forward_hook(partial(self._post, fqn),
-                                                             with_kwargs=True, always_call=True))
-        self.handles.append(root.register_forward_hook(self._finish, always_call=True))
+        # Every module is on the stack (a call belongs to the innermost one); only those not
+        # yet known to compute are judged.
+        self.handles = [root.register_forward_pre_hook(self._start),
+                        *self.track(modules.items(), self._judge),
+                        root.register_forward_hook(self._finish, always_call=True)]
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        call = calls.lookup(func)
-        if call is not None and self.stack and self.stack[-1] not in self.known:
+    def tracking(self) -> bool:
+        return self.active  # the first training forward only
+
+    def attribute(self, call: calls.Call, func, args, kwargs):
+        owner = self.owner()
+        if self.running and owner not in self.known:
             # only what is new is written: a write made inside a higher-order op that
             # torch.compile traces (an FP8 autograd function, a checkpointed block) is a graph
             # break; the modules known by their class need no record
-            seen = self.calls.get(self.stack[-1])
+            seen = self.calls.get(owner)
             if seen is None or call.name not in seen:
-                self.calls.setdefault(self.stack[-1], set()).add(call.name)
-        return func(*args, **(kwargs or {}))
+                self.calls.setdefault(owner, set()).add(call.name)
+        return func(*args, **kwargs)
 
     def _start(self, module, args):
         if torch.is_grad_enabled() and not self.active:
             self.active = True
             self.__enter__()
 
-    def _pre(self, fqn: str, module, args):
-        if self.active:
-            self.stack.append(fqn)
-
-    def _post(self, fqn: str, module, args, kwargs, output):
-        if not self.active:
-            return None
-        self.stack.pop()
+    def _judge(self, fqn: str, module, args, kwargs, output):
         own = self.calls.get(fqn, set())
         if fqn not in self.known and calls.layer_kind(module, own) in calls.COMPUTING_KINDS:
             watch = self.found(fqn, module, own)
