@@ -4,6 +4,7 @@ beside a ``progress`` flag."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from autoprec._util import ProgressBar, log
 
@@ -17,12 +18,19 @@ class Reporter:
     enabled: bool = True
 
     @classmethod
-    def of(cls, progress: bool | Reporter) -> Reporter:
-        """A reporter as given, or one that reports when ``progress`` is true."""
-        return progress if isinstance(progress, Reporter) else cls(bool(progress))
+    def of(cls, progress: Any) -> Reporter:
+        """A reporter as given, one enabled like another reporter-like object (its
+        ``enabled``), or one that reports when ``progress`` is true."""
+        if isinstance(progress, Reporter):
+            return progress
+        return cls(bool(getattr(progress, "enabled", progress)))
 
     def log(self, msg: str) -> None:
         """One line on stderr."""
+        log(msg, self.enabled)
+
+    def __call__(self, msg: str) -> None:
+        """``reporter(msg)``: as :meth:`log`, where a ``log`` function was passed before."""
         log(msg, self.enabled)
 
     def bar(self, title: str) -> ProgressBar:

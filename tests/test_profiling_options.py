@@ -56,6 +56,8 @@ def test_a_cost_source_is_measured_or_priced():
     with pytest.raises(ValueError, match="needs a cost-model target"):
         measured.price_step([], {})
     assert Reporter.of(False) == Reporter(False) and Reporter.of(Reporter(True)).enabled
+    quiet = Reporter.of(Reporter(False))
+    assert not quiet.enabled and not Reporter.of(quiet).enabled
 
 
 def test_measure_layers_keywords_override_the_options():
