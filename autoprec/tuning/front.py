@@ -10,9 +10,9 @@ import json
 from typing import Any
 
 from autoprec.policy import DEFAULT_MAX_LOSS_INCREASE, Policy, Provenance
+from autoprec.reporter import Reporter
 from autoprec.task import Task
-from autoprec.tuning.report import (Reporter, TrialResult, TuneResult, fallback_provenance,
-                                    with_provenance)
+from autoprec.tuning.report import TrialResult, TuneResult, fallback_provenance, with_provenance
 from autoprec.tuning.space import assignment_policy
 
 __all__ = ["validate_front"]

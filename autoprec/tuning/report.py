@@ -15,26 +15,15 @@ from typing import Any
 
 import torch
 
-from autoprec._util import atomic_write, brief, log, number
+from autoprec._util import atomic_write, brief, number
 from autoprec.policy import Budget, Interval, Policy, Provenance
 from autoprec.profiling import Profile
 from autoprec.task import Task
 from autoprec.tuning.config import TunePaths
 from autoprec.tuning.select import Selection
 
-__all__ = ["Reporter", "TrialRecord", "TrialResult", "TuneResult", "pareto", "provenance",
+__all__ = ["TrialRecord", "TrialResult", "TuneResult", "pareto", "provenance",
            "fallback_provenance", "with_provenance"]
-
-
-@dataclass(frozen=True)
-class Reporter:
-    """Where a tune's progress lines go: one line each on stderr, or nowhere (``enabled``
-    False). The one object passed down instead of a ``log`` function and a ``progress`` flag."""
-
-    enabled: bool = True
-
-    def __call__(self, msg: str) -> None:
-        log(msg, self.enabled)
 
 
 @dataclass(frozen=True)

@@ -40,11 +40,12 @@ from autoprec.memory import format_size, memory_model
 from autoprec.policy import Interval, Policy, model_fingerprint
 from autoprec.profiling import Profile
 from autoprec.profiling import profile as run_profile
+from autoprec.reporter import Reporter
 from autoprec.task import Task
 from autoprec.tuning.config import TuneConfig
 from autoprec.tuning.evaluate import Evaluator
-from autoprec.tuning.report import (Reporter, TrialRecord, TrialResult, TuneResult, pareto,
-                                    provenance, with_provenance)
+from autoprec.tuning.report import (TrialRecord, TrialResult, TuneResult, pareto, provenance,
+                                    with_provenance)
 from autoprec.tuning.select import NOISE_ADVICE, Finalist, select
 from autoprec.tuning.share import SharedUnits, unit_studies
 from autoprec.tuning.space import SearchSpace, assignment_policy
@@ -189,7 +190,7 @@ def _stored_profile(handle: StudyHandle, task: Task, config: TuneConfig, prof: P
         share = SharedUnits(handle.storage, study.study_name, worker=worker_id(),
                             progress=log.enabled)
         prof = run_profile(task, formats=config.formats, target=config.target, batches=batches,
-                           progress=log.enabled, sensitivity=config.sensitivity,
+                           progress=log, sensitivity=config.sensitivity,
                            budget=config.budget, share=share)
         log(prof.sensitivity_summary())
     if "profile" not in study.user_attrs:
