@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from autoprec._util import text_table
-from autoprec.formats import FORMAT_ORDER, Format
+from autoprec.formats import Format
 from autoprec.policy import DEFAULT_MAX_LOSS_INCREASE
 from autoprec.pricing import CostSource
 from autoprec.verdict import CANNOT_WIN_RULES
@@ -33,7 +33,7 @@ def source_label(prof: Profile) -> str:
 
 def table(prof: Profile) -> str:
     """The per-layer table: shape, FLOPs, each format's error and time, and a verdict."""
-    fmts = [f for f in FORMAT_ORDER if f in prof.formats]
+    fmts = [f for f in Format if f in prof.formats]  # registered formats too
     low = [f for f in fmts if f is not Format.FP32]
     header = ["layer", "kind", "shape (M,K,N)", "GFLOP", *[f"{f} err" for f in low],
               *[f"{f} us" for f in fmts], "verdict"]

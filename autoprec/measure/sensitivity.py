@@ -61,7 +61,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from autoprec._util import check_keys, decode_float, encode_float, floating, move_to
-from autoprec.formats import FP8_E4M3, FP8_E5M2, FP8_FORMATS, Format
+from autoprec.formats import FP8_E4M3, FP8_E5M2, Format
 from autoprec.measure.config import SensitivityOptions, with_keywords
 from autoprec.measure.estimate import estimate_during_reference, needs_exact
 from autoprec.measure.numerics import Deviation, Numerics, prepare_for_measurement
@@ -87,8 +87,11 @@ SENSITIVITY_MODES = ("auto", "fast", "exact")
 # does not enter a difference; more batches average over inputs, at a linear cost.
 DEFAULT_N_BATCHES = 1
 
-# Formats whose exponent range is narrower than FP32's, so range statistics mean something.
-_RANGE_FORMATS = (Format.FP16, *FP8_FORMATS)
+
+def _narrow_range(fmt: Format) -> bool:
+    """Formats whose exponent range is narrower than FP32's, so range statistics mean
+    something: fp16 and every FP8 format, registered ones included."""
+    return fmt is Format.FP16 or fmt.is_fp8
 
 # ------------------------------------------------------------------------------ result
 @dataclass(frozen=True)
@@ -457,7 +460,7 @@ class _Plan:
         todo = [(name, fmt) for name in names for fmt in fmts
                 if only is None or name not in only
                 or fmt in {Format.parse(f) for f in only[name]}]
-        range_fmts = [f for f in _RANGE_FORMATS if f in fmts]
+        range_fmts = [f for f in Format if _narrow_range(f) and f in fmts]
         return cls(numerics, names, pinned, own, todo, range_fmts, opts)
 
     def tick(self, done: int, total: int, label: str) -> None:

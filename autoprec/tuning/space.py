@@ -13,7 +13,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from autoprec.formats import FORMAT_ORDER, Format
+from autoprec.formats import Format
 from autoprec.policy import Policy
 from autoprec.profiling import Profile
 from autoprec.tuning.config import Grouping
@@ -250,7 +250,7 @@ def assignment_policy(units: Mapping[str, Sequence[str]], choice: Mapping[str, s
     counts: dict[str, int] = {}
     for unit, fmt in choice.items():
         counts[fmt] = counts.get(fmt, 0) + len(units[unit])
-    order = {f.value: i for i, f in enumerate(FORMAT_ORDER)}
+    order = {f.value: i for i, f in enumerate(Format)}  # registered formats too
     default = max(counts, key=lambda f: (counts[f], -order[f]))
     listed = {unit for unit, fmt in choice.items() if fmt != default}
     # A unit left at the default must still be listed when a pattern of another unit reaches
