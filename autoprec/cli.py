@@ -508,12 +508,12 @@ def _tune_parser(sub, common: dict) -> None:
 def _common_options() -> dict[str, dict]:
     """The options several commands share: --formats, --target, --sensitivity."""
     from autoprec.costmodel import DEVICES
-    from autoprec.formats import FP8_RECIPES
+    from autoprec.formats import fp8_recipes
     from autoprec.measure.sensitivity import SENSITIVITY_MODES
     from autoprec.tuning.config import default
 
     formats = dict(nargs="+", default=["fp32", "bf16", "fp16", "fp8"],
-                   choices=["fp32", "bf16", "fp16", "fp8", *(f"fp8:{r}" for r in FP8_RECIPES)],
+                   choices=["fp32", "bf16", "fp16", "fp8", *(f"fp8:{r}" for r in fp8_recipes())],
                    help="formats to consider (default: all; fp8 means every FP8 recipe, "
                         "fp8:<recipe> one of them)")
     target = dict(default=None, choices=list(DEVICES),

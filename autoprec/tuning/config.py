@@ -17,6 +17,7 @@ from typing import Any
 from autoprec.formats import FORMAT_ORDER, Format, expand_formats
 from autoprec.measure.sensitivity import check_sensitivity_mode
 from autoprec.policy import Budget
+from autoprec.pricing import CostSource
 
 __all__ = ["TuneConfig", "SearchConfig", "StudyConfig", "TimingConfig", "Grouping", "TunePaths"]
 
@@ -143,18 +144,15 @@ class SearchConfig:
         if not self.milp_budgets or any(not 0 < b <= 1 for b in self.milp_budgets):
             raise ValueError(f"milp_budgets are fractions of the loss budget in (0, 1], got "
                              f"{self.milp_budgets!r}.")
-        if self.target is not None:
-            from autoprec.costmodel import resolve_target
-
-            resolve_target(self.target)  # an unknown target fails here, before any work
-            object.__setattr__(self, "target", str(self.target).strip().lower())
+        # an unknown target fails here, before any work; a known one in the cost model's spelling
+        object.__setattr__(self, "target", CostSource.of(self.target).key)
 
     def _check_formats(self) -> None:
         fmts = expand_formats(self.formats, where="in TuneConfig.formats")
         if not fmts:
             raise ValueError("TuneConfig.formats is empty; give at least one of "
                              f"{', '.join(f.value for f in Format)}.")
-        fmts = [f for f in FORMAT_ORDER if f in set(fmts) | {Format.FP32}]
+        fmts = [f for f in Format if f in set(fmts) | {Format.FP32}]  # registered ones too
         if fmts == [Format.FP32]:
             raise ValueError("TuneConfig.formats (fp32,) leaves nothing to choose: fp32 is the "
                              "reference every policy is compared with, always included; add "

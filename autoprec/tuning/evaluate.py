@@ -19,6 +19,7 @@ from autoprec.formats import Format
 from autoprec.measure.numerics import Deviation, Numerics, prepare_for_measurement
 from autoprec.measure.timer import Comparison, StepTimer, noise_of, quantile
 from autoprec.policy import Interval, Policy, model_fingerprint
+from autoprec.pricing import CostSource
 from autoprec.profiling import Profile
 from autoprec.task import Task, default_loss
 from autoprec.tuning.config import TimingConfig
@@ -58,6 +59,7 @@ class Evaluator:
         """``model``: a fresh build of the task's model to measure on (prepared for
         measurement in place, so no one else's), or None to build one."""
         self.task, self.prof, self.target, self.timing = task, prof, target, timing
+        self.source = CostSource.of(target)
         model = prepare_for_measurement(model if model is not None else task.build_model())
         self.fingerprint = model_fingerprint(model)
         self.model_name = type(model).__name__
@@ -68,7 +70,7 @@ class Evaluator:
         # each trial's fp32 step time / the calibrated one: the machine's noise during the
         # search, as the trials' own fp32 anchors saw it
         self.fp32_drift: list[float] = []
-        if target is None:
+        if self.source.measured:
             self.steps = StepTimer(copy.deepcopy(model), task.example_batch(),
                                    task.loss_fn or default_loss, task.make_optimizer,
                                    device=task.device)
@@ -105,7 +107,7 @@ class Evaluator:
     def predicted_ratio(self, policy: Policy) -> float | None:
         """The profile's prediction of ``policy``'s step time over fp32's: the fp32 step with
         each profiled layer's time swapped for its time in the policy's format."""
-        if self.target is not None or not math.isfinite(self.fp32_seconds):
+        if self.source.priced or not math.isfinite(self.fp32_seconds):
             return None
         fmts = expand(policy, self.prof)
         fp32 = {f: Format.FP32 for f in fmts}

@@ -17,6 +17,7 @@ import torch
 
 from autoprec._util import atomic_write, brief, number
 from autoprec.policy import Budget, Interval, Policy, Provenance
+from autoprec.pricing import CostSource
 from autoprec.profiling import Profile
 from autoprec.task import Task
 from autoprec.tuning.config import TunePaths
@@ -282,12 +283,7 @@ def provenance(task: Task, result: TuneResult, budget: Budget, target: str | Non
                prof: Profile) -> Provenance:
     """The policy's ``tuned:`` section: where and how it was tuned, its measured speed-up with
     its interval, and the verdict."""
-    if target is not None:
-        device = f"cost model: {target} (numerics on {task.device})"
-    elif task.device.type == "cuda":
-        device = torch.cuda.get_device_name(task.device)
-    else:
-        device = prof.device
+    device = CostSource.of(target).provenance_device(task.device, prof.device)
     distinct = len({json.dumps(t.assignment, sort_keys=True) for t in result.trials})
     extra: dict[str, Any] = {"study": {"name": result.study_name, "trials": len(result.trials),
                                        "distinct": distinct}}

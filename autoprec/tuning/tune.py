@@ -38,6 +38,7 @@ from autoprec._util import tensors, worker_id
 from autoprec.formats import Format, Support, supported_formats
 from autoprec.memory import format_size, memory_model
 from autoprec.policy import Interval, Policy, model_fingerprint
+from autoprec.pricing import CostSource
 from autoprec.profiling import Profile
 from autoprec.profiling import profile as run_profile
 from autoprec.reporter import Reporter
@@ -106,7 +107,7 @@ def _tune(task: Task, config: TuneConfig, prof: Profile | None, log: Reporter,
 
 
 def _note_emulated(task: Task, config: TuneConfig, log: Reporter) -> None:
-    if config.target is not None:
+    if CostSource.of(config.target).priced:
         return
     support = supported_formats(task.device)
     emulated = [f for f in config.formats if support[f] is not Support.NATIVE]
