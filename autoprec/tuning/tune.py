@@ -28,10 +28,11 @@ import signal
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import optuna
+import torch
 from torch import nn
 
 from autoprec._util import tensors, worker_id
@@ -85,7 +86,11 @@ def _tune(task: Task, config: TuneConfig, prof: Profile | None, log: Reporter,
     # the same weights whenever it is built)
     model = task.build_model()
     handle = _open_study(task, model, config, log)
-    prof = _stored_profile(handle, task, config, prof, task.batches[:-n_holdout], log)
+    # while the profile runs (its own copies on the device), the evaluator's build waits in
+    # host memory: a tune's device peak holds no model beyond the profile's; .to() moves the
+    # same tensors back bit for bit
+    with _parked(model, task.device):
+        prof = _stored_profile(handle, task, config, prof, task.batches[:-n_holdout], log)
     space = SearchSpace.build(prof, config.formats, config.grouping, config.couple)
     log(f"search space: {len(space.units)} units over {len(prof.layers)} layers x "
         f"{len(config.formats)} formats")
@@ -172,6 +177,19 @@ def _open_study(task: Task, model: nn.Module, config: TuneConfig, log: Reporter)
                          "apply to this one. Give this tune a new --study name, or a new -o path "
                          "(the default study lives beside the policy).")
     return StudyHandle(study, storage, url)
+
+
+@contextlib.contextmanager
+def _parked(model: nn.Module, device: torch.device) -> Iterator[None]:
+    """``model`` in host memory for the block when it lives on an accelerator."""
+    if device.type == "cpu":
+        yield
+        return
+    model.to("cpu")
+    try:
+        yield
+    finally:
+        model.to(device)
 
 
 def _stored_profile(handle: StudyHandle, task: Task, config: TuneConfig, prof: Profile | None,
