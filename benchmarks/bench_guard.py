@@ -108,12 +108,13 @@ class _HookClock:
         self.seconds = 0.0
 
     def __enter__(self):
-        from autoprec.runtime import guard as g
+        from autoprec.runtime.guard import Guard
+        from autoprec.runtime.guard.record import Watch
 
         self._saved = {}
-        for cls, names in ((g._Watch, ("pre_hook", "forward_hook", "grad_hook",
+        for cls, names in ((Watch, ("pre_hook", "forward_hook", "grad_hook",
                                        "weight_grad_hook")),
-                           (g.Guard, ("step",))):
+                           (Guard, ("step",))):
             for name in names:
                 fn = getattr(cls, name)
                 self._saved[(cls, name)] = fn

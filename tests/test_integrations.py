@@ -198,7 +198,7 @@ def test_trainer_with_policy_callback_trains_and_saves_a_plain_checkpoint(
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 3 and all(map(math.isfinite, losses)) and losses[-1] < losses[0]
     assert autoprec.applied_formats(model)["transformer.h.1.attn"] is Format.FP8
-    assert callback.guard is get_guard(model) and callback.guard._step == 3
+    assert callback.guard is get_guard(model) and callback.guard.ledger.step == 3
     check_formats(model, gpt2_batch, POLICY, FQNS)
     # a checkpoint of the policy-applied model is a plain HF checkpoint
     trainer.save_model(str(tmp_path / "ckpt"))
@@ -246,7 +246,7 @@ def test_policy_callback_added_after_prepare_under_bf16_is_refused(fresh_acceler
     callback = use_policy(trainer, Policy(default="bf16"), guard=True)
     assert autoprec.applied_formats(trainer.model) == {"": Format.BF16}
     trainer.train()
-    assert callback.guard._step == 1 and callback.guard.events == []
+    assert callback.guard.ledger.step == 1 and callback.guard.events == []
 
 
 # ----------------------------------------------------------------------------- state dicts

@@ -117,7 +117,7 @@ from autoprec.runtime.guard.config import GuardConfig, GuardEvent
 from autoprec.runtime.guard.demote import amend, demotion_reason, reapply
 from autoprec.runtime.guard.diagnose import Diagnostician, Poisoning
 from autoprec.runtime.guard.coverage import Coverage
-from autoprec.runtime.guard.record import Recorder, Watch
+from autoprec.runtime.guard.record import Recorder
 from autoprec.runtime.guard.ranks import Ranks
 from autoprec.runtime.guard.state import Ledger, check_version
 
@@ -126,8 +126,6 @@ __all__ = ["GuardConfig", "GuardEvent", "Guard", "get_guard"]
 logger = logging.getLogger(__name__)
 
 _GUARD_ATTR = "_autoprec_guard"
-# benchmarks/bench_guard.py times the hooks through this name
-_Watch = Watch
 
 
 def get_guard(model: nn.Module) -> Guard | None:
@@ -169,10 +167,6 @@ class Guard:
     def events(self) -> list[GuardEvent]:
         """Demotions so far, in order."""
         return self.ledger.events
-
-    @property
-    def _step(self) -> int:
-        return self.ledger.step
 
     @property
     def poisoned_since(self) -> int | None:

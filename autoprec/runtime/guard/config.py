@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from autoprec.formats import FP8_FORMATS, Format
+from autoprec.formats import Format
 
 __all__ = ["GuardConfig", "GuardEvent"]
 
@@ -35,8 +35,9 @@ class GuardConfig:
     patience: int = 2
     # Watch dL/d(output) of each watched layer as well as its outputs.
     check_gradients: bool = True
-    # Layers whose policy format is one of these are watched.
-    formats: tuple[Format, ...] = (Format.FP16, *FP8_FORMATS, Format.BF16)
+    # Layers whose policy format is one of these are watched ("fp8": every FP8 format
+    # registered when the config is made).
+    formats: tuple[Format | str, ...] = (Format.FP16, "fp8", Format.BF16)
     # With an enabled GradScaler, non-finite gradients count against a layer only once the
     # scaler's scale is at or below this (above it, backing off the scale is the remedy).
     min_loss_scale: float = 1.0
@@ -57,7 +58,8 @@ class GuardConfig:
         # a bare "fp8" means every FP8 recipe
         formats = tuple(dict.fromkeys(
             g for f in self.formats
-            for g in (FP8_FORMATS if isinstance(f, str) and f.strip().lower() == "fp8"
+            for g in ([h for h in Format if h.is_fp8]
+                      if isinstance(f, str) and f.strip().lower() == "fp8"
                       else (Format.parse(f, where="in GuardConfig.formats"),))))
         if Format.FP32 in formats:
             raise ValueError("GuardConfig.formats cannot include fp32: an fp32 layer has no "
