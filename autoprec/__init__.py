@@ -9,6 +9,7 @@ first use of their names.
 from __future__ import annotations
 
 from autoprec.formats import Format, Support, supported_formats
+from autoprec.graph import Layer, LayerGraph
 from autoprec.policy import (
     Budget,
     LossScaling,
@@ -70,8 +71,7 @@ __all__ = [
 ]
 
 _LAZY = {
-    "capture": "autoprec.measure.capture", "Layer": "autoprec.measure.capture",
-    "LayerGraph": "autoprec.measure.capture", "CaptureError": "autoprec.measure.capture",
+    "capture": "autoprec.measure.capture", "CaptureError": "autoprec.measure.capture",
     "profile": "autoprec.profiling", "Profile": "autoprec.profiling",
     "tune": "autoprec.tuning", "TuneConfig": "autoprec.tuning",
     "TuneResult": "autoprec.tuning", "Grouping": "autoprec.tuning",

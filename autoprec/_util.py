@@ -34,7 +34,6 @@ __all__ = [
     "write_json",
     "read_json",
     "read_bounded",
-    "json_depth",
     "check_keys",
     "check_schema",
     "text_table",

@@ -39,9 +39,16 @@ from autoprec.formats import FP8_FORMATS, Format, Numerics, Support
 from autoprec.graph import Layer
 from autoprec.measure.timing import MODEL_PREFIX, LayerTime
 
-__all__ = ["DeviceSpec", "DEVICES", "estimate_layer", "estimate_layers", "estimate_step",
-           "linear_seconds", "resolve_target", "kernel_class", "as_layer", "output_elements",
-           "produced_elements"]
+__all__ = [
+    "DeviceSpec",
+    "DEVICES",
+    "estimate_layer",
+    "estimate_layers",
+    "estimate_step",
+    "linear_seconds",
+    "resolve_target",
+    "produced_elements",
+]
 
 
 def kernel_class(fmt: Format) -> tuple[torch.dtype, tuple[int, int] | None]:

@@ -59,8 +59,6 @@ from autoprec.policy import Policy, PolicyError, load_policy
 from autoprec.runtime.calls import KERNEL_MULTIPLE, class_kind, layer_kind
 
 __all__ = [
-    "TARGETS",
-    "MEGATRON_NAMES",
     "ExportError",
     "Exported",
     "TorchaoRecipe",

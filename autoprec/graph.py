@@ -16,7 +16,7 @@ from autoprec._util import check_keys, check_schema, read_json, text_table, writ
 from autoprec.runtime import calls
 from autoprec.runtime.calls import KINDS, Product
 
-__all__ = ["Layer", "LayerGraph", "METHODS", "GRAPH_SCHEMA"]
+__all__ = ["Layer", "LayerGraph", "METHODS"]
 
 # The tracers a graph can come from (autoprec.measure.capture), in the order "auto" tries them.
 METHODS = ("export", "symbolic_trace", "hooks")

@@ -52,7 +52,6 @@ __all__ = [
     "Provenance",
     "LossScaling",
     "PolicyError",
-    "SCHEMA_VERSION",
     "DEFAULT_MAX_LOSS_INCREASE",
     "load_policy",
     "model_fingerprint",

@@ -18,8 +18,12 @@ from autoprec.verdict import CANNOT_WIN_RULES
 if TYPE_CHECKING:
     from autoprec.profiling import LayerProfile, Profile
 
-__all__ = ["table", "sensitivity_summary", "reason", "fp8_reason", "best_format",
-           "source_label"]
+__all__ = [
+    "table",
+    "sensitivity_summary",
+    "reason",
+    "fp8_reason",
+]
 
 # Verdicts that a layer's record explains itself (any other: the search preferred another
 # format overall, described by the layer's numbers).

@@ -53,8 +53,13 @@ from autoprec.reporter import Reporter
 from autoprec.runtime.calls import COMPUTING_KINDS
 from autoprec.verdict import Verdict, can_win
 
-__all__ = ["Profile", "LayerProfile", "ProfileOptions", "profile", "split_units",
-           "PROFILE_SCHEMA"]
+__all__ = [
+    "Profile",
+    "LayerProfile",
+    "ProfileOptions",
+    "profile",
+    "split_units",
+]
 
 # Version 2: LayerProfile's `errors` became `sensitivity`, LayerTime's `fmt` became `format`,
 # layers carry the registered call of each matmul. Version 1 files are read and migrated.

@@ -30,7 +30,7 @@ from autoprec.policy import DEFAULT_MAX_LOSS_INCREASE, Policy
 from autoprec.runtime.rewrite import apply
 from autoprec.task import Task, optimizer_step
 
-__all__ = ["validate", "ValidationResult", "train_run"]
+__all__ = ["validate", "ValidationResult"]
 
 
 @dataclass

@@ -253,3 +253,33 @@ def test_every_file_the_package_writes_goes_through_the_one_atomic_write():
                  for w in _writes_outside_atomic_write(path)]
     assert not offenders, ("write these through autoprec._util.atomic_write (an exclusive "
                            "temp file renamed over the target):\n" + "\n".join(offenders))
+
+
+def test_every_exported_function_and_constant_has_a_user_outside_its_module():
+    # __all__ is a module's interface, not its inventory: a function or constant listed there
+    # is called from another module, a test, a benchmark, an example or the README. Classes
+    # may stand alone (a data type a listed function returns).
+    import re
+
+    users = {}
+    for folder in ("autoprec", "tests", "benchmarks", "examples", "scripts"):
+        for here, _, files in os.walk(os.path.join(ROOT, folder)):
+            for f in files:
+                if f.endswith(".py"):
+                    path = os.path.join(here, f)
+                    users[path] = open(path, encoding="utf-8").read()
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    idle = []
+    for name, path in _modules().items():
+        tree = ast.parse(users[path])
+        exported = next((ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                         and [ast.unparse(t) for t in n.targets] == ["__all__"]), [])
+        classes = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+        for x in exported:
+            if x in classes:
+                continue
+            word = re.compile(rf"\b{re.escape(x)}\b")
+            if not word.search(readme) and not any(word.search(text) for p, text in users.items()
+                                                   if p != path):
+                idle.append(f"{name}.{x}")
+    assert not idle, f"listed in __all__ but used nowhere outside their module: {idle}"

@@ -194,7 +194,7 @@ def test_profile_measures_and_prices_each_recipe(llama_profile):
 
 
 def test_search_offers_the_recipes_a_layer_gains_from_and_couples_qkv(llama_profile):
-    from autoprec.tuning import SearchSpace
+    from autoprec.tuning.space import SearchSpace
     from autoprec.tuning.config import Grouping
 
     space = SearchSpace.build(llama_profile, llama_profile.formats, Grouping.LAYER,

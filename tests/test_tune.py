@@ -21,7 +21,10 @@ from tasks import overflow_gpt2_task, small_gpt2_task
 
 import autoprec
 from autoprec import Format, Policy
-from autoprec.tuning import group_layers, milp_assignments, open_storage, tune
+from autoprec.tuning import tune
+from autoprec.tuning.space import group_layers
+from autoprec.tuning.storage import open_storage
+from autoprec.tuning.warmstart import milp_assignments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS = os.path.join(ROOT, "tests", "tasks.py")

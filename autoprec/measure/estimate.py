@@ -57,7 +57,7 @@ from autoprec.measure.numerics import Numerics, all_finite
 from autoprec.policy import Budget, LossScaling, Policy
 from autoprec.runtime import rewrite
 
-__all__ = ["Estimate", "estimate_during_reference", "needs_exact", "EXACT_BAND"]
+__all__ = ["Estimate", "estimate_during_reference", "needs_exact"]
 
 # An estimated |loss change| in [low, high] x the budget is measured exactly: below, the
 # estimate's second-order error cannot matter; above, the layer is out of budget by itself.

@@ -41,8 +41,14 @@ from autoprec.policy import Interval, Policy
 from autoprec.runtime import rewrite
 from autoprec.task import optimizer_step
 
-__all__ = ["Clock", "Comparison", "StepTimer", "quantile", "ratio_interval", "noise_of",
-           "QUANTILE"]
+__all__ = [
+    "Clock",
+    "Comparison",
+    "StepTimer",
+    "quantile",
+    "ratio_interval",
+    "noise_of",
+]
 
 # The quantile of per-round minima that stands for a candidate's time.
 QUANTILE = 0.2

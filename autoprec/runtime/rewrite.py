@@ -67,8 +67,15 @@ from autoprec.policy import Policy, PolicyError, load_policy
 from autoprec.runtime import calls, engines
 from autoprec.runtime.fp8 import fp8_matmul
 
-__all__ = ["apply", "remove", "applied_formats", "applied_policy", "regions", "Region",
-           "current_format", "unwrap"]
+__all__ = [
+    "apply",
+    "remove",
+    "applied_formats",
+    "applied_policy",
+    "regions",
+    "Region",
+    "unwrap",
+]
 
 _REGIONS_ATTR = "_autoprec_regions"
 _SWAPS_ATTR = "_autoprec_swaps"

@@ -15,11 +15,10 @@ from __future__ import annotations
 from autoprec.tuning.config import Grouping, SearchConfig, StudyConfig, TimingConfig, TuneConfig
 from autoprec.tuning.front import validate_front
 from autoprec.tuning.report import TrialResult, TuneResult
-from autoprec.tuning.space import SearchSpace, assignment_policy, group_layers
-from autoprec.tuning.storage import open_storage
 from autoprec.tuning.tune import evaluate_policy, tune
-from autoprec.tuning.warmstart import milp_assignments, warm_starts
 
+# What a user calls: the tune, its settings and results, and the two steps the CLI also runs
+# on their own (judge one policy; validate the front with fallback). The parts' own helpers
+# (the search space, warm starts, storages) are imported from their modules.
 __all__ = ["tune", "TuneConfig", "SearchConfig", "StudyConfig", "TimingConfig", "Grouping",
-           "TuneResult", "TrialResult", "evaluate_policy", "validate_front", "group_layers",
-           "SearchSpace", "assignment_policy", "milp_assignments", "warm_starts", "open_storage"]
+           "TuneResult", "TrialResult", "evaluate_policy", "validate_front"]

@@ -17,7 +17,7 @@ from autoprec.formats import Format
 from autoprec.policy import Policy, PolicyError
 from autoprec.runtime.guard.config import INPUT, WHERE, GuardEvent
 
-__all__ = ["Ledger", "Restored", "check_state"]
+__all__ = ["Ledger", "Restored"]
 
 # Version of Guard.state_dict()'s layout.
 STATE_VERSION = 1
