@@ -24,6 +24,8 @@ import torch
 
 from autoprec import profile_view
 from autoprec._util import (
+    MAX_INT,
+    brief,
     check_schema,
     decode_float,
     encode_float,
@@ -289,8 +291,6 @@ class Profile:
 _TEXT, _OPT_TEXT, _INT, _NUM, _OPT_NUM, _BOOL = "text", "text or null", "an integer", \
     "a number", "a number or null", "true or false"
 _FLOATISH = "a number, null, or one of 'inf', '-inf', 'nan'"
-# Integers past this are no count of anything measured (and overflow a float).
-_MAX_INT = 2 ** 63
 
 _TOP_FIELDS = {"task_name": _TEXT, "model_name": _TEXT, "device": _TEXT, "target": _OPT_TEXT,
                "capture_method": _TEXT, "elapsed": _NUM, "torch_version": _TEXT,
@@ -314,7 +314,7 @@ def _fits(value: Any, kind: str) -> bool:
     if isinstance(value, bool):
         return False
     if isinstance(value, int):
-        return abs(value) < _MAX_INT
+        return abs(value) < MAX_INT
     if isinstance(value, float):
         return kind != _INT
     return kind == _FLOATISH and isinstance(value, str) and \
@@ -322,11 +322,10 @@ def _fits(value: Any, kind: str) -> bool:
 
 
 def _wrong(value: Any, kind: str, name: str) -> ValueError:
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= _MAX_INT:
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= MAX_INT:
         got = f"an integer of {len(str(abs(value)))} digits"
     else:
-        text = repr(value)
-        got = f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+        got = brief(value)
     return ValueError(f"`{name}` must be {kind}, got {got}")
 
 
