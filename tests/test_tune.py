@@ -333,8 +333,9 @@ def test_a_tune_interrupted_at_20_random_moments_never_hangs_or_loses_a_trial(tm
            "cpu-amx", "--n-trials", "12", "--seed", "1"]
     codes = []
     for _ in range(20):
-        p = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)
+        # a hang is reported with every thread's stack (faulthandler dumps them on SIGABRT)
+        p = subprocess.Popen(cmd, env=dict(_env(), PYTHONFAULTHANDLER="1"),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         time.sleep(rng.uniform(1.0, 14.0))
         if p.poll() is None:
             p.send_signal(sig)
@@ -342,8 +343,9 @@ def test_a_tune_interrupted_at_20_random_moments_never_hangs_or_loses_a_trial(tm
             try:
                 _, err = p.communicate(timeout=10)
             except subprocess.TimeoutExpired:
-                p.kill()
-                pytest.fail(f"still running 10 s after {sig.name}: {p.stderr.read()[-2000:]}")
+                p.send_signal(signal.SIGABRT)
+                _, err = p.communicate(timeout=60)
+                pytest.fail(f"still running 10 s after {sig.name}: {err[-6000:]}")
             assert time.perf_counter() - t0 < 10
             if sig == signal.SIGINT:
                 assert p.returncode in (130, 0), err[-2000:]

@@ -304,9 +304,9 @@ class _Objective:
     def __call__(self, trial: optuna.Trial) -> tuple[float, float]:
         # who runs it: a resume fails at once a trial its predecessor left RUNNING on this host
         try:
-            with self.interrupts.trial():
-                trial.set_user_attr("worker", worker_id())
-                return self._measure(trial)
+            self.interrupts.raise_pending()
+            trial.set_user_attr("worker", worker_id())
+            return self._measure(trial)
         except KeyboardInterrupt:
             # the process stops mid-trial (a second Ctrl-C, SIGTERM): Optuna marks the trial
             # failed, so a rerun measures it again, and would log the interrupt's traceback
@@ -330,13 +330,15 @@ class _Objective:
             return tuple(old.values)
         policy = assignment_policy(self.space.units, choice, model_name=self.ev.model_name,
                                    fingerprint=self.ev.fingerprint)
-        dev = self.ev.deviation(policy)
+        with self.interrupts.landing():
+            dev = self.ev.deviation(policy)
         finite = dev.finite and math.isfinite(dev.loss_rel_change) and \
             math.isfinite(dev.grad_rel_error)
         budget = self.config.budget
         if finite:
             li, ge = dev.loss_rel_change, dev.grad_rel_error
-            timed = self.ev.time(policy)
+            with self.interrupts.landing():
+                timed = self.ev.time(policy)
             sec, speedup, predicted = timed.seconds, timed.speedup, timed.predicted
         else:
             li, ge, sec = _PENALTY, _PENALTY, self.ev.fp32_seconds * 10
@@ -375,7 +377,7 @@ class _Stop:
     def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         self.attempts += 1
         if (_distinct(study) >= self.target or self.attempts >= self.cap
-                or self.interrupts.count):
+                or self.interrupts.count or self.interrupts.pending is not None):
             study.stop()
 
 
@@ -401,7 +403,7 @@ def _optimize(handle: StudyHandle, objective: _Objective, space: SearchSpace,
         return
     stop = _Stop(n_trials, cap=3 * remaining + 8, interrupts=interrupts)
     try:
-        with warnings.catch_warnings(), interrupts.during(study):
+        with warnings.catch_warnings(), interrupts.during():
             # said once above; every trial would repeat it
             warnings.filterwarnings("ignore", message=".*can only emulate.*")
             study.optimize(objective, timeout=config.timeout, catch=(RuntimeError,),
@@ -431,35 +433,35 @@ class _Interrupts:
 
     A SIGTERM handler that raises (the ``autoprec`` command's) is deferred during the search
     until it can land inside a trial's measurement, where Optuna marks the trial failed (a
-    rerun measures it again): one arriving in Optuna's bookkeeping between trials stops the
-    study and is raised as the next trial starts or the search returns."""
+    rerun measures it again): one arriving in a storage write (Optuna's bookkeeping, a
+    trial's records) stops the study and is raised as the next measurement or trial starts,
+    or as the search returns."""
 
     def __init__(self):
         self.count = 0
-        self.study: optuna.Study | None = None
-        self.in_trial = False
+        self.searching = False
+        self.measuring = False
         # (handler, signum, frame) of a deferred SIGTERM
         self.pending: tuple[Callable, int, Any] | None = None
         self._term: Callable | None = None
 
     def _handler(self, signum, frame) -> None:
         self.count += 1
-        if self.count > 1 or self.study is None:
+        if self.count > 1 or not self.searching:
             if self.count > 1:
                 print("\ninterrupted again: exiting now", file=sys.stderr, flush=True)
                 os._exit(130)
             raise KeyboardInterrupt
+        # the _Stop callback stops the study after the running trial (Study.stop() here would
+        # raise outside Optuna's loop: just before it starts or after it ends)
         print("\ninterrupt: finishing the running trial, then stopping (Ctrl-C again to quit "
               "at once)", file=sys.stderr, flush=True)
-        self.study.stop()
 
     def _term_handler(self, signum, frame) -> None:
-        if self.in_trial:
+        if self.measuring:
             self._term(signum, frame)
             return
         self.pending = (self._term, signum, frame)
-        if self.study is not None:
-            self.study.stop()
 
     def raise_pending(self) -> None:
         """Run the deferred SIGTERM handler, if a SIGTERM came."""
@@ -482,8 +484,9 @@ class _Interrupts:
                 signal.signal(signal.SIGINT, signal.default_int_handler)
 
     @contextlib.contextmanager
-    def during(self, study: optuna.Study):
-        self.study = study
+    def during(self):
+        """The search: a first Ctrl-C finishes the running trial, a SIGTERM is deferred."""
+        self.searching = True
         term = (signal.getsignal(signal.SIGTERM)
                 if threading.current_thread() is threading.main_thread() else None)
         defer = callable(term)
@@ -493,19 +496,21 @@ class _Interrupts:
         try:
             yield
         finally:
-            self.study = None
+            self.searching = False
             if defer and signal.getsignal(signal.SIGTERM) == self._term_handler:
                 signal.signal(signal.SIGTERM, term)
 
     @contextlib.contextmanager
-    def trial(self):
-        """A trial's measurement: where a SIGTERM may land."""
-        self.in_trial = True
+    def landing(self):
+        """A trial's measurement: where a SIGTERM may land. Not Optuna's or the trial's storage
+        writes: an exception raised inside a commit leaves the storage's session unusable, and
+        Optuna then cannot mark the trial failed (it stays RUNNING)."""
+        self.measuring = True
         try:
             self.raise_pending()
             yield
         finally:
-            self.in_trial = False
+            self.measuring = False
 
 
 # ------------------------------------------------------------------------- the verdict
