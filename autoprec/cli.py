@@ -108,7 +108,7 @@ def _cmd_profile(args) -> int:
         _writable_output(args.output)
     task = _load_task(args.task)
     prof = profile(task, formats=args.formats, target=args.target, n_batches=args.batches,
-                   sensitivity=args.sensitivity)
+                   sensitivity=args.sensitivity, only_winnable=args.only_winnable)
     print(prof.table())
     print(f"\nprofiled {len(prof.layers)} layers in {prof.elapsed:.1f} s "
           f"(capture: {prof.capture_method})")
@@ -540,6 +540,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", type=_positive_int, default=2,
                    help="calibration batches (default 2)")
     p.add_argument("--sensitivity", **common["sensitivity"])
+    p.add_argument("--only-winnable", action="store_true",
+                   help="measure the numerics only of the formats that can win on the device "
+                        "(as the tune does); by default every requested format is measured")
     p.set_defaults(fn=_cmd_profile)
     _tune_parser(sub, common)
     _policy_parsers(sub)

@@ -78,8 +78,9 @@ class LayerProfile:
     sensitivity: dict[Format, LayerSensitivity] = field(default_factory=dict)
     # format -> forward+backward seconds of the layer's own work
     times: dict[Format, LayerTime] = field(default_factory=dict)
-    # format -> why its numerics were not measured: it cannot win on this device (emulated,
-    # far slower than fp32, or fp8 the kernel does not take), so the search never offers it
+    # format -> why its numerics were not measured: fp8 the kernel does not take, or (a
+    # profile made with only_winnable, as the tune's is) a format that cannot win on this
+    # device (emulated, far slower than fp32); the search never offers either
     skipped: dict[Format, str] = field(default_factory=dict)
     # format -> why its first-order estimate was re-measured exactly (sensitivity="auto"),
     # and the estimate's loss change it replaced
@@ -415,6 +416,9 @@ class ProfileOptions:
     sensitivity: str = "auto"
     # the error budget (a Budget, not seconds): "auto" measures the estimates near it exactly
     budget: Budget | None = None
+    # measure the numerics only of the formats that can win on the device (the tune's
+    # economy); off, every requested format is measured on every layer it runs
+    only_winnable: bool = False
 
     @classmethod
     def of(cls, options: ProfileOptions | None, keywords: dict[str, Any]) -> ProfileOptions:
@@ -446,10 +450,14 @@ def profile(task, formats: Sequence[Format | str] = ("fp32", "bf16", "fp16", "fp
     fqns. The settings are the fields of ``options`` (a :class:`ProfileOptions`) or keywords
     of their own, which override them: ``n_batches``, ``progress``, ``repeats`` and
     ``time_budget_s`` (also spelled ``budget_s``: timing rounds per layer and seconds per
-    layer x format), ``sensitivity``: "auto" (default: first-order estimates, the doubtful and
+    layer x format), ``only_winnable``, ``sensitivity``: "auto" (default: first-order estimates, the doubtful and
     those near the error budget ``budget`` measured exactly), "fast" (estimates only) or
     "exact" (every pair measured); see
-    :func:`autoprec.measure.sensitivity.measure_sensitivity`.
+    :func:`autoprec.measure.sensitivity.measure_sensitivity`. Every requested format's
+    numerics are measured on every layer it runs (an FP8 recipe whose kernel does not take a
+    layer's matmuls is skipped there, and the profile says why); ``only_winnable=True`` skips,
+    as the tune does, the formats that cannot win on the device (emulated, at least
+    ``SLOWER_THAN_FP32`` x the fp32 time, an FP8 recipe no faster than bf16).
 
     ``share``: runs the profile's units of layers, possibly split with other workers (see
     :mod:`autoprec.tuning.share`); ``share(units, work)`` returns each unit's rows and who did
@@ -546,15 +554,16 @@ class _Context:
 
 def _profile_unit(ctx: _Context, opts: ProfileOptions, fqns: list[str]) -> list[dict]:
     """One unit's rows (LayerProfile dicts): speed first (measured, or priced at production
-    shapes), then the numerics of only the formats that can win: a format far slower than
-    fp32 is never chosen for speed."""
+    shapes), then the numerics: of every format, or with ``only_winnable`` of only the formats
+    that can win (a format far slower than fp32 is never chosen for speed)."""
     fmts, layer_of = ctx.fmts, {L.fqn: L for L in ctx.chosen}
     chosen = [layer_of[f] for f in fqns]
     if ctx.source.measured:
         times = _measured_times(ctx, fqns, opts)
     else:
         times = {L.fqn: {fmt: ctx.source.price_layer(L, fmt) for fmt in fmts} for L in chosen}
-    skipped = {L.fqn: _skips(L, times.get(L.fqn, {}), fmts) for L in chosen}
+    skipped = {L.fqn: _skips(L, times.get(L.fqn, {}), fmts, opts.only_winnable)
+               for L in chosen}
     low = [f for f in fmts if f is not Format.FP32]
     only = {f: [x for x in low if x not in skipped[f]] for f in fqns}
     errors = measure_sensitivity(ctx.task, fqns, low, batches=ctx.calib, options=SensitivityOptions(
@@ -590,17 +599,19 @@ def _measured_times(ctx: _Context, fqns: list[str], opts: ProfileOptions):
     return times
 
 
-def _skips(layer: Layer, times: Mapping[Format, LayerTime],
-           fmts: Sequence[Format]) -> dict[Format, str]:
-    """The timed formats not worth measuring the numerics of for ``layer``, and why: those
-    that cannot win on it (:func:`autoprec.verdict.can_win` before any numerics)."""
+def _skips(layer: Layer, times: Mapping[Format, LayerTime], fmts: Sequence[Format],
+           only_winnable: bool) -> dict[Format, str]:
+    """The timed formats whose numerics are not measured for ``layer``, and why: an FP8 recipe
+    whose kernel does not take its matmuls (it would not run in FP8), and with
+    ``only_winnable`` every format that cannot win on it (:func:`autoprec.verdict.can_win`
+    before any numerics)."""
     blocker = LayerProfile(layer).fp8_blocker
     out = {}
     for fmt in fmts:
         if times.get(fmt) is None:
             continue
         verdict = can_win(fmt, times, blocker=blocker if fmt.is_fp8 else "")
-        if not verdict.can_win:
+        if not verdict.can_win and (only_winnable or verdict.rule == "blocked"):
             out[fmt] = verdict.why
     return out
 

@@ -1,11 +1,12 @@
 """Can this format win on this layer? One rule, read by every stage that asks.
 
-The profile asks before it measures numerics (a format that cannot win is not measured), the
+The tune's profile asks before it measures numerics (a format that cannot win is not measured), the
 search space asks before it offers a format for a unit, and ``autoprec profile``/``show`` ask
 to explain a layer's format. Each passes what it knows of the layer; the rules run in one
 order and the first that rules the format out names it:
 
-    skipped      the profile recorded that it cannot win (the recorded reason)
+    skipped      the profile recorded that it cannot win (the recorded reason; a profile
+                 made with only_winnable, as the tune's is, does not measure those numerics)
     blocked      fp8 whose matmuls the kernel does not take (it would run bf16)
     emulated     the device only emulates it: never faster than fp32
     slow         it failed, or takes at least SLOWER_THAN_FP32 x the fp32 time
@@ -73,23 +74,24 @@ def can_win(fmt: Format, times: Mapping[Format, Any], *, blocker: str = "",
         return Verdict(fmt, "skipped", skipped[fmt])
     if fmt.is_fp8 and blocker:
         return Verdict(fmt, "blocked", blocker)
-    speed = _speed(fmt, times)
+    measured = sensitivity is not None and fmt in sensitivity
+    speed = _speed(fmt, times, "" if measured else "; numerics not measured")
     if speed is not None or sensitivity is None:
         return speed or Verdict(fmt)
     return _numerics(fmt, times, sensitivity, max_loss_increase)
 
 
-def _speed(fmt: Format, times: Mapping[Format, Any]) -> Verdict | None:
+def _speed(fmt: Format, times: Mapping[Format, Any], tail: str) -> Verdict | None:
     t = times.get(fmt)
     if t is None:
         return None
     t32, t16 = times.get(Format.FP32), times.get(Format.BF16)
     if t.emulated:
         return Verdict(fmt, "emulated",
-                       f"{fmt} only emulated here: never faster than fp32; numerics not measured")
+                       f"{fmt} only emulated here: never faster than fp32{tail}")
     if t32 is not None and t32.ok and (not t.ok or t.seconds >= SLOWER_THAN_FP32 * t32.seconds):
         what = "failed" if not t.ok else f"{t.seconds / t32.seconds:.1f}x the fp32 time"
-        return Verdict(fmt, "slow", f"{fmt} cannot win here ({what}); numerics not measured")
+        return Verdict(fmt, "slow", f"{fmt} cannot win here ({what}){tail}")
     if fmt.is_fp8 and t16 is not None and t16.ok and t.seconds >= t16.seconds:
         return Verdict(fmt, "bf16", f"{fmt} not faster than bf16 here ({microseconds(t.seconds)} "
                                     f"vs {microseconds(t16.seconds)}): bf16 is as fast and more "
@@ -120,7 +122,7 @@ def unit_can_win(verdicts: Sequence[Verdict], seconds: float, fp32_seconds: floa
     the unit's summed seconds in it and in fp32: a format not faster than fp32 on the unit is
     dominated (fp32 has zero error), so offering it would only spend trials."""
     if any(v.rule in CANNOT_WIN_RULES for v in verdicts):
-        return "cannot win here (numerics not measured)"
+        return "cannot win here on speed"
     if any(v.rule == "blocked" for v in verdicts):
         return "FP8 does not take its matmuls"
     if not all(v.can_win for v in verdicts):

@@ -122,11 +122,11 @@ def test_priced_and_measured_times_are_judged_alike():
 UNIT = [  # (id, layers' verdicts, unit seconds in the format, in fp32, why not offered)
     ("every layer can win and the unit is faster", [Verdict(BF16), Verdict(BF16)], 1.0, 2.0, ""),
     ("one layer the profile skipped", [Verdict(BF16), Verdict(BF16, "slow", "x")], 1.0, 2.0,
-     "cannot win here (numerics not measured)"),
+     "cannot win here on speed"),
     ("one layer FP8 does not take", [Verdict(FP8), Verdict(FP8, "blocked", BLOCKER)], 1.0, 2.0,
      "FP8 does not take its matmuls"),
     ("skipped outranks blocked", [Verdict(FP8, "blocked", BLOCKER), Verdict(FP8, "emulated", "e")],
-     1.0, 2.0, "cannot win here (numerics not measured)"),
+     1.0, 2.0, "cannot win here on speed"),
     ("one layer non-finite", [Verdict(FP16), Verdict(FP16, "non-finite", "nf")], 1.0, 2.0,
      "non-finite"),
     ("faster layers but a slower unit", [Verdict(BF16)], 2.0, 2.0,
@@ -184,4 +184,4 @@ def test_the_profile_the_search_space_and_show_read_the_same_rule():
     assert space.choices == {"a": ["fp32", "bf16", "fp16", "fp8"],
                              "b": ["fp32", "bf16", "fp8"], "c": ["fp32", "bf16", "fp16"]}
     assert space.pruned == {"fp16": ["b: non-finite"],
-                            "fp8": ["c: cannot win here (numerics not measured)"]}
+                            "fp8": ["c: cannot win here on speed"]}

@@ -4,6 +4,9 @@ planted FP16 overflow flagged on exactly one layer."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 from tasks import overflow_gpt2_task, tiny_gpt2_task
@@ -12,10 +15,14 @@ from autoprec import Format
 from autoprec.formats import FP8_FORMATS
 from autoprec.profiling import Profile, profile
 
+TESTS = os.path.dirname(os.path.abspath(__file__))
+CONSOLE = os.path.join(os.path.dirname(sys.executable), "autoprec")
+
 
 @pytest.fixture(scope="module")
 def tiny_prof():
-    return profile(tiny_gpt2_task(), progress=False, repeats=2)
+    # the tune's profile: numerics only of the formats that can win on this device
+    return profile(tiny_gpt2_task(), progress=False, repeats=2, only_winnable=True)
 
 
 def test_profile_covers_every_matmul_layer(tiny_prof):
@@ -32,8 +39,8 @@ def test_profile_covers_every_matmul_layer(tiny_prof):
         for f in FP8_FORMATS:  # every recipe: never reported as fast on this CPU
             assert lp.times[f].emulated
             assert lp.times[f].seconds >= lp.times[Format.FP32].seconds
-        # timed first, then only the formats that can win are measured: on this CPU fp8 is
-        # emulated and fp16 (no FP16 matmul units) is many times slower than fp32
+        # timed first, then (only_winnable) only the formats that can win are measured: on
+        # this CPU fp8 is emulated and fp16 (no FP16 matmul units) is many times slower
         assert "emulated" in lp.skipped[Format.FP8]
         assert Format.FP8 not in lp.sensitivity and not tiny_prof.allows(lp.fqn, Format.FP8)
         t16, t32 = lp.times[Format.FP16].seconds, lp.times[Format.FP32].seconds
@@ -90,3 +97,49 @@ def test_planted_fp16_overflow_is_flagged_on_that_layer_only():
     assert not prof.allows("transformer.h.1.mlp.c_proj", Format.FP16)
     assert "non-finite" in prof.reason("transformer.h.1.mlp.c_proj", Format.FP16)
     assert math.isinf(prof.loss_change("transformer.h.1.mlp.c_proj", Format.FP16))
+
+
+def test_a_profile_measures_every_requested_format_and_says_which_cannot_win():
+    # the analyzer's default: every format's numerics on every layer, even those that cannot
+    # win on this CPU (fp8 emulated, and fp16 where it is slow), each verdict still saying why
+    prof = profile(tiny_gpt2_task(), progress=False, repeats=1)
+    for lp in prof.layers:
+        assert not lp.skipped, (lp.fqn, lp.skipped)
+        assert set(lp.sensitivity) == {Format.BF16, Format.FP16, *FP8_FORMATS}, lp.fqn
+        verdict = lp.verdict(Format.FP8)
+        assert verdict.rule == "emulated" and "not measured" not in verdict.why, verdict
+    assert "skip" not in prof.table().split("\nerr:")[0]
+
+
+@pytest.mark.slow
+def test_the_profile_command_flags_a_planted_fp16_overflow_on_this_cpu(tmp_path):
+    # measured on this CPU, where fp16 cannot win on speed: its overflow is flagged anyway
+    task = tmp_path / "t.py"
+    task.write_text("from tasks import overflow_gpt2_task as task\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, str(tmp_path)]))
+    out = subprocess.run([CONSOLE, "profile", f"{task}:task", "--formats", "fp32", "bf16",
+                          "fp16", "-o", str(tmp_path / "p.json")], capture_output=True,
+                         text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {line.split()[0]: line for line in out.stdout.splitlines() if line.strip()}
+    assert "NONFINITE" in rows["transformer.h.1.mlp.c_proj"], out.stdout
+    assert "fp16 non-finite" in rows["transformer.h.1.mlp.c_proj"], out.stdout
+    assert sum("NONFINITE" in line for line in rows.values()) == 1, out.stdout
+    prof = Profile.load(tmp_path / "p.json")
+    flagged = [(lp.fqn, f) for lp in prof.layers for f, e in lp.sensitivity.items() if not e.finite]
+    assert flagged == [("transformer.h.1.mlp.c_proj", Format.FP16)]
+    assert all(Format.FP16 in lp.sensitivity for lp in prof.layers)
+
+
+@pytest.mark.slow
+def test_the_tune_keeps_skipping_what_cannot_win_and_a_flag_opts_the_profile_into_it(tmp_path):
+    task = tmp_path / "t.py"
+    task.write_text("from tasks import tiny_gpt2_task as task\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, str(tmp_path)]))
+    out = subprocess.run([CONSOLE, "profile", f"{task}:task", "--formats", "fp32", "fp8",
+                          "--only-winnable", "-o", str(tmp_path / "p.json")],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    prof = Profile.load(tmp_path / "p.json")
+    assert all(not (set(lp.sensitivity) & set(FP8_FORMATS)) for lp in prof.layers)
+    assert all("emulated" in lp.skipped[Format.FP8] for lp in prof.layers)

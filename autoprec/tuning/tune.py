@@ -210,7 +210,7 @@ def _stored_profile(handle: StudyHandle, task: Task, config: TuneConfig, prof: P
                             progress=log.enabled)
         prof = run_profile(task, formats=config.formats, target=config.target, batches=batches,
                            progress=log, sensitivity=config.sensitivity,
-                           budget=config.budget, share=share)
+                           budget=config.budget, share=share, only_winnable=True)
         log(prof.sensitivity_summary())
     if "profile" not in study.user_attrs:
         study.set_user_attr("profile", json.dumps(prof.to_dict()))
@@ -599,7 +599,8 @@ def evaluate_policy(task: Task, policy: Policy, *, prof: Profile | None = None,
                     config: TuneConfig | None = None) -> TrialResult:
     """Evaluate one policy as a trial of tune() would."""
     config = config or TuneConfig(target=target)
-    prof = prof if prof is not None else run_profile(task, progress=False, target=target)
+    prof = prof if prof is not None else run_profile(task, progress=False, target=target,
+                                                     only_winnable=True)
     ev = Evaluator(task, holdout if holdout is not None else task.batches[-2:], prof=prof,
                    target=target, timing=config.timing)
     timed = ev.time(policy)
