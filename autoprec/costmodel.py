@@ -16,6 +16,12 @@ per-layer table shows).
 
 A format a device only emulates is priced as its emulation and never below fp32 or bf16.
 
+:func:`price_training_step` prices a whole Llama-style training step as torchtitan runs it
+(the blocks' linears with this layer model, plus attention, elementwise work, loss, optimizer
+and FSDP2's exposed collectives), so the model can be checked against published measurements
+of whole steps (``PUBLISHED``); ``CALIBRATION`` says how far off it was
+(benchmarks/bench_published.py prints the rows, tests/test_calibration.py holds them).
+
 Everything about a format comes from its :class:`~autoprec.formats.Numerics`: each GEMM is
 priced at the rate and operand width of what it runs in (an FP8 GEMM at the format's rate, a
 high-precision one at its dtype's), the casts by the FP8 GEMMs' scaling, the edges by the
@@ -42,6 +48,13 @@ from autoprec.measure.timing import MODEL_PREFIX, LayerTime
 __all__ = [
     "DeviceSpec",
     "DEVICES",
+    "CALIBRATION",
+    "LLAMA3_8B",
+    "PUBLISHED",
+    "STEP_SPECS",
+    "check_rows",
+    "price_training_step",
+    "step_tokens_per_s",
     "estimate_layer",
     "estimate_layers",
     "estimate_step",
@@ -155,7 +168,8 @@ DEVICES: dict[str, DeviceSpec] = {
         # 4.8 TB/s measured on an H200), but FP8's cast kernels (amax reductions, transposing
         # casts) do not: at 2.2 TB/s the roofline gives the ~40% per-layer slowdown measured for
         # a 16384x4096x512 linear in fp8 (pytorch/ao#2410), at 3.0 TB/s only ~15%.
-        # tests/test_costmodel.py holds these speedups within 15% of torchao's roofline.
+        # tests/test_costmodel.py holds these speedups within 15% of torchao's roofline;
+        # tests/test_calibration.py holds whole steps to measurements (CALIBRATION below).
         efficiency=0.78, bandwidth_efficiency=0.66, launch_s=2e-6,
     ),
     "a100": DeviceSpec(
@@ -263,13 +277,22 @@ def _gemms(b: int, m: int, k: int, n: int, fmt: Format, spec: DeviceSpec) -> flo
 # rowwise_with_gw_hp): reads in BF16, writes in FP8 (a per-tensor amax reduction reads once
 # more; row scales need a transposed BF16 copy, except for a tensor only the forward or only
 # the dgrad quantizes, as when the wgrad stays in BF16).
+# Rowwise's two backward GEMMs add one more kernel each, which torchao's roofline leaves out:
+# they run with slow accumulation, which torchao does not give the rowwise CUTLASS kernel (too
+# slow); it runs cuBLAS's tensorwise kernel with unit scales and multiplies the BF16 output by
+# the row scales afterwards (torchao.float8.float8_ops.addmm_float8_unwrapped, pytorch/ao#1325;
+# "at least one extra triton kernel per GEMM", pytorch/ao#2184): a read and a write of the
+# dgrad's output (shaped like the input) and of the wgrad's (shaped like the weight). Without
+# them the model priced rowwise's whole-step speed-up 5-7% above the three published
+# measurements, with them 0.5-2.5% (benchmarks/bench_published.py).
 _BF, _F8 = 2, 1
+_RESCALE = 2 * _BF
 _CAST_KERNELS = {
     (("tensor", ()), "weight"): (_BF, 0, _BF + _F8, _BF + _F8),
     (("tensor", ()), "input"): (_BF, 0, _BF + 2 * _F8),
     (("tensor", ()), "grad_output"): (_BF, 0, _BF + 2 * _F8),
-    (("row", ()), "weight"): (_BF + _F8, 2 * _BF, _BF + _F8),
-    (("row", ()), "input"): (2 * _BF + _F8, _BF + _F8),
+    (("row", ()), "weight"): (_BF + _F8, 2 * _BF, _BF + _F8, _RESCALE),
+    (("row", ()), "input"): (2 * _BF + _F8, _BF + _F8, _RESCALE),
     (("row", ()), "grad_output"): (2 * _BF + _F8, _BF + _F8),
     (("row", ("wgrad",)), "weight"): (_BF + _F8, 0, _BF + _F8),
     (("row", ("wgrad",)), "input"): (_BF + _F8,),
@@ -293,13 +316,16 @@ def _fp8_casts(b: int, m: int, k: int, n: int, scheme: tuple, weight: bool,
     """The casts to FP8 around one product, forward and backward: A (M x K, the input), B (K x N,
     the weight, or a second input), the incoming gradient (M x N); each kernel max(traffic,
     launch)."""
+    return sum(_role_casts(numel, scheme, role, spec)
+               for numel, role in ((b * m * k, "input"), (b * k * n, "weight" if weight else "input"),
+                                   (b * m * n, "grad_output")))
+
+
+def _role_casts(numel: int, scheme: tuple, role: str, spec: DeviceSpec) -> float:
+    """The cast kernels of one tensor of ``numel`` elements in ``role``, each max(traffic,
+    launch)."""
     bw = spec.bandwidth * spec.bandwidth_efficiency
-    total = 0.0
-    for numel, role in ((b * m * k, "input"), (b * k * n, "weight" if weight else "input"),
-                        (b * m * n, "grad_output")):
-        total += sum(max(per * numel / bw, spec.launch_s)
-                     for per in _CAST_KERNELS[(scheme, role)])
-    return total
+    return sum(max(per * numel / bw, spec.launch_s) for per in _CAST_KERNELS[(scheme, role)])
 
 
 def _boundary_casts(a: int, c: int, fmt: Format, spec: DeviceSpec) -> float:
@@ -490,3 +516,330 @@ def estimate_step(layers: Iterable[Layer], assignment: Mapping[str, Format | str
             total += 2 * per / bw + 2 * spec.launch_s
     return total
 
+
+
+# ============================================================================ a whole step
+# The model above prices layers, which is what a tune compares. A training step also spends
+# time the formats barely change (attention's softmax-matmul kernel, norms and elementwise
+# ops, the loss, the optimizer, FSDP's collectives), which dilutes a layer's speed-up. To
+# check the model against published measurements of whole steps, :func:`price_training_step`
+# prices a Llama-style step as torchtitan runs it: the blocks' linears with this module's
+# layer model, plus that other work.
+@dataclass(frozen=True)
+class TrainingSetup:
+    """A Llama-style decoder trained with FSDP2 as torchtitan runs it: per-op selective
+    activation checkpointing, the output layer left in BF16 (torchtitan's float8 filter),
+    parameters all-gathered in BF16 (or FP8) and gradients reduced in FP32, AdamW (foreach).
+    Shapes are per GPU."""
+
+    name: str
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    seq_len: int
+    # sequences per GPU per step
+    batch: int = 1
+    # GPUs FSDP2 shards the parameters over
+    gpus: int = 8
+    # torchtitan's per-op SAC saves the output of every other mm of a block: the forward of
+    # the others (the 2nd, 4th and 6th linear) is recomputed in backward
+    recomputed: tuple[str, ...] = ("wk", "wo", "w3")
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq_len
+
+    def linears(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each nn.Linear of one block, in call order."""
+        h, f = self.hidden, self.intermediate
+        kv = self.kv_heads * (h // self.heads)
+        return {"wq": (h, h), "wk": (h, kv), "wv": (h, kv), "wo": (h, h),
+                "w1": (h, f), "w3": (h, f), "w2": (f, h)}
+
+    def block_linear_params(self) -> int:
+        return sum(k * n for k, n in self.linears().values())
+
+    def root_params(self) -> int:
+        """The parameters outside the blocks: embedding, output layer, final norm."""
+        return 2 * self.vocab * self.hidden + self.hidden
+
+    def params(self) -> int:
+        return self.layers * (self.block_linear_params() + 2 * self.hidden) + self.root_params()
+
+
+# torchtitan's train_configs/llama3_8b.toml (Llama-3-8B: 32 layers, hidden 4096, SwiGLU 14336,
+# 32 heads, 8 KV heads, vocabulary 128256; local batch 1 x 8192 tokens, FSDP2 over 8 GPUs,
+# per-op SAC, AdamW), the setup of its published float8 measurements.
+LLAMA3_8B = TrainingSetup(name="Llama-3-8B, 8 GPUs, FSDP2, local batch 1 x 8192, per-op SAC",
+                          layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8,
+                          vocab=128256, seq_len=8192)
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """What pricing a whole training step needs beyond a DeviceSpec's GEMMs and copies."""
+
+    # sustained FLOP/s of causal flash attention (SDPA's FlashAttention-2 kernel), forward and
+    # backward, counting the causal half of the FLOPs
+    attention_flops: tuple[float, float]
+    # GPU-to-GPU bytes/s per direction (NVLink), and the fraction NCCL's rings sustain
+    link_bandwidth: float
+    link_efficiency: float
+    # measured seconds of a step / the seconds priced here, every part alike: what a real
+    # step costs beyond this model's kernels (power and clock limits under sustained load,
+    # collectives slowing the kernels they overlap, the allocator, the host). It changes no
+    # ratio of two steps' prices.
+    time_scale: float = 1.0
+
+
+STEP_SPECS: dict[str, StepSpec] = {
+    "h100": StepSpec(
+        # FlashAttention-3 paper (Shah et al. 2024, arXiv:2407.08608), FlashAttention-2 on an
+        # H100 SXM5, head dim 128, sequence length 8k: forward (causal) 333 TFLOP/s, backward
+        # 318 TFLOP/s. Not fitted.
+        attention_flops=(333e12, 318e12),
+        # H100 SXM datasheet: NVLink 900 GB/s, 450 each way; NCCL's all-gather and
+        # reduce-scatter on 8 GPUs taken at 0.8 of it (an assumption, not fitted: FSDP2 hides
+        # all but the first and last collectives behind compute, so it barely matters).
+        link_bandwidth=450e9, link_efficiency=0.8,
+        # Fitted to one measurement, torchtitan's bf16 step (5,760 tokens/s per GPU, 1.422 s
+        # per step; torchtitan commit 7a04053's log), which the model prices at 0.892 s; no
+        # speed-up was fitted. See CALIBRATION.
+        time_scale=1.594,
+    ),
+}
+
+
+def _fp8_or_bf16(fmt: Format | str) -> Format:
+    fmt = Format.parse(fmt, where="for a training step")
+    if fmt is not Format.BF16 and not fmt.is_fp8:
+        raise ValueError(f"A training step is priced in bf16 or an fp8 recipe, not {fmt}; the "
+                         "published setups it is checked against run one of those.")
+    return fmt
+
+
+def _block_linear(m: int, k: int, n: int, fmt: Format, spec: DeviceSpec,
+                  fp8_all_gather: bool) -> float:
+    """Forward + backward of one of a block's linears. With FP8 all-gather (tensorwise) the
+    weight arrives from FSDP already in FP8 with a precomputed scale: its amax and casts are
+    gone, a transposed FP8 copy for the dgrad remains."""
+    seconds = linear_seconds(m, k, n, fmt, spec)
+    if fmt.is_fp8 and fp8_all_gather:
+        bw = spec.bandwidth * spec.bandwidth_efficiency
+        seconds += max(2 * _F8 * k * n / bw, spec.launch_s) \
+            - _role_casts(k * n, _cast_scheme(fmt.numerics), "weight", spec)
+    return seconds
+
+
+def _recompute(m: int, k: int, n: int, fmt: Format, spec: DeviceSpec,
+               fp8_all_gather: bool) -> float:
+    """The forward of one linear again, as selective checkpointing recomputes it: its GEMM
+    and, in FP8, the casts of its operands (SAC saved their amaxes)."""
+    g = fmt.numerics.gemms["fwd"]
+    run = fmt if g.is_fp8 else Format.of_dtype(g.a)
+    seconds = _gemm(m, k, n, g.operand_bytes, run.output_dtype.itemsize,
+                    spec.matmul_flops[run], spec)
+    if fmt.is_fp8:
+        bw = spec.bandwidth * spec.bandwidth_efficiency
+        for numel in (m * k,) + (() if fp8_all_gather else (k * n,)):
+            seconds += max((_BF + _F8) * numel / bw, spec.launch_s)
+    return seconds
+
+
+def _step_other(setup: TrainingSetup, spec: DeviceSpec, step: StepSpec) -> dict[str, float]:
+    """Seconds of the step's work outside the blocks' linears, as modeled (before
+    ``other_scale``): memory-bound work at the device's copy bandwidth, bytes in BF16."""
+    bw = spec.bandwidth * spec.bandwidth_efficiency
+    t, h, L = setup.tokens, setup.hidden, setup.layers
+    kv = setup.kv_heads * (h // setup.heads)
+    fwd, bwd = step.attention_flops
+    causal = 2 * setup.batch * setup.seq_len ** 2 * h  # 4 s^2 d heads / 2 per sequence
+    # per block and token, forward: two RMSNorms (read, write h), RoPE on q and k, SwiGLU
+    # (read 2 x intermediate, write one), two residual adds; backward moves twice that and
+    # SAC recomputes the forward once more
+    elementwise = 4 * t * _BF * (2 * 2 * h + 2 * (h + kv) + 3 * setup.intermediate + 2 * 3 * h)
+    # the loss upcasts the BF16 logits to FP32, log-softmax saves them, backward and the cast
+    # back: ~28 bytes per logit; the embedding's lookup and dense gradient
+    loss = t * setup.vocab * 28 + _BF * (4 * t * h + setup.vocab * h)
+    # AdamW (foreach, FP32 state) on this GPU's shard: ~80 bytes per parameter over its
+    # kernels, and the gradient-norm clipping ~12 more
+    optimizer = setup.params() / setup.gpus * 92
+    return {"attention": L * (causal / fwd + 2.5 * causal / bwd),
+            "elementwise": (L * elementwise + 3 * 2 * _BF * t * h) / bw,
+            "loss, embedding": loss / bw, "optimizer": optimizer / bw}
+
+
+def _exposed_comm(setup: TrainingSetup, step: StepSpec, fp8_all_gather: bool,
+                  compute_per_block: float) -> float:
+    """FSDP2's collectives that compute does not hide: the root module's (embedding, output
+    layer: gathered in forward and again in backward, reduced last), the first block's gather
+    and the last block's reduce-scatter; each other block's collectives overlap the
+    neighbouring block's compute (FSDP2 prefetches one ahead) unless they take longer."""
+    ring = (setup.gpus - 1) / setup.gpus / (step.link_bandwidth * step.link_efficiency)
+    weights = setup.block_linear_params()
+    block_gather = (weights * (_F8 if fp8_all_gather else _BF) + 2 * setup.hidden * _BF) * ring
+    block_reduce = (weights + 2 * setup.hidden) * _FP32 * ring
+    root = setup.root_params()
+    exposed = 2 * root * _BF * ring + root * _FP32 * ring + block_gather + block_reduce
+    per_block = 2 * block_gather + block_reduce
+    return exposed + (setup.layers - 1) * max(0.0, per_block - compute_per_block)
+
+
+def price_training_step(setup: TrainingSetup, fmt: Format | str, target: str | DeviceSpec = "h100",
+                        *, fp8_all_gather: bool = False,
+                        step: StepSpec | None = None) -> dict[str, float]:
+    """Seconds per GPU of one training step of ``setup`` with every block's linear in ``fmt``
+    (bf16 or an fp8 recipe; the output layer stays bf16), by part: the blocks' linears and
+    their recomputation as :func:`linear_seconds` prices them, the output layer, and the
+    work that is not a linear (attention, elementwise, loss, optimizer, FSDP2's exposed
+    collectives), each x ``step.time_scale``. ``fp8_all_gather``: FSDP2 gathers the
+    linears' weights in FP8 (torchao's tensorwise option). ``step`` defaults to the target's
+    entry in ``STEP_SPECS``."""
+    fmt = _fp8_or_bf16(fmt)
+    key, spec = resolve_target(target)
+    if step is None:
+        step = STEP_SPECS.get(key) or STEP_SPECS["h100"]
+    if fp8_all_gather and not (fmt.is_fp8 and fmt.numerics.scaling == "tensor"):
+        raise ValueError(f"FP8 all-gather needs per-tensor scales (torchao's tensorwise "
+                         f"recipe); {fmt} has {fmt.numerics.scaling if fmt.is_fp8 else 'none'}.")
+    t, shapes = setup.tokens, setup.linears()
+    linears = setup.layers * sum(_block_linear(t, k, n, fmt, spec, fp8_all_gather)
+                                 for k, n in shapes.values())
+    recompute = setup.layers * sum(_recompute(t, *shapes[name], fmt, spec, fp8_all_gather)
+                                   for name in setup.recomputed)
+    parts = {"block linears": linears, "recompute (SAC)": recompute,
+             "output layer (bf16)": linear_seconds(t, setup.hidden, setup.vocab, "bf16", spec)}
+    other = _step_other(setup, spec, step)
+    compute_per_block = (linears + recompute + other["attention"] + other["elementwise"]) \
+        / setup.layers
+    other["communication (exposed)"] = _exposed_comm(setup, step, fp8_all_gather,
+                                                     compute_per_block)
+    parts.update(other)
+    return {k: v * step.time_scale for k, v in parts.items()}
+
+
+# ============================================================================ calibration
+@dataclass(frozen=True)
+class Published:
+    """A published measurement the model is checked against: a whole training step of
+    ``LLAMA3_8B`` (``shape`` None; tokens/s per GPU, as torchtitan logs them) or one linear
+    layer's forward + backward (``shape`` (M, K, N); ``value`` its speed-up over bf16)."""
+
+    # where it is published, and the run (measurements of one run share a bf16 baseline)
+    where: str
+    run: str
+    # "bf16" or the fp8 recipe every (block) linear ran in
+    fmt: str
+    value: float
+    # peak memory as published (steps only)
+    peak_memory: str = ""
+    fp8_all_gather: bool = False
+    shape: tuple[int, int, int] | None = None
+    # used to fit a constant (its error says nothing about the model's accuracy)
+    fitted: bool = False
+
+
+_TITAN = "torchtitan, Jan 2025"
+_AO = "torchao float8 README (torch 2.7.0a0, torchao 0.10)"
+PUBLISHED: tuple[Published, ...] = (
+    # torchtitan commit 7a04053 ("example of float8 with rowwise scaling"), its log: 8 H100s
+    # (Meta's 96 GB, 500 W parts), torch.compile; rowwise with pytorch/ao#1629
+    Published("torchtitan 7a04053 log", _TITAN, "bf16", 5760, "47.65 GiB", fitted=True),
+    Published("torchtitan 7a04053 log", _TITAN, "fp8:rowwise", 6424, "58.55 GiB"),
+    Published("torchtitan 7a04053 log", _TITAN, "fp8:tensorwise", 7186, "47.32 GiB",
+              fp8_all_gather=True),
+    # the same comparison as landed (torchtitan PR #808's description, same bf16 run)
+    Published("torchtitan #808", _TITAN, "fp8:rowwise", 6468, "47.77 GiB"),
+    # torchao's torchao/float8/README.md, "e2e training benchmarks", NVIDIA H100 (Mar 2025)
+    Published("torchao README", _AO, "bf16", 6150, "47.65 GB"),
+    Published("torchao README", _AO, "fp8:tensorwise", 7689.5, "47.77 GB",
+              fp8_all_gather=True),
+    Published("torchao README", _AO, "fp8:rowwise", 6768, "47.79 GB"),
+    # single linears, forward + backward, torch.compile, H100: torchao README's examples
+    # (tensorwise, 2024) and pytorch/ao#2185's float8 linear microbenchmark (rowwise, May 2025)
+    Published("torchao README", "torchao linear benchmark", "fp8:tensorwise", 0.80,
+              shape=(1024, 2048, 1024)),
+    Published("torchao README", "torchao linear benchmark", "fp8:tensorwise", 1.39,
+              shape=(4096, 8192, 16384)),
+    *(Published("pytorch/ao#2185", "torchao linear benchmark", "fp8:rowwise", x, shape=s)
+      for s, x in (((16384, 8192, 1280), 1.11), ((16384, 1024, 8192), 1.43),
+                   ((16384, 8192, 7168), 1.73), ((16384, 3584, 8192), 1.71))),
+)
+
+
+@dataclass(frozen=True)
+class CheckRow:
+    """One published figure against the model's price of it."""
+
+    figure: str
+    where: str
+    published: float
+    priced: float
+    fitted: bool
+    # "step" (a whole step) or "linear" (one layer)
+    kind: str
+
+    @property
+    def error(self) -> float:
+        """Relative error of the price: priced / published - 1."""
+        return self.priced / self.published - 1
+
+
+def step_tokens_per_s(fmt: Format | str, *, fp8_all_gather: bool = False,
+                      setup: TrainingSetup = LLAMA3_8B, target: str | DeviceSpec = "h100",
+                      step: StepSpec | None = None) -> float:
+    """Tokens per second per GPU of a step of ``setup`` as :func:`price_training_step` prices
+    it."""
+    parts = price_training_step(setup, fmt, target, fp8_all_gather=fp8_all_gather, step=step)
+    return setup.tokens / sum(parts.values())
+
+
+def check_rows(target: str | DeviceSpec = "h100", step: StepSpec | None = None) -> list[CheckRow]:
+    """Every figure of ``PUBLISHED`` against the model's price of it: a run's bf16 tokens/s,
+    each fp8 run's speed-up over the same run's bf16, each linear's speed-up."""
+    rows = []
+    base = {p.run: p.value for p in PUBLISHED if p.shape is None and p.fmt == "bf16"}
+    bf16 = step_tokens_per_s("bf16", target=target, step=step)
+    for p in PUBLISHED:
+        label = p.fmt.removeprefix("fp8:")
+        if p.shape is not None:
+            m, k, n = p.shape
+            priced = linear_seconds(m, k, n, "bf16", target) / linear_seconds(m, k, n, p.fmt,
+                                                                              target)
+            rows.append(CheckRow(f"{label} speed-up, {m}x{k}x{n} linear", p.where, p.value,
+                                 priced, p.fitted, "linear"))
+        elif p.fmt == "bf16":
+            rows.append(CheckRow("bf16 tokens/s", p.where, p.value, bf16, p.fitted, "step"))
+        else:
+            fp8 = step_tokens_per_s(p.fmt, fp8_all_gather=p.fp8_all_gather, target=target,
+                                    step=step)
+            gather = " (fp8 all-gather)" if p.fp8_all_gather else ""
+            rows.append(CheckRow(f"{label}{gather} speed-up", p.where, p.value / base[p.run],
+                                 fp8 / bf16, p.fitted, "step"))
+    return rows
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What a target's cost model was checked against and how far off it was: the largest
+    error over the figures no constant was fitted to (``check_rows``), rounded up to 0.5%."""
+
+    target: str
+    checked_against: str
+    # whole-step speed-ups (tensorwise, rowwise over bf16)
+    speedup_error: float
+    # whole-step tokens/s, with StepSpec.time_scale fitted to one of them
+    time_error: float
+    # single linears' speed-ups
+    linear_error: float
+
+
+CALIBRATION: dict[str, Calibration] = {
+    "h100": Calibration(
+        target="h100",
+        checked_against="torchtitan Llama-3-8B 8xH100 FSDP2 float8 (tensorwise, rowwise)",
+        speedup_error=0.03, time_error=0.065, linear_error=0.37),
+}

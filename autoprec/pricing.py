@@ -9,16 +9,53 @@ report) asks one :class:`CostSource` instead of testing ``target is None`` itsel
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from autoprec.costmodel import estimate_layer, estimate_step, resolve_target
+from autoprec.costmodel import CALIBRATION, estimate_layer, estimate_step, resolve_target
 from autoprec.formats import Format
 
-__all__ = ["CostSource"]
+__all__ = ["CostSource", "calibration_error", "calibration_line", "priced_tie"]
+
+# the target whose model was checked against measurements; the others share its structure
+_CHECKED = "h100"
+
+
+def calibration_error(target: str) -> float:
+    """How far off the cost model of ``target`` was on the published whole-step speed-ups it
+    was checked against (``autoprec.costmodel.CALIBRATION``): the largest relative error of
+    the figures no constant was fitted to. A target never checked against a measurement gets
+    the checked one's (it is at least that uncertain)."""
+    key = resolve_target(target)[0]
+    return (CALIBRATION.get(key) or CALIBRATION[_CHECKED]).speedup_error
+
+
+def calibration_line(target: str) -> str:
+    """The one line every priced figure carries: which model priced it, which measurements
+    that model was checked against and how far off it was."""
+    key = resolve_target(target)[0]
+    cal = CALIBRATION.get(key)
+    if cal is None:
+        ref = CALIBRATION[_CHECKED]
+        return (f"priced by the {key} cost model, not checked against a measurement (the "
+                f"{ref.target} model is, against {ref.checked_against}: step speed-ups within "
+                f"{ref.speedup_error:.0%})")
+    return (f"priced by the {key} cost model, checked against {cal.checked_against}: step "
+            f"speed-ups within {cal.speedup_error:.0%} (single linears within "
+            f"{cal.linear_error:.0%})")
+
+
+def priced_tie(a: float, b: float, target: str) -> bool:
+    """Whether two figures priced for ``target`` (two seconds, or two speed-ups) are a tie:
+    they differ by no more than the model's calibration error, so the price cannot say
+    which is faster."""
+    if not (a > 0 and b > 0) or not (math.isfinite(a) and math.isfinite(b)):
+        return a == b
+    return max(a, b) / min(a, b) - 1 <= calibration_error(target)
 
 
 @dataclass(frozen=True)
@@ -55,6 +92,10 @@ class CostSource:
         if self.target is None:
             return None
         return resolve_target(self.target)[0]
+
+    def calibration(self) -> str | None:
+        """:func:`calibration_line` of a priced source; None when measured."""
+        return calibration_line(self.target) if self.priced else None
 
     def label(self, device: str) -> str:
         """Where the seconds of a table come from: ``cost model h100`` or

@@ -168,7 +168,11 @@ def _speedup(m, k, n, recipe, target="h100"):
 
 def _torchao_speedup(m, k, n, recipe):
     """torchao's own float8 roofline speed-up over BF16 for one linear, forward + backward, as
-    its benchmarks/float8/float8_roofline.py computes it (casts not fused with a previous op)."""
+    its benchmarks/float8/float8_roofline.py computes it (casts not fused with a previous op),
+    plus for rowwise what the roofline leaves out and torchao runs: the rescale of the two
+    backward GEMMs' BF16 outputs by the row scales (a read and a write of M x K and of K x N,
+    torchao.float8.float8_ops.addmm_float8_unwrapped, pytorch/ao#1325), which the model prices
+    since the check against torchtitan's measured steps (tests/test_calibration.py)."""
     roofline = pytest.importorskip("torchao.testing.training.roofline_utils")
     import torch
 
@@ -178,6 +182,9 @@ def _torchao_speedup(m, k, n, recipe):
     specs = roofline.get_specs(gpu)
     casts = sum(sum(roofline.get_tensor_memory_traffic_ovhd_s(specs, d0, d1, role, recipe, None))
                 for d0, d1, role in ((m, k, "input"), (k, n, "weight"), (m, n, "grad_output")))
+    if recipe == "rowwise":
+        bw = specs["peak_mem_bw_bytes_sec"] * specs["pct_achievable_mem_bw"]
+        casts += 2 * 2 * (m * k + k * n) / bw
     return float(bf16 / (fp8 + casts))
 
 

@@ -1,0 +1,152 @@
+"""The cost model against published measurements it did not make (torchtitan's Llama-3-8B
+float8 steps on 8 H100s, torchao's linear microbenchmarks): deterministic pricing, no GPU, no
+timing. benchmarks/bench_published.py prints the same rows as a table."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from autoprec.costmodel import (
+    CALIBRATION,
+    DEVICES,
+    LLAMA3_8B,
+    PUBLISHED,
+    STEP_SPECS,
+    check_rows,
+    linear_seconds,
+    price_training_step,
+    step_tokens_per_s,
+)
+from autoprec.pricing import CostSource, calibration_error, calibration_line, priced_tie
+
+CAL = CALIBRATION["h100"]
+
+
+def _held_out(kind: str, figure: str = "") -> list:
+    return [r for r in check_rows("h100") if r.kind == kind and figure in r.figure
+            and not r.fitted]
+
+
+def test_each_published_step_speedup_is_priced_within_the_stated_error():
+    rows = _held_out("step", "speed-up")
+    # tensorwise and rowwise, from both published runs (torchtitan's log and PR, torchao's README)
+    assert {r.figure.split()[0] for r in rows} == {"tensorwise", "rowwise"}
+    assert {r.where for r in rows} >= {"torchtitan 7a04053 log", "torchao README"}
+    for r in rows:
+        assert abs(r.error) <= CAL.speedup_error, \
+            f"{r.figure} ({r.where}): priced {r.priced:.3f}x, published {r.published:.3f}x"
+    # the issue's figures: 1.115x rowwise and 1.248x tensorwise (torchtitan commit 7a04053)
+    titan = {r.figure.split()[0]: r for r in rows if r.where == "torchtitan 7a04053 log"}
+    assert titan["rowwise"].published == pytest.approx(6424 / 5760)
+    assert titan["tensorwise"].published == pytest.approx(7186 / 5760)
+
+
+def test_the_stated_errors_are_the_largest_held_out_errors_rounded_up_not_looser():
+    """CALIBRATION states what check_rows finds, rounded up to 0.5%: neither an error the
+    rows exceed nor a margin they never use."""
+    for stated, kind, figure in ((CAL.speedup_error, "step", "speed-up"),
+                                 (CAL.time_error, "step", "tokens/s"),
+                                 (CAL.linear_error, "linear", "")):
+        worst = max(abs(r.error) for r in _held_out(kind, figure))
+        assert worst <= stated < worst + 0.005, (kind, figure, worst, stated)
+
+
+def test_the_one_fitted_constant_reproduces_the_one_figure_it_was_fitted_to():
+    fitted = [p for p in PUBLISHED if p.fitted]
+    assert [(p.where, p.fmt, p.value) for p in fitted] == [("torchtitan 7a04053 log", "bf16",
+                                                            5760)]
+    assert step_tokens_per_s("bf16") == pytest.approx(5760, rel=1e-3)
+    # unscaled, the model's step is ~1.6x faster than the published one; the scale changes
+    # no speed-up
+    unscaled = dataclasses.replace(STEP_SPECS["h100"], time_scale=1.0)
+    assert step_tokens_per_s("bf16", step=unscaled) > 1.5 * 5760
+    for fmt, gather in (("fp8:tensorwise", True), ("fp8:rowwise", False)):
+        ratio = (step_tokens_per_s(fmt, fp8_all_gather=gather)
+                 / step_tokens_per_s("bf16"))
+        assert ratio == pytest.approx(step_tokens_per_s(fmt, fp8_all_gather=gather, step=unscaled)
+                                      / step_tokens_per_s("bf16", step=unscaled))
+
+
+def test_a_whole_step_dilutes_the_linears_speedup_and_fp8_all_gather_adds_to_it():
+    bf16 = price_training_step(LLAMA3_8B, "bf16")
+    tw = price_training_step(LLAMA3_8B, "fp8:tensorwise", fp8_all_gather=True)
+    plain = price_training_step(LLAMA3_8B, "fp8:tensorwise")
+    linears = bf16["block linears"] / tw["block linears"]
+    step = sum(bf16.values()) / sum(tw.values())
+    assert 1 < step < linears - 0.2, (step, linears)
+    assert sum(plain.values()) > sum(tw.values())
+    # what fp8 does not touch costs the same in every recipe
+    for part in ("attention", "elementwise", "optimizer", "output layer (bf16)"):
+        assert tw[part] == bf16[part]
+
+
+def test_rowwise_pays_for_rescaling_its_backward_gemms():
+    """torchao runs rowwise's slow-accumulation backward GEMMs as cuBLAS tensorwise plus a
+    rescale of their outputs (pytorch/ao#1325): the model prices those kernels, which is what
+    brought its rowwise step speed-up from ~5-7% high to within the calibration error."""
+    m, k, n = 16384, 4096, 14336
+    spec = DEVICES["h100"]
+    bw = spec.bandwidth * spec.bandwidth_efficiency
+    fp8 = linear_seconds(m, k, n, "fp8:rowwise", "h100")
+    tensorwise = linear_seconds(m, k, n, "fp8:tensorwise", "h100")
+    # same GEMM rate; rowwise's casts move 2 bytes more per element of each tensor than
+    # tensorwise's (row scales along the other axis), and the rescale a BF16 read and write of
+    # M x K (dgrad) and K x N (wgrad) on top
+    assert fp8 - tensorwise >= 0.95 * (2 * (m * k + k * n + m * n) + 4 * (m * k + k * n)) / bw
+
+
+def test_setup_shapes_are_llama_3_8b_built_on_the_meta_device():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336,
+                                   num_hidden_layers=32, num_attention_heads=32,
+                                   num_key_value_heads=8, vocab_size=128256,
+                                   tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    assert sum(p.numel() for p in model.parameters()) == LLAMA3_8B.params()
+    names = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
+             "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+    block = {names[f.rsplit(".", 1)[-1]]: (m.in_features, m.out_features)
+             for f, m in model.model.layers[0].named_modules()
+             if isinstance(m, torch.nn.Linear)}
+    assert block == LLAMA3_8B.linears()
+    assert round(LLAMA3_8B.params() / 1e9, 2) == 8.03
+
+
+def test_priced_tie_is_a_difference_inside_the_calibration_error():
+    err = calibration_error("h100")
+    assert err == CAL.speedup_error
+    # bench_peers' old claim: decided "by 0.3% of a price"
+    assert priced_tie(1.322, 1.318, "h100")
+    assert priced_tie(1.0, 1.0 + 0.9 * err, "h100") and priced_tie(1.0 + 0.9 * err, 1.0, "h100")
+    assert not priced_tie(1.0, 1.0 + 1.5 * err, "h100")
+    assert not priced_tie(1.0 + 1.5 * err, 1.0, "h100")
+    assert not priced_tie(1.0, math.inf, "h100") and priced_tie(math.inf, math.inf, "h100")
+    # a model never checked is at least as uncertain as the checked one
+    assert calibration_error("h200") == err and priced_tie(1.0, 1.0 + 0.9 * err, "a100")
+    with pytest.raises(ValueError, match="Unknown cost-model target 'h800'"):
+        priced_tie(1.0, 1.0, "h800")
+
+
+def test_the_calibration_line_names_the_measurements_and_the_error():
+    line = calibration_line("h100")
+    for word in ("h100 cost model", "torchtitan", "Llama-3-8B", "8xH100", "tensorwise",
+                 "rowwise", f"within {CAL.speedup_error:.0%}", f"{CAL.linear_error:.0%}"):
+        assert word in line, (word, line)
+    assert "\n" not in line
+    other = calibration_line(" H200 ")
+    assert "h200 cost model, not checked against a measurement" in other and "torchtitan" in other
+    assert CostSource.of("h100").calibration() == line
+    assert CostSource.of(None).calibration() is None
+
+
+def test_a_training_step_rejects_what_it_cannot_price_in_one_line():
+    with pytest.raises(ValueError, match="bf16 or an fp8 recipe, not fp32") as e:
+        price_training_step(LLAMA3_8B, "fp32")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="FP8 all-gather needs per-tensor scales.*fp8:rowwise"):
+        price_training_step(LLAMA3_8B, "fp8:rowwise", fp8_all_gather=True)
