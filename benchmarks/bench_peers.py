@@ -21,7 +21,11 @@ by emulation. The policies:
 
 Speed: the cost model's step time of the searched layers (their matmuls, the FP8 casts and the
 casts on the graph's edges), as BF16 time / policy time. A model, not a measurement: it has no
-spread; tests/test_costmodel.py holds it within 15% of torchao's roofline.
+spread, but it has a calibration error (``autoprec.costmodel.CALIBRATION``: whole-step speed-ups
+within 3% of torchtitan's measured Llama-3-8B steps, benchmarks/bench_published.py), and two
+prices closer than that are a tie (``autoprec.pricing.priced_tie``), written as one. These are
+the searched layers alone: in a whole step the rest of the work dilutes them (bench_published:
+1.56x on the blocks' linears is 1.25x on the step).
 
 Loss: training at full width takes minutes per step on 2 CPU cores, so the losses come from a
 narrower model of the same structure and the same layer names (``--loss-width``, default 512:
@@ -46,6 +50,7 @@ import torch
 from _common import device_line, print_table
 
 from autoprec import Policy, apply
+from autoprec.pricing import calibration_error, calibration_line, priced_tie
 from autoprec.tuning import TuneConfig, tune
 from examples.data import byte_batches
 from examples.llama_bytes import LLAMA3_8B, gpu_task, make_model
@@ -90,6 +95,16 @@ def fp8_share(prof, policy: Policy) -> float:
     total = sum(lp.layer.flops for lp in prof.layers)
     return sum(lp.layer.flops for lp in prof.layers
                if policy.format_for(lp.fqn).is_fp8) / max(total, 1)
+
+
+def _priced_verdict(ours: float, theirs: float, target: str) -> str:
+    """Two priced speed-ups compared as the cost model can tell them apart: a difference
+    inside its calibration error is a tie."""
+    gap = ours / theirs - 1
+    if priced_tie(ours, theirs, target):
+        return (f"tie ({gap:+.1%}, inside the cost model's {calibration_error(target):.0%} "
+                "calibration error)")
+    return f"{'faster' if gap > 0 else 'slower'} by {abs(gap):.1%} (outside the calibration error)"
 
 
 def train_loss(policy: Policy, args, seed: int) -> float:
@@ -161,29 +176,37 @@ def main() -> None:
     loss_s = time.perf_counter() - t1
 
     rows, verdict = [], {}
+    ours = seconds["bf16"] / seconds["autoprec (tuned)"]
     for name, p in policies.items():
         speed = seconds["bf16"] / seconds[name]
         delta = losses[name] - losses["bf16"]
         ok = abs(delta) <= noise
         verdict[name] = (speed, ok)
-        rows.append([name, f"{fp8_share(prof, p):.0%}", f"{speed:.3f}",
+        against = "-" if name == "autoprec (tuned)" else (
+            "tie" if priced_tie(ours, speed, args.target) else f"{ours / speed - 1:+.1%}")
+        rows.append([name, f"{fp8_share(prof, p):.0%}", f"{speed:.3f}", against,
                      f"{losses[name]:.4f}", f"{delta:+.4f}", "yes" if ok else "NO"])
     shape = ", ".join(f"{k} {v}" for k, v in widths.items())
     print(f"\nLlama, {args.layers} layers of {shape}; {args.target} cost model at "
           f"8x{task.shape_batch['input_ids'].shape[1]} tokens; losses: width {args.loss_width}, "
           f"{args.steps} steps, held-out")
     print_table(rows, ["policy", "fp8 FLOPs", f"priced speed vs bf16 ({args.target})",
-                       "loss", "vs bf16", "within bf16 noise"])
+                       "autoprec vs it (priced)", "loss", "vs bf16", "within bf16 noise"])
     print(f"bf16 run-to-run noise (max - min of {args.seeds} batch orders): {noise:.4f} "
           f"(losses {', '.join(f'{x:.4f}' for x in bf16_runs)}); loss runs {loss_s:.0f} s")
 
+    print(calibration_line(args.target))
     ours_speed, ours_ok = verdict.pop("autoprec (tuned)")
     fine = {n: s for n, (s, ok) in verdict.items() if ok}
     best = max(fine, key=fine.get)
     print(f"\nfastest peer within bf16 noise: {best} at {fine[best]:.3f}x; autoprec at "
           f"{ours_speed:.3f}x, loss {'within' if ours_ok else 'OUTSIDE'} noise")
-    claim = ours_ok and ours_speed >= fine[best] - 1e-9 and ours_speed >= 1.0
-    print(f"claim (at least as fast as the fastest peer within noise, never worse than bf16): "
+    print(f"autoprec against that peer: {_priced_verdict(ours_speed, fine[best], args.target)}; "
+          f"against bf16: {_priced_verdict(ours_speed, 1.0, args.target)}")
+    claim = ours_ok and all(ours_speed >= ref or priced_tie(ours_speed, ref, args.target)
+                            for ref in (fine[best], 1.0))
+    print(f"claim (at least as fast as the fastest peer within noise, never worse than bf16; "
+          f"a priced difference inside the calibration error is a tie): "
           f"{'holds' if claim else 'FAILS'}")
     print(f"total {time.perf_counter() - t0:.0f} s")
     if not math.isfinite(ours_speed):
