@@ -2,8 +2,10 @@
 here on small calibration batches, layers priced by the H100 cost model at 8x1024 tokens.
 
 Prints the share of matmul FLOPs the tuned policy puts in fp8, the cost-model speed-up over
-fp32 and over uniform bf16, the reason each layer kept out of fp8 has, and a short validation
-(FP32 vs policy from one initialization, judged against FP32's own run-to-run noise).
+fp32 and over uniform bf16 (with the measurements the model was checked against and how far
+off it was; a priced difference inside that error is written as a tie), the reason each layer
+kept out of fp8 has, and a short validation (FP32 vs policy from one initialization, judged
+against FP32's own run-to-run noise).
 
     python benchmarks/bench_target.py [--target h100] [--trials 40] [--validate-steps 40]
 """
@@ -18,6 +20,7 @@ import _common  # noqa: F401
 from _common import device_line
 
 from autoprec import Format, Policy
+from autoprec.pricing import calibration_line, priced_tie
 from autoprec.tuning import tune, validate_front
 from examples.gpt2_bytes import gpu_task
 
@@ -52,8 +55,11 @@ def main():
     print(f"matmul FLOPs in fp8: {fp8 / total:.1%} ("
           + ", ".join(f"{k} {v / total:.1%}" for k, v in sorted(mix.items(), key=lambda kv: -kv[1]))
           + ")")
+    vs_bf16 = " (a tie: inside the calibration error)" if priced_tie(step, bf16, args.target) \
+        else ""
     print(f"cost-model time of the searched layers: policy / fp32 = {step / fp32:.3f} "
-          f"({fp32 / step:.2f}x), policy / uniform bf16 = {step / bf16:.3f}")
+          f"({fp32 / step:.2f}x), policy / uniform bf16 = {step / bf16:.3f}{vs_bf16}")
+    print(calibration_line(args.target))
     if res.validation is not None:
         print(res.validation.report())
     else:
@@ -64,7 +70,8 @@ def main():
         print(f"  {f:<30} {fmt.label:<22} {prof.fp8_reason(f, fmt)}")
     uniform = prof.estimate_step({f: Policy(default="fp8").format_for(f) for f in layers},
                                  args.target)
-    print(f"(uniform fp8 would cost {uniform / bf16:.3f}x uniform bf16)")
+    tie = " (a tie)" if priced_tie(uniform, bf16, args.target) else ""
+    print(f"(uniform fp8 would cost {uniform / bf16:.3f}x uniform bf16{tie})")
 
 
 if __name__ == "__main__":
