@@ -25,19 +25,27 @@ __all__ = ["CostSource", "calibration_error", "calibration_line", "priced_tie"]
 _CHECKED = "h100"
 
 
-def calibration_error(target: str) -> float:
+def _key(target: Any) -> str:
+    """The cost model's name for ``target``; a name it does not know (a DeviceSpec's, as a
+    policy's provenance records it) as written."""
+    try:
+        return resolve_target(target)[0]
+    except ValueError:
+        return str(target).strip()
+
+
+def calibration_error(target: Any) -> float:
     """How far off the cost model of ``target`` was on the published whole-step speed-ups it
     was checked against (``autoprec.costmodel.CALIBRATION``): the largest relative error of
     the figures no constant was fitted to. A target never checked against a measurement gets
     the checked one's (it is at least that uncertain)."""
-    key = resolve_target(target)[0]
-    return (CALIBRATION.get(key) or CALIBRATION[_CHECKED]).speedup_error
+    return (CALIBRATION.get(_key(target)) or CALIBRATION[_CHECKED]).speedup_error
 
 
-def calibration_line(target: str) -> str:
+def calibration_line(target: Any) -> str:
     """The one line every priced figure carries: which model priced it, which measurements
     that model was checked against and how far off it was."""
-    key = resolve_target(target)[0]
+    key = _key(target)
     cal = CALIBRATION.get(key)
     if cal is None:
         ref = CALIBRATION[_CHECKED]
@@ -49,7 +57,7 @@ def calibration_line(target: str) -> str:
             f"{cal.linear_error:.0%})")
 
 
-def priced_tie(a: float, b: float, target: str) -> bool:
+def priced_tie(a: float, b: float, target: Any) -> bool:
     """Whether two figures priced for ``target`` (two seconds, or two speed-ups) are a tie:
     they differ by no more than the model's calibration error, so the price cannot say
     which is faster."""

@@ -128,8 +128,8 @@ def test_priced_tie_is_a_difference_inside_the_calibration_error():
     assert not priced_tie(1.0, math.inf, "h100") and priced_tie(math.inf, math.inf, "h100")
     # a model never checked is at least as uncertain as the checked one
     assert calibration_error("h200") == err and priced_tie(1.0, 1.0 + 0.9 * err, "a100")
-    with pytest.raises(ValueError, match="Unknown cost-model target 'h800'"):
-        priced_tie(1.0, 1.0, "h800")
+    # a model this version does not know (a DeviceSpec's name in an old policy) is unchecked
+    assert calibration_error("NVIDIA H100 SXM5 80GB") == err
 
 
 def test_the_calibration_line_names_the_measurements_and_the_error():
@@ -141,6 +141,8 @@ def test_the_calibration_line_names_the_measurements_and_the_error():
     other = calibration_line(" H200 ")
     assert "h200 cost model, not checked against a measurement" in other and "torchtitan" in other
     assert CostSource.of("h100").calibration() == line
+    assert "not checked" in calibration_line("my-gpu") and "my-gpu cost model" in \
+        calibration_line(" my-gpu ")
     assert CostSource.of(None).calibration() is None
 
 
