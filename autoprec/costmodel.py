@@ -607,7 +607,9 @@ STEP_SPECS: dict[str, StepSpec] = {
         link_bandwidth=450e9, link_efficiency=0.8,
         # Fitted to one measurement, torchtitan's bf16 step (5,760 tokens/s per GPU, 1.422 s
         # per step; torchtitan commit 7a04053's log), which the model prices at 0.892 s; no
-        # speed-up was fitted. See CALIBRATION.
+        # speed-up was fitted. See CALIBRATION. A slower machine than the layer model's
+        # kernels, as torchao's own linear benchmark found its (pytorch/ao#2185: bf16 linears
+        # at 0.49-0.59 of the 989 TFLOP/s peak, where the layer model has 0.78).
         time_scale=1.594,
     ),
 }
@@ -746,7 +748,9 @@ _TITAN = "torchtitan, Jan 2025"
 _AO = "torchao float8 README (torch 2.7.0a0, torchao 0.10)"
 PUBLISHED: tuple[Published, ...] = (
     # torchtitan commit 7a04053 ("example of float8 with rowwise scaling"), its log: 8 H100s
-    # (Meta's 96 GB, 500 W parts), torch.compile; rowwise with pytorch/ao#1629
+    # (95 GiB each by the log's memory percentages: Meta's H100 variant, 2.4 TB/s, which
+    # torchao's roofline and notes describe as 500 W parts), torch.compile; rowwise with
+    # pytorch/ao#1629 (its 58.55 GiB is SAC saving abs() outputs, fixed by torchtitan#820)
     Published("torchtitan 7a04053 log", _TITAN, "bf16", 5760, "47.65 GiB", fitted=True),
     Published("torchtitan 7a04053 log", _TITAN, "fp8:rowwise", 6424, "58.55 GiB"),
     Published("torchtitan 7a04053 log", _TITAN, "fp8:tensorwise", 7186, "47.32 GiB",
