@@ -45,6 +45,7 @@ from autoprec.measure.capture import Layer, LayerGraph, capture
 from autoprec.measure.config import SensitivityOptions, TimingOptions, with_keywords
 from autoprec.measure.sensitivity import (
     LayerSensitivity,
+    SensitivityResults,
     check_sensitivity_mode,
     measure_sensitivity,
 )
@@ -566,9 +567,13 @@ def _profile_unit(ctx: _Context, opts: ProfileOptions, fqns: list[str]) -> list[
                for L in chosen}
     low = [f for f in fmts if f is not Format.FP32]
     only = {f: [x for x in low if x not in skipped[f]] for f in fqns}
-    errors = measure_sensitivity(ctx.task, fqns, low, batches=ctx.calib, options=SensitivityOptions(
-        progress=ctx.reporter.bar("sensitivity"), only=only, mode=opts.sensitivity,
-        budget=opts.budget or Budget()))
+    if any(only.values()):
+        errors = measure_sensitivity(ctx.task, fqns, low, batches=ctx.calib,
+                                     options=SensitivityOptions(
+                                         progress=ctx.reporter.bar("sensitivity"), only=only,
+                                         mode=opts.sensitivity, budget=opts.budget or Budget()))
+    else:  # nothing to measure in this unit: no reference pass either
+        errors = SensitivityResults({}, exact_why={})
     why = errors.exact_why
     rows = [LayerProfile(layer=L, sensitivity=dict(errors.get(L.fqn, {})),
                          times=dict(times.get(L.fqn, {})), skipped=skipped[L.fqn],

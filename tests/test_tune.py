@@ -17,10 +17,11 @@ import time
 import optuna
 import pytest
 import torch
-from tasks import overflow_gpt2_task, small_gpt2_task
+from tasks import overflow_gpt2_task, small_gpt2_task, tiny_gpt2_task
 
 import autoprec
 from autoprec import Format, Policy
+from autoprec.policy import Interval
 from autoprec.tuning import tune
 from autoprec.tuning.space import group_layers
 from autoprec.tuning.storage import open_storage
@@ -406,3 +407,23 @@ def test_without_bf16_instructions_a_measured_tune_writes_fp32_and_says_why(tmp_
     written = autoprec.load_policy(out)
     assert written.default is Format.FP32 and set(written.layers.values()) <= {Format.FP32}, \
         written.layers
+
+
+def test_a_search_space_of_one_policy_is_not_timed_against_itself(tmp_path, capsys):
+    # fp8 is only emulated on a CPU, so every unit offers fp32 alone: the one policy is the
+    # reference, so no A/A check, no trial timing and no final re-timing (each would time
+    # fp32 against itself); its numerics are still measured, and the speed-up is 1 exactly
+    out = tmp_path / "p.yaml"
+    res = tune(tiny_gpt2_task(), formats=("fp32", "fp8"), n_trials=3, output=str(out))
+    messages = capsys.readouterr().err.splitlines()
+    assert [t.assignment for t in res.trials] and all(
+        set(t.assignment.values()) == {"fp32"} for t in res.trials), res.trials
+    assert res.selection.speedup[res.best.number] == Interval(1.0, 1.0, 1.0, 0)
+    assert res.selection.aa is None and res.selection.rounds == 0
+    assert any("nothing was re-timed" in n for n in res.selection.notes), res.selection.notes
+    assert not any(m.startswith(("timing noise before", "re-timing")) for m in messages), messages
+    assert any("holds one policy, all-fp32" in m for m in messages), messages
+    assert res.best.finite and res.best.loss_increase == 0.0
+    res.save(out, plot=False)
+    written = autoprec.load_policy(out)
+    assert written.default is Format.FP32 and written.provenance.speedup.value == 1.0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+import statistics
 import warnings
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -55,10 +56,15 @@ class Evaluator:
     batches and, when measuring, a timing copy and the fp32 step time; evaluates policies."""
 
     def __init__(self, task: Task, holdout: Sequence[Any], *, prof: Profile,
-                 target: str | None, timing: TimingConfig, model: nn.Module | None = None):
+                 target: str | None, timing: TimingConfig, model: nn.Module | None = None,
+                 reference_only: bool = False):
         """``model``: a fresh build of the task's model to measure on (prepared for
-        measurement in place, so no one else's), or None to build one."""
+        measurement in place, so no one else's), or None to build one. ``reference_only``:
+        every policy evaluated is all-fp32, the reference itself (a search space of one
+        policy), so nothing is timed against fp32 and there is no A/A check: the fp32 step is
+        timed once, for the report."""
         self.task, self.prof, self.target, self.timing = task, prof, target, timing
+        self.reference_only = reference_only
         self.source = CostSource.of(target)
         model = prepare_for_measurement(model if model is not None else task.build_model())
         self.fingerprint = model_fingerprint(model)
@@ -81,6 +87,10 @@ class Evaluator:
         sees it (before the search)."""
         if self.steps is None:
             return self.prof.estimate_step(expand(FP32, self.prof), self.target)
+        if self.reference_only:
+            run = self.steps.runner(FP32)
+            run()  # warm-up
+            return statistics.median(run() for _ in range(3))
         check = Comparison({"fp32": self.steps.runner(FP32), "fp32 again": self.steps.runner(FP32)},
                            "fp32", repeats=self.timing.repeats, seed=self.task.seed)
         check.run(max(6, self.timing.final_rounds), warmup=True)
@@ -143,6 +153,8 @@ class Evaluator:
             sec = self.prof.estimate_step(expand(policy, self.prof), self.target)
             r = sec / self.fp32_seconds
             return Timed(Interval(r, r, r, 0), sec)
+        if self.reference_only:  # the same step as the reference: 1 by construction
+            return Timed(Interval(1.0, 1.0, 1.0, 0), self.fp32_seconds, 1.0)
         predicted = self.predicted_ratio(policy)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*can only emulate.*")

@@ -122,6 +122,8 @@ def select(ev: Evaluator, finalists: list[Finalist], warms: Sequence[int], cfg: 
     by_number = {f.number: f for f in finalists}
     if ev.steps is None:
         return _select_priced(ev, finalists, warms)
+    if ev.reference_only:
+        return _select_reference(ev, finalists, warms)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*can only emulate.*")
         cmp = ev.comparison({f.number: f.policy for f in finalists}, aa=True)
@@ -234,6 +236,17 @@ def _verdict(state: _State, cmp, by_number: dict[int, Finalist], ev: Evaluator,
 def _faster_predicted(ranked: list[Finalist]) -> bool:
     a, b = ranked[0].predicted, ranked[1].predicted
     return a is not None and b is not None and a < b / 1.02
+
+
+def _select_reference(ev: Evaluator, finalists: list[Finalist],
+                      warms: Sequence[int]) -> Selection:
+    """The search space held one policy, all-fp32: the reference itself, nothing to re-time."""
+    winner = finalists[0].number
+    return Selection(winner=winner, speedup={f.number: Interval(1.0, 1.0, 1.0, 0)
+                                             for f in finalists},
+                     fp32_seconds=ev.fp32_seconds, warm=winner if winner in warms else None,
+                     notes=["the search space held one policy, all-fp32 (no other format can "
+                            "win on this device): it is the reference, so nothing was re-timed"])
 
 
 def _select_priced(ev: Evaluator, finalists: list[Finalist],

@@ -96,8 +96,13 @@ def _tune(task: Task, config: TuneConfig, prof: Profile | None, log: Reporter,
         f"{len(config.formats)} formats")
     for line in [*space.split_summary(), *space.pruned_summary()]:
         log(line)
+    # a space of one policy is all-fp32 (fp32 is always offered): nothing to time it against
+    lone = space.size == 1
+    if lone:
+        log("the search space holds one policy, all-fp32: it is the reference, so it is not "
+            "timed against fp32 (its numerics are still measured)")
     ev = Evaluator(task, task.batches[-n_holdout:], prof=prof, target=config.target,
-                   timing=config.timing, model=model)
+                   timing=config.timing, model=model, reference_only=lone)
     del model  # the evaluator owns it now (prepared for measurement in place)
     if ev.aa is not None:
         log(f"timing noise before the search: fp32 against itself {ev.aa} "
@@ -392,7 +397,9 @@ def _optimize(handle: StudyHandle, objective: _Objective, space: SearchSpace,
     study = handle.study
     n_trials = config.n_trials
     if space.size < n_trials:
-        log(f"the search space holds only {space.size} policies: running {space.size} trials")
+        log(f"the search space holds only {space.size} "
+            f"{'policy' if space.size == 1 else 'policies'}: running {space.size} "
+            f"{'trial' if space.size == 1 else 'trials'}")
         n_trials = space.size
     done = _distinct(study)
     remaining = max(0, n_trials - done)
@@ -533,8 +540,9 @@ def _decide(handle: StudyHandle, task: Task, ev: Evaluator, space: SearchSpace,
         log(f"timing noise during the search: the trials' fp32 steps took {drift[0]:.2f}-"
             f"{drift[1]:.2f}x the calibrated time (10-90%); trial speeds are rough, the final "
             "re-timing decides")
-    log(f"re-timing {len(finalists)} leading policies against fp32 until the verdict is "
-        "significant")
+    if not ev.reference_only:
+        log(f"re-timing {len(finalists)} leading policies against fp32 until the verdict is "
+            "significant")
     sel = select(ev, finalists, [t.number for t in warm_picks], config.timing, log=log)
     sel.drift = drift
     by_number = {t.number: t for t in trials}
