@@ -271,3 +271,42 @@ def test_measure_layers_on_cuda():
     assert t[Format.BF16].seconds < 0.7 * t[Format.FP32].seconds, t
 
 
+
+
+class _Ran:
+    def __init__(self, error=None):
+        self.error = error
+
+
+def test_a_format_far_slower_in_its_warm_up_run_is_not_timed_further():
+    from autoprec.measure.timing import _CLEARLY_SLOWER, _slow_in_warmup
+
+    runs = {f: _Ran() for f in (Format.FP32, Format.BF16, Format.FP16)}
+    t32 = 0.01
+    warm = {Format.FP32: t32, Format.BF16: 3 * t32, Format.FP16: 2 * _CLEARLY_SLOWER * t32}
+    assert _slow_in_warmup(warm, runs) == {Format.FP16: 2 * _CLEARLY_SLOWER}
+    # at the threshold it is timed (the rounds decide), and a failed format is the rounds' too
+    warm[Format.FP16] = _CLEARLY_SLOWER * t32
+    assert _slow_in_warmup(warm, runs) == {}
+    warm[Format.FP16] = 100 * t32
+    assert _slow_in_warmup(warm, {**runs, Format.FP16: _Ran("RuntimeError: no")}) == {}
+    # no usable fp32 warm-up: nothing is judged from it
+    assert _slow_in_warmup({**warm, Format.FP32: math.inf}, runs) == {}
+    assert _slow_in_warmup({}, runs) == {}
+
+
+def test_a_layer_timed_on_its_warm_up_only_says_so_and_keeps_a_finite_time():
+    # whichever formats this CPU runs far slower than fp32, each is timed once, says so,
+    # and keeps its (slow) time, so the profile's verdict on it is "slow", not "failed"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    times = measure_layers(model, torch.randn(64, 256), ["0", "1"],
+                           [Format.FP32, Format.BF16, Format.FP16], repeats=3)
+    for layer in times.values():
+        t32 = layer[Format.FP32]
+        for fmt, t in layer.items():
+            assert t.ok and math.isfinite(t.seconds), (fmt, t)
+            if "warm-up run" in t.note:
+                assert t.repeats == 1 and t.seconds > t32.seconds, (fmt, t)
+            else:
+                assert t.repeats >= 1

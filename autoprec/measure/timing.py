@@ -266,10 +266,12 @@ class _FormatRun:
 
 
 def _time_module(module: nn.Module, inputs: _Inputs, formats: Sequence[Format], clock: Clock,
-                 options: TimingOptions
-                 ) -> tuple[Comparison, dict[Format, _FormatRun], dict[Format, str]]:
+                 options: TimingOptions) -> tuple[Comparison, dict[Format, _FormatRun],
+                                                  dict[Format, str], dict[Format, float]]:
     """Time ``formats`` of one module against fp32 in interleaved rounds; drop a format that
-    fails, is far slower than fp32, or exceeds its time budget (with a note why)."""
+    fails, is far slower than fp32, or exceeds its time budget (with a note why). A format
+    already far slower in its warm-up run is not timed further: its warm-up time (the last
+    returned dict) is its time, an answer more rounds would not change."""
     warmup, rounds, budget_s, seed = options.warmup, options.repeats, options.budget_s, \
         options.seed
     gen = torch.Generator(device=clock.device).manual_seed(seed)
@@ -286,9 +288,13 @@ def _time_module(module: nn.Module, inputs: _Inputs, formats: Sequence[Format], 
     runs = {f: _FormatRun(module, inputs, f, clock, grads) for f in formats}
     timing = Comparison(runs, Format.FP32, repeats=2, seed=seed)
     notes: dict[Format, str] = dict.fromkeys(formats, "")
+    warm: dict[Format, float] = {}
     for _ in range(warmup):
-        for run in runs.values():
-            run()
+        warm = {f: run() for f, run in runs.items()}
+    slow = _slow_in_warmup(warm, runs)
+    for fmt, ratio in slow.items():
+        notes[fmt] = f"{ratio:.0f}x slower than fp32 in its warm-up run; not timed further"
+        timing.drop(fmt)
     for r in range(rounds):
         timing.run(1)
         for fmt in [f for f in timing.active if f is not Format.FP32]:
@@ -312,7 +318,19 @@ def _time_module(module: nn.Module, inputs: _Inputs, formats: Sequence[Format], 
                                             f"{timing.spent[Format.FP32]:.1f} s of a "
                                             f"{budget_s:g} s budget")
             break
-    return timing, runs, notes
+    return timing, runs, notes, {f: warm[f] for f in slow}
+
+
+def _slow_in_warmup(warm: Mapping[Format, float], runs: Mapping[Format, _FormatRun]
+                    ) -> dict[Format, float]:
+    """The formats over ``_CLEARLY_SLOWER`` x fp32's time in the warm-up, with their ratio
+    (fp32's first run is the slower one as a rule, so the ratio errs low)."""
+    t32 = warm.get(Format.FP32, math.nan)
+    if not (math.isfinite(t32) and t32 > 0):
+        return {}
+    return {f: t / t32 for f, t in warm.items()
+            if f is not Format.FP32 and runs[f].error is None and math.isfinite(t)
+            and t > _CLEARLY_SLOWER * t32}
 
 
 def measure_layers(model: nn.Module, example_batch: Any, fqns: Iterable[str],
@@ -406,7 +424,7 @@ def _measure_module(fqn: str, module: nn.Module, inputs: _Inputs | None, fmts: l
     runnable = [f for f in fmts if support[f] is not Support.UNSUPPORTED]
     # fp32 is the reference of every comparison, and the floor of emulated formats
     timed = [Format.FP32, *[f for f in runnable if f is not Format.FP32]]
-    timing, runs, notes = _time_module(module, inputs, timed, clock, bench.options)
+    timing, runs, notes, warm = _time_module(module, inputs, timed, clock, bench.options)
     fp8_note = ""
     if any(f.is_fp8 for f in runnable):
         try:
@@ -426,6 +444,12 @@ def _measure_module(fqn: str, module: nn.Module, inputs: _Inputs | None, fmts: l
                         "as max(own, fp32) time")
         error = (f"{clock.device} cannot run {fmt}" if fmt not in runnable
                  else runs[fmt].error)
+        if error is None and fmt in warm:  # far slower in its one warm-up run
+            raw = warm[fmt] * inputs.calls
+            seconds = max(raw, fp32_s) if fmt in emulated and fp32_s is not None else raw
+            out[fmt] = LayerTime(fqn, fmt, seconds, raw, math.nan, fmt in emulated, MEASURED,
+                                 "; ".join(note), None, 1)
+            continue
         if error is not None or not timing.rounds_of(fmt):
             out[fmt] = LayerTime(fqn, fmt, math.inf, math.inf, math.nan, fmt in emulated,
                                  MEASURED, "; ".join(note), error or "no successful run", 0)
