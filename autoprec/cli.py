@@ -258,6 +258,11 @@ def _provenance_text(prov) -> str:
     if prov.speedup is not None:
         rounds = f" ({prov.speedup.rounds} timing rounds)" if prov.speedup.rounds else ""
         lines.append(f"  speed-up vs fp32: {prov.speedup}{rounds}")
+        if (prov.device or "").startswith("cost model:"):
+            from autoprec.pricing import calibration_line
+
+            target = prov.device[len("cost model:"):].split("(")[0].strip()
+            lines.append(f"  {calibration_line(target)}")
     if prov.loss_increase is not None:
         lines.append(f"  loss change vs fp32: {_num(prov.loss_increase, '+.3%')}; gradient "
                      f"error {_num(prov.grad_error, '.3g')}")
@@ -300,6 +305,7 @@ def _layer_reasons(policy, prof, prof_path: str) -> str:
     from autoprec._util import text_table
 
     from autoprec.policy import DEFAULT_MAX_LOSS_INCREASE
+    from autoprec.pricing import CostSource
 
     budget = policy.provenance.budget
     limit = budget.max_loss_increase if budget is not None else DEFAULT_MAX_LOSS_INCREASE
@@ -321,7 +327,8 @@ def _layer_reasons(policy, prof, prof_path: str) -> str:
             + "\n  (recipes: speed vs bf16 as profiled, loss change with the layer alone in it;"
             + "\n  sensitivity: est = first-order estimate, meas = measured exactly)"
             + f"\n  {prof.sensitivity_summary()}"
-            + f"\n\nmatmul FLOPs by format: {shares}")
+            + f"\n\nmatmul FLOPs by format: {shares}"
+            + (f"\n{CostSource.of(prof.target).calibration()}" if prof.target else ""))
 
 
 def _sources(lp) -> str:

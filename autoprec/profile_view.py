@@ -45,7 +45,8 @@ def table(prof: Profile) -> str:
     return (text_table(header, rows) + "\nerr: relative loss change with the layer alone in "
             f"the format (~ first-order estimate, else measured); us: fwd+bwd microseconds "
             f"({source_label(prof)}); * emulated (never counted as fast); skip: not measured, "
-            f"the format cannot win here (see `skipped`).\n{sensitivity_summary(prof)}")
+            f"the format cannot win here (see `skipped`).\n{sensitivity_summary(prof)}"
+            + (f"\n{CostSource.of(prof.target).calibration()}" if prof.target else ""))
 
 
 def _layer_cells(lp: LayerProfile, low: Sequence[Format], fmts: Sequence[Format]) -> list[str]:

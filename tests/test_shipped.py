@@ -71,3 +71,6 @@ def test_show_lists_a_recipe_and_a_measured_reason_per_fp8_layer_of_the_h100_pol
         assert f"chosen: {fmt.recipe} " in rows[fqn], rows[fqn]
         assert "x bf16" in rows[fqn] and "loss" in rows[fqn], rows[fqn]
     assert "matmul FLOPs by format:" in r.stdout
+    # a priced figure says which measurements its model was checked against, and how far off
+    assert "priced by the h100 cost model, checked against torchtitan Llama-3-8B" in r.stdout
+    assert "step speed-ups within" in r.stdout, r.stdout

@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from autoprec.policy import DEFAULT_MAX_LOSS_INCREASE, Policy, Provenance
+from autoprec.pricing import calibration_line
 from autoprec.reporter import Reporter
 from autoprec.task import Task
 from autoprec.tuning.report import TrialResult, TuneResult, fallback_provenance, with_provenance
@@ -123,8 +124,8 @@ def _speed_source(result: TuneResult, trial: TrialResult) -> str:
     sel = result.selection
     device = result.policy.provenance.device or ""
     if device.startswith("cost model:"):
-        return f"its speed-up is its price on the {device[len('cost model:'):].split('(')[0].strip()} " \
-               "cost model: exact, no timing noise"
+        target = device[len("cost model:"):].split("(")[0].strip()
+        return f"its speed-up is its price, no timing noise ({calibration_line(target)})"
     if sel is not None and trial.number in sel.speedup:
         s = sel.speedup[trial.number]
         return (f"its speed-up {s} is from the final re-timing ({s.rounds} rounds), in which "

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from autoprec.measure.timer import noise_of
 from autoprec.policy import Interval, Policy
+from autoprec.pricing import calibration_line, priced_tie
 from autoprec.profiling import Profile
 from autoprec.tuning.config import TimingConfig
 from autoprec.tuning.evaluate import Evaluator
@@ -261,11 +262,13 @@ def _select_priced(ev: Evaluator, finalists: list[Finalist],
     speedup = {k: Interval(ev.fp32_seconds / p, ev.fp32_seconds / p, ev.fp32_seconds / p, 0)
                for k, p in prices.items()}
     over = None
-    notes = [f"priced by the {ev.target} cost model: exact, no timing noise"]
+    notes = [f"{calibration_line(ev.target)}; no timing noise"]
     if warm is not None and warm != winner:
         r = prices[warm] / prices[winner]
         over = Interval(r, r, r, 0)
-        notes.append(f"{r:.3f}x the best warm start's price (trial {warm})")
+        tie = priced_tie(prices[warm], prices[winner], ev.target)
+        notes.append(f"{r:.3f}x the best warm start's price (trial {warm})"
+                     + (": a tie, inside the cost model's calibration error" if tie else ""))
     return Selection(winner=winner, speedup=speedup, fp32_seconds=ev.fp32_seconds,
                      over_warm_start=over, warm=warm, ties=[f.number for f in tied],
                      notes=notes)
