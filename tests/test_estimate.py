@@ -65,9 +65,10 @@ def test_estimate_ranks_loss_changes_like_the_exact_measurement(name, gpt2_batch
             tol = 1.0 if _tied(model, n) else 0.25
             assert a.layer_grad_rel_error == pytest.approx(e.layer_grad_rel_error, rel=tol), \
                 (n, f, a.layer_grad_rel_error, e.layer_grad_rel_error)
-        # the whole-model gradient error is an approximation that leans high (0.7-11x here):
-        # never far below the truth, and within an order of magnitude or so above it
-        assert e.grad_rel_error / 2 <= a.grad_rel_error <= 16 * e.grad_rel_error, \
+        # the whole-model gradient error is an estimate (the weights' rounding weighed by
+        # curvature probes, the rest at the layer's boundary): 0.76-1.38x of the truth here
+        # (it was 0.7-11x when the input gradient's error was carried upstream unattenuated)
+        assert e.grad_rel_error / 2 <= a.grad_rel_error <= 2 * e.grad_rel_error, \
             (n, f, a.grad_rel_error, e.grad_rel_error)
 
 

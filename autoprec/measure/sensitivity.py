@@ -549,18 +549,16 @@ def _estimate_all(plan: _Plan) -> tuple[dict, dict]:
                                    progress=tick) as (around, results):
         _, ranges = _reference(numerics, names, plan.range_fmts, plan.options.include_children,
                                keep_outputs=False, extra=around)
-        estimates, upstream = results()
+        estimates = results()
     ref = numerics.reference()
-    total_sq = [float(g.sum()) for g in ref.grad_sq]
+    total_sq = math.fsum(float(g.sum()) for g in ref.grad_sq)
     out = {}
     for name in names:
-        used_before, x_total = upstream[name]
-        up = [float(g[used_before].sum()) if used_before else 0.0 for g in ref.grad_sq]
         for fmt, e in estimates[name].items():
             a_over, a_under, g_over, g_under = ranges[name].get(fmt, (None,) * 4)
             out[(name, fmt)] = LayerSensitivity(
                 layer=name, format=fmt, loss_rel_change=e.loss_rel_change(ref.losses),
-                grad_rel_error=e.grad_rel_error(up, total_sq, x_total),
+                grad_rel_error=e.grad_rel_error(total_sq),
                 layer_grad_rel_error=e.layer_grad_rel_error(), output_sqnr_db=e.sqnr_db(),
                 act_overflow=a_over, act_underflow=a_under, grad_overflow=g_over,
                 grad_underflow=g_under, finite=e.finite, n_batches=len(ref.losses),
@@ -658,7 +656,9 @@ def _reference(numerics: Numerics, names: list[str], range_fmts: list[Format],
 
     @contextlib.contextmanager
     def around(b: int):
-        with counter, (extra(b) if extra is not None else contextlib.nullcontext()):
+        # the extra context first: the estimate's curvature probes run as it is entered, and
+        # the range statistics must not count their passes
+        with (extra(b) if extra is not None else contextlib.nullcontext()), counter:
             yield
         for probe in probes.values():
             probe.end_batch()
