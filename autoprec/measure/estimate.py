@@ -516,7 +516,7 @@ class _Estimator:
              mode: TorchFunctionMode | None = None):
         """The layer alone on the recorded inputs (inside ``mode``, if given): its floating
         outputs, and (given output grads) the gradients of its floating inputs and of its
-        parameters."""
+        parameters (not those inside ``mode``, which only needs the inputs')."""
         flat, spec = tree_flatten((call.args, call.kwargs))
         leaves, xs = [], []
         for t in flat:
@@ -529,7 +529,7 @@ class _Estimator:
             out = [t for t in floating(watch.module(*args, **kwargs)) if t.requires_grad]
         if g_out is None:  # the FP32 reference: its grads use the true output grads
             g_out = [call.grads.get(i, torch.zeros_like(t)) for i, t in enumerate(out)]
-        wrt = [*xs, *watch.params]
+        wrt = [*xs, *(watch.params if mode is None else ())]
         scale = self.loss_scale if fmt is Format.FP16 else 1.0
         grads = _local_grads(out, wrt, g_out, scale) if out and wrt else [None] * len(wrt)
         grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, wrt)]
@@ -554,8 +554,8 @@ def _sq(t: torch.Tensor) -> float:
 
 
 def _weighed(d: torch.Tensor, t: torch.Tensor) -> float:
-    """``sum (d * t)^2`` in float64: an error weighed element by element by a probe."""
-    return float((d.to(torch.float64) * t.to(torch.float64)).square().sum())
+    """``sum (d * t)^2``, summed in float64: an error weighed element by element by a probe."""
+    return float((d.to(torch.float32) * t.to(torch.float32)).square().sum(dtype=torch.float64))
 
 
 def _accumulate(est: Estimate, b: int, runs: tuple, g_out: list, own: list[int],
@@ -586,7 +586,7 @@ def _accumulate(est: Estimate, b: int, runs: tuple, g_out: list, own: list[int],
     est.own_diff += math.fsum(diffs[i] for i in own)
     est.own_ref += math.fsum(_sq(ref_gp[i]) for i in own)
     # what the weights' rounding does not explain, weighed by each probe's response to it
-    resid = [math.fsum([*(_weighed(y - w, t) for y, w, t in zip(out, w_out, u)),
+    resid = [math.fsum([*(_weighed(y.float() - w.float(), t) for y, w, t in zip(out, w_out, u)),
                         *(_weighed(a - w, t) for a, w, t in zip(gx, w_gx, v))])
              for u, v in tangents]
     est.resid += math.fsum(resid) / len(resid) if resid else math.nan
