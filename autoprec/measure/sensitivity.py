@@ -401,7 +401,8 @@ def measure_sensitivity(
     whole subtree instead. A descendant that is not in ``layers`` always follows its parent.
 
     ``mode``: ``"exact"`` measures every pair as above; ``"fast"`` estimates every pair from
-    the reference pass (:mod:`autoprec.measure.estimate`, cost flat in depth); ``"auto"``
+    the reference pass and two curvature probes per batch (:mod:`autoprec.measure.estimate`,
+    cost per layer flat in depth; ``seed`` also picks the probes' directions); ``"auto"``
     also measures exactly those whose estimate is doubtful or near ``budget``; ``exact_why``
     says why, and the estimate replaced. Each result's ``source`` says which it is.
 
