@@ -111,16 +111,21 @@ def test_a_profile_measures_every_requested_format_and_says_which_cannot_win():
     assert "skip" not in prof.table().split("\nerr:")[0]
 
 
+def _profile_command(tmp_path, task: str, *args: str) -> subprocess.CompletedProcess:
+    """`autoprec profile` on a task of tests/tasks.py, writing tmp_path/p.json."""
+    (tmp_path / "t.py").write_text(f"from tasks import {task} as task\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, str(tmp_path)]))
+    out = subprocess.run([CONSOLE, "profile", f"{tmp_path / 't.py'}:task", *args, "-o",
+                          str(tmp_path / "p.json")], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out
+
+
 @pytest.mark.slow
 def test_the_profile_command_flags_a_planted_fp16_overflow_on_this_cpu(tmp_path):
     # measured on this CPU, where fp16 cannot win on speed: its overflow is flagged anyway
-    task = tmp_path / "t.py"
-    task.write_text("from tasks import overflow_gpt2_task as task\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, str(tmp_path)]))
-    out = subprocess.run([CONSOLE, "profile", f"{task}:task", "--formats", "fp32", "bf16",
-                          "fp16", "-o", str(tmp_path / "p.json")], capture_output=True,
-                         text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = _profile_command(tmp_path, "overflow_gpt2_task", "--formats", "fp32", "bf16", "fp16")
     rows = {line.split()[0]: line for line in out.stdout.splitlines() if line.strip()}
     assert "NONFINITE" in rows["transformer.h.1.mlp.c_proj"], out.stdout
     assert "fp16 non-finite" in rows["transformer.h.1.mlp.c_proj"], out.stdout
@@ -133,13 +138,7 @@ def test_the_profile_command_flags_a_planted_fp16_overflow_on_this_cpu(tmp_path)
 
 @pytest.mark.slow
 def test_the_tune_keeps_skipping_what_cannot_win_and_a_flag_opts_the_profile_into_it(tmp_path):
-    task = tmp_path / "t.py"
-    task.write_text("from tasks import tiny_gpt2_task as task\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, str(tmp_path)]))
-    out = subprocess.run([CONSOLE, "profile", f"{task}:task", "--formats", "fp32", "fp8",
-                          "--only-winnable", "-o", str(tmp_path / "p.json")],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
+    _profile_command(tmp_path, "tiny_gpt2_task", "--formats", "fp32", "fp8", "--only-winnable")
     prof = Profile.load(tmp_path / "p.json")
     assert all(not (set(lp.sensitivity) & set(FP8_FORMATS)) for lp in prof.layers)
     assert all("emulated" in lp.skipped[Format.FP8] for lp in prof.layers)
