@@ -428,7 +428,9 @@ def _check_resumed(full: dict, resumed: dict) -> None:
     assert full["formats"][fmt] == "fp32"
     later = [str(s) for s in range(CKPT_STEP + 1, LAST_STEP + 1)]
     assert all(math.isfinite(full["losses"][s]) for s in later), full["losses"]
-    assert resumed["losses"] == {s: full["losses"][s] for s in later}
+    # equal up to float32 rounding: a fresh process may reduce in another order under load
+    # (seen once in CI: 4.6457853 against 4.6457868)
+    assert resumed["losses"] == pytest.approx({s: full["losses"][s] for s in later}, rel=1e-5)
     assert resumed["formats"] == full["formats"]
     assert resumed["events"] == full["events"] and resumed["amended"] == full["amended"]
 

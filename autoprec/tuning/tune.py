@@ -18,6 +18,7 @@ stored in the study's user attributes, so a second worker skips profiling.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import dataclasses
 import hashlib
@@ -433,6 +434,10 @@ def _optimize(handle: StudyHandle, objective: _Objective, space: SearchSpace,
             f"{_distinct(study)} distinct policies")
 
 
+# seconds between raising a Ctrl-C again that something swallowed (see _Interrupts)
+_AGAIN_S = 2.0
+
+
 class _Interrupts:
     """Ctrl-C during the search finishes the running trial and stops the study cleanly (so no
     trial is left half-written); a second Ctrl-C exits at once. Elsewhere (profiling, the
@@ -451,18 +456,40 @@ class _Interrupts:
         # (handler, signum, frame) of a deferred SIGTERM
         self.pending: tuple[Callable, int, Any] | None = None
         self._term: Callable | None = None
+        # the interrupt raised again until tune() returns (see _raise_again_later)
+        self.closed = False
+        self._again = False
 
     def _handler(self, signum, frame) -> None:
+        if self._again:  # raised again by the timer, not a new Ctrl-C
+            self._again = False
+            self._raise_again_later()
+            raise KeyboardInterrupt
         self.count += 1
         if self.count > 1 or not self.searching:
             if self.count > 1:
                 print("\ninterrupted again: exiting now", file=sys.stderr, flush=True)
                 os._exit(130)
+            self._raise_again_later()
             raise KeyboardInterrupt
         # the _Stop callback stops the study after the running trial (Study.stop() here would
         # raise outside Optuna's loop: just before it starts or after it ends)
         print("\ninterrupt: finishing the running trial, then stopping (Ctrl-C again to quit "
               "at once)", file=sys.stderr, flush=True)
+
+    def _raise_again_later(self) -> None:
+        """A KeyboardInterrupt raised while a destructor or a GC callback runs is swallowed
+        ("Exception ignored in ...") and the tune goes on: seen in CI, a Ctrl-C lost in a
+        regex object's __del__ while the profile waited a minute for another worker's unit.
+        Until tune() returns, the interrupt is raised again every _AGAIN_S."""
+        timer = threading.Timer(_AGAIN_S, self._raise_again)
+        timer.daemon = True
+        timer.start()
+
+    def _raise_again(self) -> None:
+        if not self.closed:
+            self._again = True
+            _thread.interrupt_main()  # runs _handler in the main thread
 
     def _term_handler(self, signum, frame) -> None:
         if self.measuring:
@@ -487,6 +514,7 @@ class _Interrupts:
         try:
             yield self
         finally:
+            self.closed = True
             if ours:
                 signal.signal(signal.SIGINT, signal.default_int_handler)
 
