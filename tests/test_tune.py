@@ -456,7 +456,23 @@ def test_a_ctrl_c_swallowed_outside_the_search_is_raised_again_until_the_tune_re
                 time.sleep(0.05)
         except KeyboardInterrupt:
             again += 1
+    # a swallowed interrupt's "Exception ignored in ..." traceback is not printed
+    seen = []
+    previous, sys.unraisablehook = sys.unraisablehook, seen.append
+    try:
+        with _Interrupts().installed():
+            sys.unraisablehook(_Unraisable(KeyboardInterrupt()))
+            sys.unraisablehook(_Unraisable(ValueError("x")))
+    finally:
+        sys.unraisablehook = previous
+    assert [type(u.exc_value) for u in seen] == [ValueError]
     assert again == 1 and interrupts.count == 1  # raised again, not counted as a second one
     # once the tune has returned, nothing is raised any more
     time.sleep(2 * _AGAIN_S)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+class _Unraisable:
+    def __init__(self, exc):
+        self.exc_type, self.exc_value, self.exc_traceback = type(exc), exc, None
+        self.err_msg, self.object = None, None

@@ -21,6 +21,7 @@ from __future__ import annotations
 import _thread
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -438,6 +439,13 @@ def _optimize(handle: StudyHandle, objective: _Objective, space: SearchSpace,
 _AGAIN_S = 2.0
 
 
+def _quiet_interrupts(hook: Callable, unraisable: Any) -> None:
+    """sys.unraisablehook during a tune: a KeyboardInterrupt a destructor swallowed is raised
+    again (_Interrupts), so its "Exception ignored in ..." traceback is not printed."""
+    if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+        hook(unraisable)
+
+
 class _Interrupts:
     """Ctrl-C during the search finishes the running trial and stops the study cleanly (so no
     trial is left half-written); a second Ctrl-C exits at once. Elsewhere (profiling, the
@@ -509,14 +517,17 @@ class _Interrupts:
         """Handle SIGINT while tuning, in the main thread, unless someone else handles it."""
         ours = (threading.current_thread() is threading.main_thread()
                 and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+        hook = sys.unraisablehook
         if ours:
             signal.signal(signal.SIGINT, self._handler)
+            sys.unraisablehook = functools.partial(_quiet_interrupts, hook)
         try:
             yield self
         finally:
             self.closed = True
             if ours:
                 signal.signal(signal.SIGINT, signal.default_int_handler)
+                sys.unraisablehook = hook
 
     @contextlib.contextmanager
     def during(self):
