@@ -445,18 +445,15 @@ def _measure_module(fqn: str, module: nn.Module, inputs: _Inputs | None, fmts: l
         error = (f"{clock.device} cannot run {fmt}" if fmt not in runnable
                  else runs[fmt].error)
         if error is None and fmt in warm:  # far slower in its one warm-up run
-            raw = warm[fmt] * inputs.calls
-            seconds = max(raw, fp32_s) if fmt in emulated and fp32_s is not None else raw
-            out[fmt] = LayerTime(fqn, fmt, seconds, raw, math.nan, fmt in emulated, MEASURED,
-                                 "; ".join(note), None, 1)
-            continue
-        if error is not None or not timing.rounds_of(fmt):
+            raw, spread, rounds, ratio = warm[fmt] * inputs.calls, math.nan, 1, None
+        elif error is not None or not timing.rounds_of(fmt):
             out[fmt] = LayerTime(fqn, fmt, math.inf, math.inf, math.nan, fmt in emulated,
                                  MEASURED, "; ".join(note), error or "no successful run", 0)
             continue
-        raw = timing.seconds(fmt) * inputs.calls
+        else:
+            raw, spread = timing.seconds(fmt) * inputs.calls, timing.spread(fmt)
+            rounds, ratio = timing.rounds_of(fmt), timing.ratio(fmt) if fp32_ok else None
         seconds = max(raw, fp32_s) if fmt in emulated and fp32_s is not None else raw
-        out[fmt] = LayerTime(fqn, fmt, seconds, raw, timing.spread(fmt), fmt in emulated,
-                             MEASURED, "; ".join(note), None, timing.rounds_of(fmt),
-                             timing.ratio(fmt) if fp32_ok else None)
+        out[fmt] = LayerTime(fqn, fmt, seconds, raw, spread, fmt in emulated, MEASURED,
+                             "; ".join(note), None, rounds, ratio)
     return out
