@@ -16,8 +16,21 @@ torchtitan bf16 step. Every speed-up is held out: no constant was fitted to any 
 the rescale of its backward GEMMs' outputs (the cast table at commit 0e0d62e; reconstructed
 here by taking those kernels' priced time off). "after": the model as it is.
 
-Peak memory is published for every step; autoprec's memory model cannot price it (see the
-memory rows), so those rows say so instead of inventing a figure.
+Peak memory per GPU is published for every step (torchtitan logs the CUDA caching
+allocator's peak *reserved* bytes in GiB; torchao's README copies those figures under "GB").
+``autoprec.costmodel.price_training_memory`` prices it by part, as torchtitan runs the step:
+FSDP2's sharded FP32 weights, AdamW state and gradients (the gradients' blocks cached in the
+reduce-scatter stream's pool), the all-gather stream's pool, the unsharded parameters held
+(the root, never resharded after forward, and the last block; FP8 with FP8 all-gather), what
+per-op SAC saves in every block, the loss backward's three FP32 tokens x vocab tensors (the
+peak; the first block's backward is priced too and is lower), and, for the rowwise run made
+before torchtitan#820, the abs() outputs its save list kept. One constant is fitted,
+``StepSpec.reserved_ratio`` (reserved / allocated), to one figure: the torchtitan bf16
+47.65 GiB. Every other memory row is held out.
+
+autoprec itself prints no priced memory figure for a target: its memory model
+(``autoprec.memory``) is calibrated by training steps measured on the task's device, so a
+tune's predicted peak is a measurement's extrapolation, not this model's price.
 """
 
 from __future__ import annotations
@@ -34,14 +47,20 @@ from autoprec.costmodel import (
     PUBLISHED,
     STEP_SPECS,
     check_rows,
+    memory_rows,
+    price_training_memory,
     price_training_step,
     resolve_target,
 )
 from autoprec.pricing import calibration_line
 
 TARGET = "h100"
-_MEMORY_WHY = ("not priced: autoprec's memory model is calibrated by a step measured on the "
-               "task's device and models neither FSDP2's sharding nor selective checkpointing")
+_GIB = 2**30
+# the runs whose memory is priced by part: (recipe, FP8 all-gather, SAC saves abs())
+_MEMORY_RUNS = {"bf16": ("bf16", False, False),
+                "tensorwise, fp8 all-gather": ("fp8:tensorwise", True, False),
+                "rowwise": ("fp8:rowwise", False, False),
+                "rowwise, abs() saved": ("fp8:rowwise", False, True)}
 
 
 def _rescale_seconds() -> float:
@@ -101,10 +120,40 @@ def _check_table(before, after) -> None:
     print("\npublished figures against the model's prices (error = priced / published - 1):")
     print_table(rows, ["figure", "published in", "published", "before", "error", "after",
                        "error", "use"])
-    mem = [[f"{p.fmt.removeprefix('fp8:')} peak memory", p.where, p.peak_memory, "-"]
-           for p in PUBLISHED if p.peak_memory]
-    print(f"\npeak memory per GPU, {_MEMORY_WHY}:")
-    print_table(mem, ["figure", "published in", "published", "priced"])
+
+
+def _priced_memory(fmt: str, gather: bool, saves: bool, moment: str | None = None,
+                   step=None) -> dict[str, float]:
+    return price_training_memory(LLAMA3_8B, fmt, TARGET, fp8_all_gather=gather,
+                                 sac_saves_abs=saves, step=step, moment=moment)
+
+
+def _memory_parts_table() -> None:
+    parts = {name: _priced_memory(*run) for name, run in _MEMORY_RUNS.items()}
+    keys = list(parts["rowwise, abs() saved"])  # every part of the others, in order
+    rows = [[k] + [f"{parts[n][k] / _GIB:.2f}" if k in parts[n] else "-" for n in parts]
+            for k in keys]
+    rows.append(["peak (sum)"] + [f"{sum(p.values()) / _GIB:.2f}" for p in parts.values()])
+    # the other candidate for the peak, priced the same way: lower in every run
+    block = [_priced_memory(*run, moment="first block's backward") for run in _MEMORY_RUNS.values()]
+    rows.append(["(at the first block's backward)"] + [f"{sum(b.values()) / _GIB:.2f}"
+                                                       for b in block])
+    print(f"\n{LLAMA3_8B.name}: priced GiB per GPU at the step's peak, the loss backward "
+          f"(reserved_ratio {STEP_SPECS[TARGET].reserved_ratio})")
+    print_table(rows, ["part"] + list(parts))
+
+
+def _memory_table(rows) -> None:
+    published = {(p.where, p.fmt, p.fp8_all_gather): p.peak_memory for p in PUBLISHED
+                 if p.peak_memory}
+    table = []
+    for r, p in zip(rows, [p for p in PUBLISHED if p.peak_memory]):
+        written = published[(p.where, p.fmt, p.fp8_all_gather)]
+        table.append([r.figure, r.where, written, f"{r.published:.2f}", f"{r.priced:.2f}",
+                      f"{r.error:+.1%}", "fitted" if r.fitted else "held out"])
+    print("\npeak memory per GPU against the model's prices (GiB; torchao's \"GB\" are "
+          "torchtitan's GiB; error = priced / published - 1):")
+    print_table(table, ["figure", "published in", "as written", "GiB", "priced", "error", "use"])
 
 
 def _summary(rows) -> dict[str, float]:
@@ -139,11 +188,29 @@ def main() -> None:
     cal = CALIBRATION[TARGET]
     stated = {"step speed-ups": cal.speedup_error, "step tokens/s": cal.time_error,
               "single linears": cal.linear_error}
+    fitted = next(p for p in PUBLISHED if p.fitted)
+    allocated = sum(_priced_memory(fitted.fmt, fitted.fp8_all_gather, fitted.sac_saves_abs,
+                                   step=dataclasses.replace(unscaled, reserved_ratio=1.0)).values())
+    print(f"\nfit: {fitted.where} bf16 peak {fitted.peak_memory} (max reserved) / priced "
+          f"{allocated / _GIB:.2f} GiB allocated = reserved_ratio "
+          f"{fitted.peak_memory_bytes() / allocated:.4f} (costmodel: "
+          f"{STEP_SPECS[TARGET].reserved_ratio})")
+    _memory_parts_table()
+    memory = memory_rows(TARGET)
+    _memory_table(memory)
+    print("\nmemory (held-out rows):")
+    errs = [r.error for r in memory if not r.fitted]
+    found["memory"] = max(abs(e) for e in errs)
+    stated["memory"] = cal.memory_error
+    print(f"  memory: {len(errs)} held-out rows, max |error| {found['memory']:.1%}, RMS "
+          f"{math.sqrt(sum(e * e for e in errs) / len(errs)):.1%}")
     for name, err in found.items():
         ok = err <= stated[name] < err + 0.005
         print(f"  CALIBRATION states {name} within {stated[name]:.1%}: "
               f"{'matches' if ok else 'DOES NOT MATCH'} the {err:.1%} found")
     print(f"\nwhat a priced figure says: {calibration_line(TARGET)}")
+    print("(no memory error in it: autoprec prints no priced memory for a target; its memory "
+          "model, autoprec.memory, is calibrated by steps measured on the task's device)")
 
 
 if __name__ == "__main__":
