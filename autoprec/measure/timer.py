@@ -48,6 +48,7 @@ __all__ = [
     "quantile",
     "ratio_interval",
     "noise_of",
+    "rerun_interval",
 ]
 
 # The quantile of per-round minima that stands for a candidate's time.
@@ -114,6 +115,21 @@ def noise_of(aa: Interval) -> float:
     """The machine's noise from an A/A interval: the larger distance of its ends from 1
     (0.04: a true tie could be measured up to 4% either way)."""
     return max(abs(aa.high - 1.0), abs(1.0 - aa.low))
+
+
+def rerun_interval(r: Interval) -> Interval:
+    """Where a second measurement of the same ratio, as long as this one and on the machine as
+    it was, lands 95% of the time: ``r``'s interval widened by sqrt(2) on the log scale around
+    its value. ``r`` is an interval of the ratio itself; a re-run's estimate carries its own
+    error besides, and the difference of two independent estimates spreads sqrt(2) times as
+    wide as one (bench_noise: a confidence interval, compared with fresh re-timings, covers
+    fewer than the 95% it states). Priced (``rounds`` 0) or unbounded intervals are returned
+    as they are."""
+    if not r.rounds or not (0 < r.low <= r.value <= r.high < math.inf):
+        return r
+    k = math.sqrt(2)
+    return Interval(r.value, r.value * (r.low / r.value) ** k,
+                    r.value * (r.high / r.value) ** k, r.rounds)
 
 
 @dataclass
@@ -236,6 +252,22 @@ class StepTimer:
             group["lr"] = 0.0
         self.device = torch.device(device)
         self.clock = Clock(self.device)
+
+    def settle(self, *, tolerance: float = 0.05, max_steps: int = 12) -> int:
+        """Run untimed fp32 steps until this process has warmed up: until a step comes within
+        ``tolerance`` of the fastest so far after at least three, or ``max_steps``. The first
+        steps of a process run slow (allocator, thread pools, kernel caches); a comparison
+        that starts cold charges that to whichever candidate it times first. Returns the
+        steps run."""
+        run = self.runner(Policy(default=Format.FP32))
+        best, n = math.inf, 0
+        while n < max_steps:
+            t = run()
+            n += 1
+            best = min(best, t)
+            if n >= 3 and t <= best * (1 + tolerance):
+                break
+        return n
 
     def runner(self, policy: Policy) -> Callable[[], float]:
         """A timer candidate: one timed step under ``policy`` per call."""

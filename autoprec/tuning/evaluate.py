@@ -87,6 +87,8 @@ class Evaluator:
         sees it (before the search)."""
         if self.steps is None:
             return self.prof.estimate_step(expand(FP32, self.prof), self.target)
+        # the fp32 step time every trial is scaled by must not be a cold process's
+        self.steps.settle()
         if self.reference_only:
             run = self.steps.runner(FP32)
             run()  # warm-up
