@@ -246,6 +246,13 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _run_interval(ends) -> str:
+    if isinstance(ends, (list, tuple)) and len(ends) == 2:
+        return (f"; this run's 95% interval of the ratio {_num(ends[0], '.2f')}-"
+                f"{_num(ends[1], '.2f')}x")
+    return ""
+
+
 def _provenance_text(prov) -> str:
     lines = []
     for key in ("device", "torch", "task"):
@@ -256,7 +263,8 @@ def _provenance_text(prov) -> str:
         lines.append(f"  budget: loss change <= {_num(prov.budget.max_loss_increase, '.2%')}, "
                      f"gradient error <= {'-' if grad is None else _num(grad, 'g')}")
     if prov.speedup is not None:
-        rounds = f" ({prov.speedup.rounds} timing rounds)" if prov.speedup.rounds else ""
+        rounds = (f" ({prov.speedup.rounds} timing rounds; 95% of re-timings as long land in "
+                  "the interval)" if prov.speedup.rounds else "")
         lines.append(f"  speed-up vs fp32: {prov.speedup}{rounds}")
         if (prov.device or "").startswith("cost model:"):
             from autoprec.pricing import calibration_line
@@ -293,6 +301,7 @@ def _provenance_text(prov) -> str:
         lines.append(f"  timing: {_num(timing.get('rounds'), 'g')} rounds; fp32 against itself "
                      f"within {_num(timing.get('aa_noise'), '.1%')}"
                      + (f"; fp32 steps during the search {drift}" if drift else "")
+                     + _run_interval(timing.get("run_interval"))
                      + ("; too noisy to decide" if timing.get("too_noisy") else ""))
     elif timing is not None:
         lines.append(f"  timing: {timing}")

@@ -266,9 +266,11 @@ _INT = "an integer"
 _NUM = "a number"
 _TEXT = "text"
 _BOOL = "true or false"
+_PAIR = "two numbers"
 _EXTRA_SCHEMA: dict[str, dict[str, str]] = {
     "study": {"name": _TEXT, "trials": _INT, "distinct": _INT},
-    "timing": {"rounds": _INT, "aa_noise": _NUM, "too_noisy": _BOOL, "fp32_drift": "drift"},
+    "timing": {"rounds": _INT, "aa_noise": _NUM, "too_noisy": _BOOL, "fp32_drift": _PAIR,
+               "run_interval": _PAIR},
     "memory": {"predicted_peak_bytes": _INT, "*": _NUM},
     "validation": {"steps": _INT, "gap": _NUM, "noise": _NUM, "passed": _BOOL, "trial": _INT,
                    "note": _TEXT},
@@ -287,7 +289,7 @@ def _fits(value: Any, kind: str) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and abs(value) < MAX_INT
     if kind == _NUM:
         return _fits(value, _INT) or isinstance(value, float)
-    if kind == "drift":
+    if kind == _PAIR:
         return isinstance(value, list) and len(value) == 2 and all(_fits(v, _NUM) for v in value)
     raise AssertionError(kind)
 
@@ -300,7 +302,7 @@ def check_provenance(tuned: Mapping[str, Any],
     allowed) and everything else shallow plain data, so that ``show`` prints any of it.
     Returns the Provenance; a bad field is a PolicyError naming it."""
     prov = Provenance.from_dict(tuned, where)
-    _descriptions = {"drift": "a list of two numbers", _INT: _INT, _NUM: _NUM, _TEXT: _TEXT,
+    _descriptions = {_PAIR: "a list of two numbers", _INT: _INT, _NUM: _NUM, _TEXT: _TEXT,
                      _BOOL: _BOOL}
     try:
         for key, value in prov.extra.items():

@@ -305,6 +305,7 @@ def test_block_nesting_is_bounded(tmp_path):
     ("budget: {max_loss_increase: high}", "budget"),
     ("timing: {rounds: 3, aa_noise: loud}", "timing"),
     ("timing: {rounds: 3, aa_noise: 0.01, fp32_drift: [a, b]}", "timing"),
+    ("timing: {rounds: 3, aa_noise: 0.01, run_interval: [1, 2, 3]}", "timing"),
     ("timing: 3", "timing"),
     ("study: [1, 2]", "study"),
     ("verdict: [{a: 1}]", "verdict"),
@@ -333,7 +334,7 @@ def test_good_provenance_shows(tmp_path):
              "loss_increase": 0.001, "grad_error": 0.01, "verdict": ["kept trial 3"],
              "study": {"name": "s", "trials": 4, "distinct": 3},
              "timing": {"rounds": 5, "aa_noise": 0.01, "too_noisy": False,
-                        "fp32_drift": [0.99, 1.01]},
+                        "fp32_drift": [0.99, 1.01], "run_interval": [1.13, 1.27]},
              "memory": {"predicted_peak_bytes": 123456},
              "fp8_runs_bf16": {"lm_head": "a shape FP8 cannot take"},
              "validation": {"steps": 10, "gap": 0.001, "noise": 0.002, "passed": True, "trial": 3},
@@ -347,6 +348,8 @@ def test_good_provenance_shows(tmp_path):
     r = cli("show", tmp_path / "p.yaml")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "speed-up vs fp32: 1.20x" in r.stdout and "my_note: hand-written" in r.stdout
+    assert "(5 timing rounds; 95% of re-timings as long land in the interval)" in r.stdout
+    assert "this run's 95% interval of the ratio 1.13-1.27x" in r.stdout, r.stdout
     # older files: a bare-number speed-up and `metrics`/`objective` still read
     old = Policy(default="bf16", tuned={"objective": {"max_loss_increase": 0.02},
                                         "metrics": {"speedup_vs_fp32": 1.5, "loss_increase": 0}})

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from autoprec._util import atomic_write, brief, number
+from autoprec.measure.timer import rerun_interval
 from autoprec.policy import Budget, Interval, Policy, Provenance
 from autoprec.pricing import CostSource
 from autoprec.profiling import Profile
@@ -188,9 +189,11 @@ class TuneResult:
 
     @property
     def speedup(self) -> Interval:
-        """The winner's speed-up over fp32, with its interval, as finally re-timed."""
+        """The winner's speed-up over fp32 as finally re-timed, with the interval a re-timing
+        as long would land in (:func:`~autoprec.measure.timer.rerun_interval`); the re-timing's
+        own confidence interval is ``self.best.speedup``."""
         if self.selection is not None and self.best.number in self.selection.speedup:
-            return self.selection.speedup[self.best.number]
+            return rerun_interval(self.selection.speedup[self.best.number])
         return self.best.speedup
 
     @property
@@ -291,6 +294,8 @@ def provenance(task: Task, result: TuneResult, budget: Budget, target: str | Non
     if sel is not None and sel.noise is not None:
         extra["timing"] = {"rounds": sel.rounds, "aa_noise": round(sel.noise, 4),
                            "too_noisy": sel.too_noisy}
+        if result.best.speedup.rounds:  # the re-timing's own 95% interval (speedup: a re-run's)
+            extra["timing"]["run_interval"] = _ends(result.best.speedup)
         if sel.drift is not None:
             extra["timing"]["fp32_drift"] = [round(x, 3) for x in sel.drift]
     if sel is not None and sel.over_warm_start is not None and sel.over_warm_start.low > 1.0:
@@ -314,6 +319,11 @@ def _fp8_runs_bf16(policy: Policy, prof: Profile | None) -> dict[str, str]:
         return {}
     return {lp.fqn: lp.fp8_blocker for lp in prof.layers
             if lp.fp8_blocker and policy.format_for(lp.fqn).is_fp8}
+
+
+def _ends(speedup: Interval) -> list[float]:
+    b = _bounded(speedup)
+    return [round(b.low, 4), round(b.high, 4)]
 
 
 def _bounded(speedup: Interval) -> Interval:
@@ -345,10 +355,13 @@ def fallback_provenance(result: TuneResult, policy: Policy, trial: TrialResult |
         sel = result.selection
         loss, grad = trial.loss_increase, trial.grad_error
         timed = sel is not None and trial.number in sel.speedup
-        speedup = _bounded(sel.speedup[trial.number] if timed else trial.speedup)
+        speedup = _bounded(rerun_interval(sel.speedup[trial.number]) if timed
+                           else trial.speedup)
         if timed and sel.noise is not None:
             extra["timing"] = {"rounds": speedup.rounds, "aa_noise": round(sel.noise, 4),
                                "too_noisy": sel.too_noisy}
+            if speedup.rounds:
+                extra["timing"]["run_interval"] = _ends(sel.speedup[trial.number])
         if sel is not None and sel.drift is not None:
             extra.setdefault("timing", {})["fp32_drift"] = [round(x, 3) for x in sel.drift]
         if trial.memory is not None:
