@@ -10,6 +10,7 @@ from test_timer import BurstyMachine
 from autoprec import Policy
 from autoprec.measure.capture import Layer
 from autoprec.measure.timer import Comparison
+from autoprec.policy import Interval
 from autoprec.profiling import LayerProfile, Profile
 from autoprec.tuning.config import TimingConfig
 from autoprec.tuning.select import Finalist, precision_cost, select
@@ -119,3 +120,6 @@ def test_a_policy_not_faster_than_fp32_beyond_noise_loses_to_all_fp32(seed):
     else:
         assert sel.winner == 0 and sel.speedup[1].low <= 1.0
         assert "not faster than fp32 beyond timing noise" in sel.notes[0], sel.notes
+        # all-fp32 is the reference: written as 1 exactly, not as its A/A-like timing
+        assert sel.speedup[0] == Interval(1.0, 1.0, 1.0, 0), sel.speedup
+        assert any("speed-up 1 by construction" in n for n in sel.notes), sel.notes

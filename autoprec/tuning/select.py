@@ -33,6 +33,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from autoprec.formats import Format
 from autoprec.measure.timer import noise_of
 from autoprec.policy import Interval, Policy
 from autoprec.pricing import calibration_line, priced_tie
@@ -220,6 +221,7 @@ def _verdict(state: _State, cmp, by_number: dict[int, Finalist], ev: Evaluator,
         notes.append(f"its measured step time ({cmp.ratio(winner)} of fp32) disagrees with the "
                      f"profile's prediction ({f.predicted:.2f} of fp32) after {cmp.n_rounds} "
                      "rounds; the measurement was kept")
+    speedup = _as_written(state.speedup, by_number[winner], notes)
     over = None
     if warm is not None and warm != winner:
         over = cmp.speedup(winner, over=warm)
@@ -228,10 +230,22 @@ def _verdict(state: _State, cmp, by_number: dict[int, Finalist], ev: Evaluator,
         else:
             notes.append(f"ties with the best warm start (trial {warm}): {over}, an interval "
                          "that includes 1")
-    return Selection(winner=winner, speedup=dict(state.speedup), fp32_seconds=cmp.seconds("fp32"),
+    return Selection(winner=winner, speedup=speedup, fp32_seconds=cmp.seconds("fp32"),
                      over_warm_start=over, warm=warm, aa=state.aa, noise=noise,
                      rounds=cmp.rounds_of(winner), ties=list(state.contenders), notes=notes,
                      too_noisy=too_noisy)
+
+
+def _as_written(speedup: dict[int, Interval], winner: Finalist,
+                notes: list[str]) -> dict[int, Interval]:
+    """The finalists' speed-ups as the verdict gives them: an all-fp32 winner is the reference
+    itself, 1 by construction (timed against the reference it is an A/A check, whose spread is
+    not a speed-up), and says so."""
+    if winner.policy.formats_used() != {Format.FP32}:
+        return dict(speedup)
+    notes.append(f"the winner is all-fp32, the reference: speed-up 1 by construction (timed "
+                 f"against the reference: {speedup[winner.number]})")
+    return {**speedup, winner.number: Interval(1.0, 1.0, 1.0, 0)}
 
 
 def _faster_predicted(ranked: list[Finalist]) -> bool:
