@@ -1,33 +1,45 @@
-"""Verdicts on a noisy machine: tune the GPT-2 example several times on a quiet machine and as
-many times with a background load this script starts itself (a process burning one core in
-random 0.2-2 s bursts, idle 0.2-2 s between them), then re-time every winner on the quiet
-machine, interleaved against FP32 (autoprec.measure.timer, the tune's own protocol).
+"""Do the speed-ups a tune writes survive a re-run? Tune the GPT-2 example several times, each
+tune in a fresh process (some with a background load this script starts itself: a process
+burning one core in random 0.2-2 s bursts, idle 0.2-2 s between them); then re-time every
+tune's finalists against FP32 in a new process, on the quiet machine, as a user re-timing the
+written policy would (autoprec.measure.timer, the tune's protocol: as many candidates and
+rounds as the tune's first verdict, after the same warm-up). With ``--after``, also in the
+tune's own process once it has returned (a fresh build of the model): a difference between the
+tune's re-timing and "after" is the tune's procedure, between "after" and "fresh" the process.
 
 Claims checked (printed, not asserted):
-- every loaded tune's winner, re-timed quietly, is within 5% of the quiet tunes' winner's
-  speed (the best quiet winner, as re-timed here);
-- every interval a tune reported (speed-up over FP32 in the policy's provenance) covers that
-  policy's quiet re-timing.
+- the interval a tune writes (``timer.rerun_interval``: the re-timing's 95% interval widened
+  for a re-run's own error) covers the fresh re-timing, for the winner and for every finalist
+  (the tune's own confidence intervals are counted beside them); an all-fp32 winner is the
+  reference itself, written as 1 exactly, and is not counted;
+- every loaded tune's winner, re-timed fresh, is within 5% of the best quiet winner's speed.
 
-    python benchmarks/bench_noise.py [--tunes 3] [--trials 40] [--rounds 40]
-        [--task examples/gpt2_bytes.py:task]
-    python benchmarks/bench_noise.py --retime FOLDER   # only the quiet re-timing, again
+    python benchmarks/bench_noise.py [--quiet 3] [--loaded 3] [--trials 24] [--rounds 10]
+        [--after] [--space auto|measured|cpu-amx] [--task examples/gpt2_bytes.py:task]
+    python benchmarks/bench_noise.py --retime FOLDER   # only the fresh re-timings, again
+    python benchmarks/bench_noise.py --report FOLDER   # only the table, from the folder
 
-The tunes' policies stay in a folder the script prints (with runs.json); ``--retime`` re-times
-them without tuning again, e.g. when the machine was not quiet during the first re-timing (the
-script says so: fp32 measured against itself is printed with its interval).
+``--space``: where no format is faster than fp32 on this device (a CPU without BF16
+instructions: the tune's space is then all-fp32 alone, which is never timed), "auto" searches
+the space a fast-BF16 CPU would have (the profile priced for cpu-amx, formats fp32 and bf16),
+with every trial and every re-timing measured here; its finalists span speed-ups well below 1.
+"measured": always the measured profile. The folder keeps the policies and every run's JSON;
+``--retime`` re-times them without tuning again (e.g. when the machine was not quiet during
+the first re-timing: the script prints fp32 measured against itself).
 
-Run it on an otherwise idle machine: the quiet tunes and the re-timing assume nothing else
-runs. It takes about 6 tunes x 4-5 minutes plus the re-timing.
+Run it on an otherwise idle machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import random
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -36,10 +48,13 @@ import torch
 from _common import device_line, print_table
 
 import autoprec
+from autoprec.formats import cpu_features
 from autoprec.measure.numerics import prepare_for_measurement
-from autoprec.measure.timer import Comparison, StepTimer
+from autoprec.measure.timer import Comparison, StepTimer, rerun_interval
+from autoprec.policy import Interval
 from autoprec.task import load_task
-from autoprec.tuning import tune
+from autoprec.tuning import TuneConfig, tune
+from autoprec.tuning.space import assignment_policy
 
 
 def _burn(seed: int, stop) -> None:
@@ -74,119 +89,234 @@ def _describe(policy: autoprec.Policy) -> str:
     return f"default {policy.default}" + (f"; {layers}" if layers else "")
 
 
-def run_tunes(task, n: int, trials: int, loaded: bool, folder: str) -> list[dict]:
-    out = []
-    for i in range(n):
-        path = os.path.join(folder, f"{'loaded' if loaded else 'quiet'}-{i}.yaml")
-        t0 = time.perf_counter()
-        print(f"\n== tune {i + 1}/{n} {'with background load' if loaded else 'quiet'}",
-              flush=True)
-        if loaded:
-            with BackgroundLoad(seed=100 + i):
-                res = tune(task, output=path, n_trials=trials, seed=i)
-        else:
-            res = tune(task, output=path, n_trials=trials, seed=i)
-        res.save(path, plot=False)
-        prov = res.policy.provenance
-        out.append({"name": f"{'loaded' if loaded else 'quiet'} {i + 1}", "path": path,
-                    "policy": res.policy, "reported": prov.speedup,
-                    "verdict": list(prov.verdict), "seconds": time.perf_counter() - t0})
-        print(f"tune took {out[-1]['seconds']:.0f} s; winner {_describe(res.policy)} at "
-              f"{prov.speedup}", flush=True)
-    return out
+def _priced_space(space: str) -> bool:
+    if space == "auto":
+        return not cpu_features().bf16_dot
+    return space == "cpu-amx"
 
 
-def load_runs(folder: str) -> list[dict]:
-    """The runs of an earlier invocation, from their policy files (provenance holds what each
-    tune reported) and runs.json (names and tune seconds) where present."""
-    meta_path = os.path.join(folder, "runs.json")
-    if os.path.exists(meta_path):
-        with open(meta_path) as f:
-            meta = json.load(f)
-    else:
-        names = sorted(n for n in os.listdir(folder) if n.endswith(".yaml"))
-        names.sort(key=lambda n: (not n.startswith("quiet"), n))
-        # quiet-0.yaml -> "quiet 1"
-        meta = [{"name": f"{n.split('-')[0]} {int(n[:-5].split('-')[1]) + 1}",
-                 "path": os.path.join(folder, n), "seconds": float("nan")} for n in names]
-    runs = []
-    for m in meta:
-        policy = autoprec.load_policy(m["path"])
-        prov = policy.provenance
-        runs.append({"name": m["name"], "path": m["path"], "policy": policy,
-                     "reported": prov.speedup, "verdict": list(prov.verdict),
-                     "seconds": m["seconds"]})
-    return runs
-
-
-def retime(t, runs: list[dict], rounds: int) -> dict[str, autoprec.policy.Interval]:
-    """Every distinct winner against FP32, interleaved, on the quiet machine."""
-    model = prepare_for_measurement(t.build_model())
-    timer = StepTimer(model, t.example_batch(), lambda m, b: m(**b).loss, t.make_optimizer,
-                      device=t.device)
-    distinct: dict[str, autoprec.Policy] = {}
-    for r in runs:
-        key = json.dumps(r["policy"].to_dict()["layers"] | {"": r["policy"].default.value},
-                         sort_keys=True)
-        distinct.setdefault(key, r["policy"])
-        r["key"] = key
-    cmp = Comparison({"fp32": timer.runner(autoprec.Policy(default="fp32")),
-                      "fp32 again": timer.runner(autoprec.Policy(default="fp32")),
-                      **{k: timer.runner(p) for k, p in distinct.items()}},
-                     "fp32", repeats=2, seed=0)
+def retime(task, policies: dict[str, autoprec.Policy], rounds: int,
+           seed: int) -> tuple[dict[str, Interval], Interval]:
+    """Each policy's speed-up over fp32 and fp32 against itself, with the tune's protocol:
+    interleaved rounds against fp32, the tune's repeats, after one untimed pass of each."""
+    model = prepare_for_measurement(task.build_model())
+    timer = StepTimer(model, task.example_batch(), lambda m, b: m(**b).loss, task.make_optimizer,
+                      device=task.device)
+    fp32 = autoprec.Policy(default="fp32")
+    cmp = Comparison({"fp32": timer.runner(fp32), "fp32 again": timer.runner(fp32),
+                      **{k: timer.runner(p) for k, p in policies.items()}},
+                     "fp32", repeats=TuneConfig().timing.repeats, seed=seed)
+    timer.settle()  # a fresh process runs its first steps slow, as the tune does
     cmp.run(rounds, warmup=True)
-    aa = cmp.speedup("fp32 again")
-    print(f"\nquiet re-timing: {rounds} rounds; fp32 against itself {aa}")
-    if max(aa.high - 1, 1 - aa.low) > 0.05:
-        print("  the re-timing itself was noisy (fp32 against itself off by more than 5%): "
-              "the comparison below says little; rerun with --retime on a quiet machine")
-    return {k: cmp.speedup(k) for k in distinct}
+    return {k: cmp.speedup(k) for k in policies}, cmp.speedup("fp32 again")
+
+
+def _interval(d: dict) -> Interval:
+    return Interval(d["value"], d["low"], d["high"], d["rounds"])
+
+
+def _worker_tune(args) -> None:
+    """One tune, in this (fresh) process; then its finalists re-timed here ("after")."""
+    task = load_task(args.task)
+    path = os.path.join(args.folder, f"{args.name}.yaml")
+    prof, kw = None, {}
+    if _priced_space(args.space):
+        # fp32 and bf16: the formats a fast-BF16 CPU offers (its fp16 is ~40x slower)
+        kw = {"formats": ("fp32", "bf16")}
+        prof = autoprec.profile(task, target="cpu-amx", progress=False, only_winnable=True,
+                                **kw)
+    t0 = time.perf_counter()
+    if args.loaded:
+        with BackgroundLoad(seed=100 + args.seed):
+            res = tune(task, output=path, n_trials=args.trials, seed=args.seed, prof=prof, **kw)
+    else:
+        res = tune(task, output=path, n_trials=args.trials, seed=args.seed, prof=prof, **kw)
+    seconds = time.perf_counter() - t0
+    res.save(path, plot=False)
+    sel = res.selection
+    by_number = {t.number: t for t in res.trials}
+    finalists = {}
+    for number, iv in sel.speedup.items():
+        policy = assignment_policy(res.units, by_number[number].assignment)
+        finalists[str(number)] = {"policy": policy.to_dict(), "tune": iv.to_dict(),
+                                  "written": rerun_interval(iv).to_dict()}
+    aa = None
+    if args.after:
+        after, aa = retime(task, {k: autoprec.Policy.from_dict(f["policy"])
+                                  for k, f in finalists.items()}, args.rounds, seed=1)
+        for k, iv in after.items():
+            finalists[k]["after"] = iv.to_dict()
+    run = {"name": args.name, "path": path, "seconds": seconds, "winner": str(sel.winner),
+           "tune_rounds": sel.rounds, "tune_aa": None if sel.aa is None else sel.aa.to_dict(),
+           "after_aa": aa and aa.to_dict(), "verdict": list(res.policy.provenance.verdict),
+           "finalists": finalists}
+    with open(os.path.join(args.folder, f"{args.name}.json"), "w") as f:
+        json.dump(run, f, indent=1)
+
+
+def _worker_retime(args) -> None:
+    """The finalists of one tune re-timed in this (fresh) process."""
+    task = load_task(args.task)
+    file = os.path.join(args.folder, f"{args.name}.json")
+    with open(file) as f:
+        run = json.load(f)
+    fresh, aa = retime(task, {k: autoprec.Policy.from_dict(f["policy"])
+                              for k, f in run["finalists"].items()}, args.rounds, seed=2)
+    for k, iv in fresh.items():
+        run["finalists"][k]["fresh"] = iv.to_dict()
+    run["fresh_aa"] = aa.to_dict()
+    with open(file, "w") as f:
+        json.dump(run, f, indent=1)
+
+
+def _spawn(worker: str, args, name: str, **extra) -> None:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", worker, "--name", name,
+           "--folder", args.folder, "--task", args.task, "--trials", str(args.trials),
+           "--rounds", str(args.rounds), "--space", args.space]
+    if extra.get("seed") is not None:
+        cmd += ["--seed", str(extra["seed"])]
+    if extra.get("loaded"):
+        cmd.append("--loaded")
+    if args.after:
+        cmd.append("--after")
+    subprocess.run(cmd, check=True)
+
+
+def _report(runs: list[dict]) -> None:
+    rows = []
+    covered = {"written": {True: [], False: []}, "tune": {True: [], False: []}}
+    within = []
+    quiet = [r for r in runs if r["name"].startswith("quiet")]
+    best_quiet = max((_interval(r["finalists"][r["winner"]]["fresh"]).value for r in quiet),
+                     default=math.nan)
+    for r in runs:
+        for k, f in sorted(r["finalists"].items(), key=lambda kv: int(kv[0])):
+            ci, fresh = _interval(f["tune"]), _interval(f["fresh"])
+            wrote = rerun_interval(ci)  # as the code now writes it (the JSON keeps the CI)
+            after = _interval(f["after"]) if "after" in f else "-"
+            winner = k == r["winner"]
+            # an all-fp32 winner is the reference itself, written as 1 exactly: a re-timing
+            # of it is an A/A check, not a re-run of a speed-up
+            reference = ci.rounds == 0
+            if not reference:
+                for key, iv in (("written", wrote), ("tune", ci)):
+                    covered[key][winner].append(iv.low <= fresh.value <= iv.high)
+            if winner and r["name"].startswith("loaded"):
+                within.append(fresh.value / best_quiet >= 0.95)
+            cover = ("n/a (all-fp32)" if reference
+                     else "yes" if covered["written"][winner][-1] else "NO")
+            rows.append([r["name"] + (" *" if winner else ""), k, str(ci), str(wrote), str(after),
+                         str(fresh), cover, f"{math.log(fresh.value / ci.value) * 100:+.1f}"])
+    print_table(rows, ["tune (* winner)", "trial", "tune's 95% CI", "written (re-run)",
+                       "after, same process", "fresh process", "covers", "fresh/tune %"])
+    for key, what in (("written", "written (re-run) intervals"), ("tune", "the tune's CIs")):
+        won, rest = covered[key][True], covered[key][False]
+        print(f"{what} covering the fresh re-timing: winners {sum(won)}/{len(won)}, all "
+              f"finalists {sum(won) + sum(rest)}/{len(won) + len(rest)}")
+    for other, label in (("fresh", "fresh vs tune"), ("after", "after vs tune"),
+                         ("fresh", "fresh vs after")):
+        base = "after" if label == "fresh vs after" else "tune"
+        shifts = [math.log(_interval(f[other]).value / _interval(f[base]).value)
+                  for r in runs for f in r["finalists"].values()
+                  if other in f and base in f and f["tune"]["rounds"]]
+        if shifts:
+            mean = sum(shifts) / len(shifts)
+            sd = math.sqrt(sum((x - mean) ** 2 for x in shifts) / max(1, len(shifts) - 1))
+            print(f"{label}, log ratio over {len(shifts)} finalists: mean {mean * 100:+.1f}%, "
+                  f"sd {sd * 100:.1f}%, range {min(shifts) * 100:+.1f}% to "
+                  f"{max(shifts) * 100:+.1f}%")
+    _per_run(runs)
+    if within:
+        print(f"loaded winners within 5% of the best quiet winner: {sum(within)}/{len(within)}")
+    for r in runs:
+        aa = r["tune_aa"] and _interval(r["tune_aa"])
+        print(f"  {r['name']}: tune {r['seconds']:.0f} s, winner trial {r['winner']} after "
+              f"{r['tune_rounds']} rounds; fp32 against itself: tune {aa}, "
+              f"after {r['after_aa'] and _interval(r['after_aa'])}, "
+              f"fresh {_interval(r['fresh_aa'])}")
+        for note in r["verdict"]:
+            print(f"    {note}")
+
+
+def _per_run(runs: list[dict]) -> None:
+    """Per run: finalists covered, and the mean shift of its ratios (all share the run's fp32
+    reference, so its error moves them together: runs, not finalists, are independent)."""
+    means, whole = [], 0
+    for r in runs:
+        timed = [f for f in r["finalists"].values() if f["tune"]["rounds"]]
+        if not timed:
+            continue
+        ok = [rerun_interval(_interval(f["tune"])).low <= f["fresh"]["value"]
+              <= rerun_interval(_interval(f["tune"])).high for f in timed]
+        whole += all(ok)
+        means.append(sum(math.log(f["fresh"]["value"] / f["tune"]["value"]) for f in timed)
+                     / len(timed))
+    if len(means) >= 2:
+        m = sum(means) / len(means)
+        se = math.sqrt(sum((x - m) ** 2 for x in means) / (len(means) - 1) / len(means))
+        print(f"runs whose every finalist was covered: {whole}/{len(means)}; each run's mean "
+              f"shift (fresh vs tune): {', '.join(f'{x * 100:+.1f}%' for x in means)}; "
+              f"over runs {m * 100:+.1f}% +- {se * 100:.1f}% (standard error)")
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tunes", type=int, default=3)
-    ap.add_argument("--trials", type=int, default=40)
-    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--quiet", type=int, default=3, help="tunes on the quiet machine")
+    ap.add_argument("--loaded", type=int, default=3, help="tunes with a background load")
+    ap.add_argument("--trials", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=10,
+                    help="rounds of each re-timing (the tune's first verdict comes after 10)")
+    ap.add_argument("--after", action="store_true",
+                    help="also re-time each tune's finalists in its own process once it returns")
+    ap.add_argument("--space", choices=("auto", "measured", "cpu-amx"), default="auto")
     ap.add_argument("--task", default="examples/gpt2_bytes.py:task")
     ap.add_argument("--retime", metavar="FOLDER", default=None,
-                    help="re-time the policies of an earlier run kept in FOLDER; no tuning")
+                    help="re-time the finalists of an earlier run kept in FOLDER; no tuning")
+    ap.add_argument("--report", metavar="FOLDER", default=None,
+                    help="only print the table of an earlier run kept in FOLDER")
+    # internal: one tune or one re-timing in a fresh process
+    ap.add_argument("--worker", choices=("tune", "retime"), help=argparse.SUPPRESS)
+    ap.add_argument("--name", help=argparse.SUPPRESS)
+    ap.add_argument("--folder", help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker:
+        torch.manual_seed(0)
+        (_worker_tune if args.worker == "tune" else _worker_retime)(args)
+        return
     print(device_line(), flush=True)
-    task = load_task(args.task)
+    if _priced_space(args.space):
+        print("no format is faster than fp32 here: searching the space a fast-BF16 CPU has "
+              "(profile priced for cpu-amx), every trial and re-timing measured here", flush=True)
+    if args.report:
+        names = sorted(n[:-5] for n in os.listdir(args.report) if n.endswith(".json"))
+        runs = []
+        for name in names:
+            with open(os.path.join(args.report, f"{name}.json")) as f:
+                runs.append(json.load(f))
+        _report(runs)
+        return
     if args.retime:
-        runs = load_runs(args.retime)
+        args.folder = args.retime
+        names = sorted(n[:-5] for n in os.listdir(args.folder) if n.endswith(".json"))
     else:
-        folder = tempfile.mkdtemp(prefix="bench-noise-")
-        print(f"policies and runs.json in {folder}", flush=True)
-        runs = run_tunes(task, args.tunes, args.trials, False, folder)
-        runs += run_tunes(task, args.tunes, args.trials, True, folder)
-        with open(os.path.join(folder, "runs.json"), "w") as f:
-            json.dump([{"name": r["name"], "path": r["path"], "seconds": r["seconds"]}
-                       for r in runs], f)
-    quiet = retime(task, runs, args.rounds)
-    best_quiet = max(quiet[r["key"]].value for r in runs if r["name"].startswith("quiet"))
-    rows, within, covered = [], [], []
-    for r in runs:
-        q = quiet[r["key"]]
-        rep = r["reported"]
-        cover = rep.low <= q.value <= rep.high
-        rel = q.value / best_quiet
-        covered.append(cover)
-        if r["name"].startswith("loaded"):
-            within.append(rel >= 0.95)
-        rows.append([r["name"], f"{r['seconds']:.0f}", _describe(r["policy"])[:48], str(rep),
-                     str(q), "yes" if cover else "NO", f"{rel:.3f}"])
+        args.folder = tempfile.mkdtemp(prefix="bench-noise-")
+        print(f"policies and runs in {args.folder}", flush=True)
+        names = [f"quiet-{i + 1}" for i in range(args.quiet)]
+        names += [f"loaded-{i + 1}" for i in range(args.loaded)]
+        for i, name in enumerate(names):
+            print(f"\n== tune {i + 1}/{len(names)}: {name}", flush=True)
+            _spawn("tune", args, name, seed=i, loaded=name.startswith("loaded"))
+    for name in names:
+        print(f"\n== fresh re-timing: {name}", flush=True)
+        _spawn("retime", args, name)
+    runs = []
+    for name in names:
+        with open(os.path.join(args.folder, f"{name}.json")) as f:
+            runs.append(json.load(f))
     print()
-    print_table(rows, ["tune", "tune s", "winner", "reported vs fp32", "quiet re-timed vs fp32",
-                       "covers", "speed / best quiet winner's"])
-    print(f"\nloaded winners within 5% of the best quiet winner: {sum(within)}/{len(within)}; "
-          f"reported intervals covering the quiet re-timing: {sum(covered)}/{len(covered)}")
-    for r in runs:
-        for note in r["verdict"]:
-            print(f"  {r['name']}: {note}")
+    _report(runs)
 
 
 if __name__ == "__main__":
-    torch.manual_seed(0)
     main()

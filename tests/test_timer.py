@@ -129,8 +129,9 @@ def test_a_written_interval_covers_a_second_runs_estimate_where_the_runs_interva
         assert wide.low < first.low and wide.high > first.high and wide.value == first.value
         written += wide.low <= second <= wide.high
         run_ci += first.low <= second <= first.high
-    # (53/60 here, the run's own intervals 46/60: a 10-round bootstrap is itself a little narrow)
-    assert written >= 0.85 * runs, f"written intervals covered {written}/{runs} re-runs"
+    # (55/60 here, the run's own intervals 46/60, widened by sqrt(2) alone 53/60: a 10-round
+    # bootstrap is itself a little narrow)
+    assert written >= 0.88 * runs, f"written intervals covered {written}/{runs} re-runs"
     assert written > run_ci, (written, run_ci)
 
 
