@@ -64,8 +64,19 @@ def _worker(rank, world, port, out_dir, which):
             opt.zero_grad()
         torch.save({"params": {n: p.detach() for n, p in model.module.named_parameters()},
                     "max_grad_diff": torch.tensor(grads), "first_grad": first}, os.path.join(out_dir, f"r{rank}.pt"))
+        _quiesce(model)
     finally:
         dist.destroy_process_group()
+
+
+def _quiesce(ddp) -> None:
+    """Before the process group goes: drop DDP's reducer while the group lives, then a barrier
+    (it waits without the GIL, so gloo's worker threads finish freeing earlier collectives,
+    which takes the GIL). Without it, one CI run hung at exit: ~ProcessGroupGloo, run with the
+    GIL held when the reducer was freed, joined a gloo thread waiting for the GIL to free an
+    all-gather's tensors."""
+    ddp.reducer = None
+    dist.barrier()
 
 
 def _free_port():
@@ -153,6 +164,7 @@ def _guard_worker(rank, world, port, out_dir):
                                for e in guard.events],
                     "formats": {k: v.value for k, v in autoprec.applied_formats(model).items()}},
                    os.path.join(out_dir, f"guard{rank}.pt"))
+        _quiesce(ddp)
     finally:
         dist.destroy_process_group()
 
