@@ -637,6 +637,14 @@ def _fp8_or_bf16(fmt: Format | str) -> Format:
     return fmt
 
 
+def _step_spec(target: str | DeviceSpec, step: StepSpec | None) -> StepSpec:
+    """``step``, or the target's StepSpec (h100's where the target has none)."""
+    if step is not None:
+        return step
+    key, _ = resolve_target(target)
+    return STEP_SPECS.get(key) or STEP_SPECS["h100"]
+
+
 def _check_all_gather(fmt: Format, fp8_all_gather: bool) -> None:
     if fp8_all_gather and not (fmt.is_fp8 and fmt.numerics.scaling == "tensor"):
         raise ValueError(f"FP8 all-gather needs per-tensor scales (torchao's tensorwise "
@@ -721,9 +729,8 @@ def price_training_step(setup: TrainingSetup, fmt: Format | str, target: str | D
     linears' weights in FP8 (torchao's tensorwise option). ``step`` defaults to the target's
     entry in ``STEP_SPECS``."""
     fmt = _fp8_or_bf16(fmt)
-    key, spec = resolve_target(target)
-    if step is None:
-        step = STEP_SPECS.get(key) or STEP_SPECS["h100"]
+    _, spec = resolve_target(target)
+    step = _step_spec(target, step)
     _check_all_gather(fmt, fp8_all_gather)
     t, shapes = setup.tokens, setup.linears()
     linears = setup.layers * sum(_block_linear(t, k, n, fmt, spec, fp8_all_gather)
@@ -836,11 +843,10 @@ def _block_moment(setup: TrainingSetup, fmt: Format, fp8_all_gather: bool) -> di
     if fmt.is_fp8:
         rowwise = fmt.numerics.scaling != "tensor"
         fp8 = _F8 * t * (2 * f + (2 if rowwise else 1) * h) + (_BF * h * f if rowwise else 0)
-    parts = {"block backward: recompute + grads": work + fp8,
-             "block's unsharded grads (bf16)": (setup.block_linear_params() + 2 * h) * _BF,
-             "prefetched block": _unsharded_block(setup, fp8_all_gather),
-             "output layer's unsharded grad": setup.vocab * h * _BF}
-    return parts
+    return {"block backward: recompute + grads": work + fp8,
+            "block's unsharded grads (bf16)": (setup.block_linear_params() + 2 * h) * _BF,
+            "prefetched block": _unsharded_block(setup, fp8_all_gather),
+            "output layer's unsharded grad": setup.vocab * h * _BF}
 
 
 def price_training_memory(setup: TrainingSetup, fmt: Format | str,
@@ -857,9 +863,7 @@ def price_training_memory(setup: TrainingSetup, fmt: Format | str,
     still held aten.abs (before torchtitan#820), which costs rowwise the abs() of its inputs
     and weights. The peak is the same on any GPU: ``target`` only picks the StepSpec."""
     fmt = _fp8_or_bf16(fmt)
-    key, _ = resolve_target(target)
-    if step is None:
-        step = STEP_SPECS.get(key) or STEP_SPECS["h100"]
+    step = _step_spec(target, step)
     _check_all_gather(fmt, fp8_all_gather)
     if moment is not None and moment not in _MEMORY_MOMENTS:
         raise ValueError(f"Unknown memory moment {moment!r}; expected one of "

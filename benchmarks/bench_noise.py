@@ -200,7 +200,7 @@ def _report(runs: list[dict]) -> None:
             reference = ci.rounds == 0
             if not reference:
                 for key, iv in (("written", wrote), ("tune", ci)):
-                    covered[key][winner].append(iv.low <= fresh.value <= iv.high)
+                    covered[key][winner].append(_covers(iv, fresh.value))
             if winner and r["name"].startswith("loaded"):
                 within.append(fresh.value / best_quiet >= 0.95)
             cover = ("n/a (all-fp32)" if reference
@@ -238,6 +238,10 @@ def _report(runs: list[dict]) -> None:
             print(f"    {note}")
 
 
+def _covers(iv: Interval, value: float) -> bool:
+    return iv.low <= value <= iv.high
+
+
 def _per_run(runs: list[dict]) -> None:
     """Per run: finalists covered, and the mean shift of its ratios (all share the run's fp32
     reference, so its error moves them together: runs, not finalists, are independent)."""
@@ -246,8 +250,7 @@ def _per_run(runs: list[dict]) -> None:
         timed = [f for f in r["finalists"].values() if f["tune"]["rounds"]]
         if not timed:
             continue
-        ok = [rerun_interval(_interval(f["tune"])).low <= f["fresh"]["value"]
-              <= rerun_interval(_interval(f["tune"])).high for f in timed]
+        ok = [_covers(rerun_interval(_interval(f["tune"])), f["fresh"]["value"]) for f in timed]
         whole += all(ok)
         means.append(sum(math.log(f["fresh"]["value"] / f["tune"]["value"]) for f in timed)
                      / len(timed))

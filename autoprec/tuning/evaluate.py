@@ -90,8 +90,7 @@ class Evaluator:
         # the fp32 step time every trial is scaled by must not be a cold process's
         self.steps.settle()
         if self.reference_only:
-            run = self.steps.runner(FP32)
-            run()  # warm-up
+            run = self.steps.runner(FP32)  # warm: settle() ran fp32 steps
             return statistics.median(run() for _ in range(3))
         check = Comparison({"fp32": self.steps.runner(FP32), "fp32 again": self.steps.runner(FP32)},
                            "fp32", repeats=self.timing.repeats, seed=self.task.seed)
