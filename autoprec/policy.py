@@ -1,4 +1,4 @@
-"""The precision policy: which format each layer computes in, as a YAML file (schema 2).
+"""The precision policy: which format each layer computes in, as a YAML file (schema 2; 3 with phases).
 
 ```yaml
 autoprec: 2                     # schema version (version 1 files read unchanged)
@@ -12,6 +12,9 @@ fp8: {recipe: tensorwise, engine: auto}     # what bare `fp8` means; who runs nn
 loss_scaling: {init_scale: 65536, growth_interval: 2000}
 tuned: {...}                    # provenance written by `tune`; informational
 ```
+
+A policy may also say how its formats change over the run (``phases:``, schema 3; see
+:mod:`autoprec.phases`), e.g. ``phases: [{from_fraction: 0.9, formats: {fp8: bf16}}]``.
 
 Patterns: ``*`` matches within one dotted component, ``**`` across components, ``?`` one
 character (not a dot); matched in linear time, at most MAX_PATTERN_CHARS long. A module's
@@ -43,6 +46,7 @@ from torch import nn
 
 from autoprec._util import MAX_INT, atomic_write, brief, number, read_bounded
 from autoprec.formats import Format, fp8_recipes
+from autoprec.phases import Phase, parse_phases, phase_starts
 from autoprec.stats import Interval
 
 __all__ = [
@@ -59,11 +63,14 @@ __all__ = [
 
 # Version 2 added FP8 recipes per layer (`fp8:rowwise`) and `fp8: {engine: ...}`; version 1
 # files read unchanged (their `fp8` is tensorwise, the only recipe version 1 had).
-SCHEMA_VERSION = 2
-_READABLE_VERSIONS = (1, 2)
+# Version 3 added `phases` (written only by policies that have phases, so that a policy
+# without them still reads in an autoprec that knows version 2).
+SCHEMA_VERSION = 3
+_PLAIN_VERSION = 2
+_READABLE_VERSIONS = (1, 2, 3)
 FP8_ENGINES = ("auto", "torchao", "autoprec")
 
-_TOP_KEYS = ("autoprec", "model", "default", "layers", "fp8", "loss_scaling", "tuned")
+_TOP_KEYS = ("autoprec", "model", "default", "layers", "fp8", "loss_scaling", "phases", "tuned")
 _MODEL_KEYS = ("name", "fingerprint")
 _FP8_KEYS = ("recipe", "engine")
 # The error budget when nobody names one: a relative loss change of 1% vs FP32 on held-out
@@ -456,6 +463,8 @@ class Policy:
     loss_scaling: LossScaling = field(default_factory=LossScaling)
     # Provenance written by tune (device, torch version, objective, metrics); free-form.
     tuned: Mapping[str, Any] | None = None
+    # Later phases of the run (autoprec.phases); the fields above are the first phase.
+    phases: tuple[Phase, ...] = ()
     # Where the policy was read from, for error messages; not part of equality.
     source: str | None = field(default=None, compare=False)
     # YAML line of each layer pattern (and top-level key), for error messages.
@@ -497,6 +506,13 @@ class Policy:
         object.__setattr__(self, "_compiled", compiled)
         # fqn -> its match: a model asks about the same few hundred names again and again
         object.__setattr__(self, "_matches", {})
+        try:
+            phases = parse_phases(self.phases or None, recipe, self._where("phases"))
+        except ValueError as e:
+            raise PolicyError(f"Bad `phases`: {e}.") from None
+        object.__setattr__(self, "phases", phases)
+        for i in range(1, len(phases) + 1):
+            self.phase(i)  # each phase's layer patterns checked like the first's
 
     # ---------------------------------------------------------------- queries
     def _where(self, key: str | None = None) -> str:
@@ -531,7 +547,36 @@ class Policy:
             name = name.rpartition(".")[0]
 
     def formats_used(self) -> set[Format]:
-        return {self.default, *self.layers.values()}
+        """Every format some layer computes in, in any phase of the run."""
+        used = {self.default, *self.layers.values()}
+        for i in range(1, len(self.phases) + 1):
+            p = self.phase(i)
+            used |= {p.default, *p.layers.values()}
+        return used
+
+    # ---------------------------------------------------------------- phases
+    def phase(self, index: int) -> Policy:
+        """The policy in force during phase ``index`` (0: this one's own layers), as a policy
+        without phases: the first phase's entries mapped through the phase's ``formats``, its
+        own ``layers`` over them (see :mod:`autoprec.phases`)."""
+        if index == 0:
+            return dataclasses.replace(self, phases=()) if self.phases else self
+        if not 1 <= index <= len(self.phases):
+            raise IndexError(f"phase {index} of a policy with {len(self.phases) + 1} phases")
+        ph = self.phases[index - 1]
+        layers = {p: ph.maps(f) for p, f in self.layers.items()}
+        layers.update(ph.layers)
+        default = ph.default if ph.default is not None else ph.maps(self.default)
+        return dataclasses.replace(self, default=default, layers=layers, phases=())
+
+    def phase_starts(self, total_steps: int | None = None) -> list[int]:
+        """The optimizer step count at which each phase starts (``[0, ...]``);
+        ``total_steps``: the run's length, which phases by fraction need. A PolicyError
+        says what is missing or out of order."""
+        try:
+            return phase_starts(self.phases, total_steps, self._where("phases"))
+        except ValueError as e:
+            raise PolicyError(f"{e}.") from None
 
     def uses(self, fmt: Format | str) -> bool:
         return Format.parse(fmt, fp8_recipe=self.fp8_recipe) in self.formats_used()
@@ -623,7 +668,7 @@ class Policy:
 
     # ---------------------------------------------------------------- YAML
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"autoprec": SCHEMA_VERSION}
+        out: dict[str, Any] = {"autoprec": SCHEMA_VERSION if self.phases else _PLAIN_VERSION}
         if self.model_name is not None or self.fingerprint is not None:
             model = {}
             if self.model_name is not None:
@@ -637,6 +682,8 @@ class Policy:
         ls = self.loss_scaling
         out["loss_scaling"] = {"init_scale": ls.init_scale,
                                "growth_interval": int(ls.growth_interval)}
+        if self.phases:
+            out["phases"] = [p.to_dict(self._spell) for p in self.phases]
         if self.tuned is not None:
             out["tuned"] = _plain(self.tuned)
         return out
@@ -649,9 +696,10 @@ class Policy:
         return fmt.value
 
     def to_yaml(self) -> str:
-        header = (f"# autoprec precision policy (schema {SCHEMA_VERSION}): `autoprec show` prints "
-                  "it as a table\n")
-        return header + yaml.dump(self.to_dict(), Dumper=_NoAliasDumper, sort_keys=False,
+        doc = self.to_dict()
+        header = (f"# autoprec precision policy (schema {doc['autoprec']}): `autoprec show` "
+                  "prints it as a table\n")
+        return header + yaml.dump(doc, Dumper=_NoAliasDumper, sort_keys=False,
                                   default_flow_style=False, allow_unicode=True, width=100)
 
     def save(self, path: str | os.PathLike) -> None:
@@ -666,7 +714,7 @@ class Policy:
     @classmethod
     def from_dict(cls, data: Any, *, source: str | None = None,
                   lines: Mapping[str, int] | None = None) -> Policy:
-        """Validate a parsed YAML mapping (schema 1 or 2) and build the Policy."""
+        """Validate a parsed YAML mapping (schema 1, 2 or 3) and build the Policy."""
         lines = dict(lines or {})
         src = f" in {source}" if source else ""
 
@@ -680,16 +728,7 @@ class Policy:
         if "autoprec" not in data:
             raise PolicyError(f"Missing schema key `autoprec: {SCHEMA_VERSION}`{src}; a policy "
                               "file starts with it.")
-        version = data["autoprec"]
-        if isinstance(version, bool) or not isinstance(version, int):
-            raise PolicyError(f"Schema version `autoprec: {version!r}`{where('autoprec')} must be "
-                              f"the integer {SCHEMA_VERSION} (write `autoprec: {SCHEMA_VERSION}`, "
-                              "no quotes).")
-        if version not in _READABLE_VERSIONS:
-            raise PolicyError(f"Unknown policy schema version {version!r}{where('autoprec')}; "
-                              f"this autoprec reads versions "
-                              f"{', '.join(map(str, _READABLE_VERSIONS))}. Upgrade autoprec or "
-                              "regenerate the policy.")
+        _check_version(data, where)
         _reject_unknown(data, _TOP_KEYS, "top level", where)
         model = data.get("model") or {}
         _require_mapping(model, "model", where)
@@ -702,6 +741,7 @@ class Policy:
         _reject_unknown(ls, _LOSS_SCALING_KEYS, "`loss_scaling`", where, "loss_scaling")
         layers = data.get("layers") or {}
         _require_mapping(layers, "layers", where)
+        phases = data.get("phases")
         tuned = data.get("tuned")
         if tuned is not None:
             _require_mapping(tuned, "tuned", where)
@@ -721,9 +761,24 @@ class Policy:
                        model_name=model.get("name"), fingerprint=model.get("fingerprint"),
                        fp8_recipe=fp8.get("recipe", "tensorwise"),
                        fp8_engine=fp8.get("engine", "auto"), loss_scaling=loss_scaling,
-                       tuned=tuned, source=source, lines=lines)
+                       tuned=tuned, phases=phases or (), source=source, lines=lines)
         except ValueError as e:
             raise PolicyError(str(e)) from None
+
+
+def _check_version(data: Mapping[str, Any], where: Callable[[str], str]) -> None:
+    version = data["autoprec"]
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise PolicyError(f"Schema version `autoprec: {version!r}`{where('autoprec')} must be "
+                          f"the integer {SCHEMA_VERSION} (write `autoprec: {SCHEMA_VERSION}`, "
+                          "no quotes).")
+    if version not in _READABLE_VERSIONS:
+        raise PolicyError(f"Unknown policy schema version {version!r}{where('autoprec')}; "
+                          f"this autoprec reads versions "
+                          f"{', '.join(map(str, _READABLE_VERSIONS))}. Upgrade autoprec or "
+                          "regenerate the policy.")
+    if data.get("phases") is not None and version < 3:
+        raise PolicyError(f"`phases`{where('phases')} needs schema 3: write `autoprec: 3`.")
 
 
 def _plain(value: Any) -> Any:
@@ -851,7 +906,7 @@ def _check_layer_keys(root: yaml.Node, path: str) -> None:
 def load_policy(path: str | os.PathLike) -> Policy:
     """Read a policy file (at most MAX_POLICY_BYTES, ``yaml.SafeLoader`` only, parsed once; no
     anchors or aliases, no duplicate keys, nesting at most MAX_POLICY_DEPTH) and validate it
-    against the policy schema (version 1 or 2), its ``tuned:`` provenance included."""
+    against the policy schema (version 1, 2 or 3), its ``tuned:`` provenance included."""
     path = os.fspath(path)
     try:
         raw = read_bounded(path, MAX_POLICY_BYTES, "policy")

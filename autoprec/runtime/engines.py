@@ -119,7 +119,7 @@ def engine_for(module: nn.Module, fmt: Format, engine: str) -> str:
         return "torchao" if fmt is kept.format and engine != "autoprec" else "autoprec"
     if engine == "autoprec" or not _takes(module, fmt):
         return "autoprec"
-    if _sharded(module):
+    if is_sharded(module):
         # FSDP2 keeps a reference to the module that owns each sharded parameter and
         # all-gathers into it; a Float8Linear swapped in after fully_shard would multiply the
         # sharded DTensor weight (a mixed Tensor/DTensor error)
@@ -142,7 +142,7 @@ def engine_for(module: nn.Module, fmt: Format, engine: str) -> str:
     return "autoprec"
 
 
-def _sharded(module: nn.Module) -> bool:
+def is_sharded(module: nn.Module) -> bool:
     """Whether ``module``'s weight is already a DTensor (FSDP2's fully_shard, or tensor
     parallelism)."""
     weight = getattr(module, "weight", None)
@@ -255,7 +255,7 @@ def restore(swaps: list[Swap]) -> None:
     for swap in swaps:
         # fully_shard after the swap gave the Float8Linear sharded parameters the original
         # Linear never sees: put back, it would run its stale weight and train nothing
-        if _sharded(swap.replacement) and \
+        if is_sharded(swap.replacement) and \
                 getattr(swap.original, "weight", None) is not swap.replacement.weight:
             if kept is not None:
                 kept[id(swap.replacement)] = swap

@@ -61,6 +61,7 @@ from autoprec.formats import Format
 from autoprec.policy import Policy, PolicyError, load_policy
 from autoprec.runtime import apply
 from autoprec.runtime.guard import Guard, GuardConfig, get_guard
+from autoprec.runtime.phases import PhaseSwitcher, get_phases
 from autoprec.runtime.rewrite import applied_policy
 
 # PolicyCallback is built on first access (module __getattr__ below)
@@ -83,6 +84,12 @@ class TrainingKit(NamedTuple):
     # The runtime guard, or None when none was asked for.
     guard: Guard | None
 
+    @property
+    def phases(self) -> PhaseSwitcher | None:
+        """The phase switcher of a policy with phases (call ``kit.phases.at(step)`` before each
+        step), or None."""
+        return get_phases(self.model)
+
 
 def _check_accelerator(accelerator: Any, model: nn.Module) -> None:
     mp = str(getattr(accelerator, "mixed_precision", "no"))
@@ -104,7 +111,7 @@ def _check_accelerator(accelerator: Any, model: nn.Module) -> None:
 def training_kit(model: nn.Module, policy: Policy | str | os.PathLike, *,
                  device: torch.device | str | None = None, strict: bool = True,
                  guard: bool | GuardConfig | Guard | None = None,
-                 accelerator: Any = None) -> TrainingKit:
+                 accelerator: Any = None, total_steps: int | None = None) -> TrainingKit:
     """Apply ``policy`` to ``model`` and return it with the GradScaler its ``loss_scaling``
     describes (enabled only when a layer is fp16) and the runtime guard (``guard=True`` or a
     :class:`~autoprec.runtime.guard.GuardConfig`; see :mod:`autoprec.runtime.guard`).
@@ -114,6 +121,9 @@ def training_kit(model: nn.Module, policy: Policy | str | os.PathLike, *,
     this call. Its ``mixed_precision`` is checked ("no" recommended, "fp8" refused), and when
     it scales the loss itself (``"fp16"`` on a GPU) the returned scaler is a disabled
     pass-through so the loss is not scaled twice; the guard then reads Accelerate's scale.
+    ``total_steps``: the run's optimizer steps, for a policy with phases by fraction of the run;
+    a policy with phases gets a :class:`~autoprec.runtime.phases.PhaseSwitcher` (``kit.phases``:
+    call ``kit.phases.at(step)`` before each step, with the optimizer steps done).
     """
     if not isinstance(policy, Policy):
         policy = load_policy(policy)
@@ -121,6 +131,8 @@ def training_kit(model: nn.Module, policy: Policy | str | os.PathLike, *,
         _check_accelerator(accelerator, model)
         device = accelerator.device
     apply(model, policy, strict=strict, guard=guard)
+    if policy.phases:
+        PhaseSwitcher(model, policy, total_steps=total_steps)
     device = torch.device(device) if device is not None else device_of(model)
     outer = getattr(accelerator, "scaler", None) if accelerator is not None else None
     if outer is not None:

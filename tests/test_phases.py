@@ -1,0 +1,223 @@
+"""Phases in a policy: the file, and switching at the step in a plain loop, across a resume,
+under torch.compile (one recompile) and on torchao's engine, bit for bit what applying the next
+phase's policy at that step computes."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import autoprec
+from autoprec import Format, Policy, PolicyError, load_policy
+from autoprec.runtime.integrations import training_kit
+from autoprec.runtime.phases import PhaseSwitcher, get_phases
+from examples.data import byte_batches
+
+SWITCH = 3
+STEPS = 6
+GPT2_POLICY = dict(default="fp32", layers={"transformer.h.*.mlp.*": "fp8",
+                                           "transformer.h.*.attn.c_attn": "fp8:rowwise",
+                                           "lm_head": "fp32"},
+                   phases=[{"from_step": SWITCH, "formats": {"fp8": "bf16"}, "name": "decay"}])
+LLAMA_POLICY = dict(default="fp32", layers={"model.layers.*.mlp.*": "fp8", "lm_head": "fp32"},
+                    phases=[{"from_step": SWITCH, "formats": {"fp8": "bf16"}}])
+
+
+def _model(which: str):
+    from conftest import tiny_gpt2, tiny_llama
+
+    warnings.filterwarnings("ignore", message=".*can only emulate.*")
+    return (tiny_gpt2() if which == "gpt2" else tiny_llama()).train()
+
+
+def _policy(which: str, engine: str = "autoprec") -> Policy:
+    return Policy(**(GPT2_POLICY if which == "gpt2" else LLAMA_POLICY), fp8_engine=engine)
+
+
+def _train(model, policy: Policy, *, by_apply: bool, steps: int = STEPS, start: int = 0,
+           opt=None, compiled=None):
+    """Train ``steps`` steps: switching phases with the switcher, or (``by_apply``) by
+    applying each phase's policy at its step."""
+    batches = byte_batches(4, 4, 32, seed=3)
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if by_apply:
+        autoprec.apply(model, policy.phase(0))
+    elif get_phases(model) is None:
+        training_kit(model, policy, total_steps=steps)
+    run = model if compiled is None else compiled
+    for step in range(start, steps):
+        if by_apply and step == SWITCH:
+            autoprec.apply(model, policy.phase(1))
+        elif not by_apply:
+            get_phases(model).at(step)
+        loss = run(**batches[step % len(batches)]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return opt
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+@pytest.mark.parametrize("which,engine", [("gpt2", "autoprec"), ("llama", "torchao")])
+def test_switching_at_the_step_computes_what_applying_the_next_phase_computes(which, engine):
+    policy = _policy(which, engine)
+    switched, applied = _model(which), _model(which)
+    _train(switched, policy, by_apply=False)
+    _train(applied, policy, by_apply=True)
+    assert _same(switched, applied)
+    formats = autoprec.applied_formats(switched)
+    assert formats == autoprec.applied_formats(applied)
+    mlp = [f for f in formats if ".mlp." in f and formats[f] is not Format.FP32]
+    assert mlp and all(formats[f] is Format.BF16 for f in mlp), formats
+    # and the phase changed something: the first phase trains other numbers
+    unswitched = _model(which)
+    autoprec.apply(unswitched, policy.phase(0))
+    _train(unswitched, policy.phase(0), by_apply=True, steps=SWITCH)
+    assert not _same(switched, unswitched)
+
+
+def test_a_resume_in_the_middle_of_a_phase_trains_as_the_uninterrupted_run(tmp_path):
+    policy = _policy("gpt2")
+    whole = _model("gpt2")
+    _train(whole, policy, by_apply=False)
+    # stop after SWITCH + 1 steps (inside phase 1), save, resume in a fresh process's objects
+    first = _model("gpt2")
+    opt = _train(first, policy, by_apply=False, steps=SWITCH + 1)
+    # the step count that stops is the resumed run's total: the boundary must not move
+    ckpt = {"model": first.state_dict(), "opt": opt.state_dict(),
+            "phases": get_phases(first).state_dict()}
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    resumed = _model("gpt2")
+    kit = training_kit(resumed, policy, total_steps=SWITCH + 1)
+    resumed.load_state_dict(ckpt["model"])
+    kit.phases.load_state_dict(ckpt["phases"])
+    opt = torch.optim.AdamW(resumed.parameters(), lr=1e-3)
+    opt.load_state_dict(ckpt["opt"])
+    assert get_phases(resumed).current == 0  # until the loop says which step it is at
+    _train(resumed, policy, by_apply=False, start=SWITCH + 1, opt=opt)
+    assert get_phases(resumed).current == 1
+    assert _same(resumed, whole)
+
+
+def test_a_resume_with_another_run_length_is_refused_in_one_line():
+    policy = Policy(default="fp32", layers={"transformer.h.*.mlp.*": "fp8"},
+                    phases=[{"from_fraction": 0.5, "formats": {"fp8": "bf16"}}])
+    a, b = _model("gpt2"), _model("gpt2")
+    state = training_kit(a, policy, total_steps=100).phases.state_dict()
+    with pytest.raises(PolicyError, match=r"steps \[0, 50\].*\[0, 100\].*total_steps") as e:
+        training_kit(b, policy, total_steps=200).phases.load_state_dict(state)
+    assert "\n" not in str(e.value)
+
+
+def test_a_switch_under_torch_compile_is_one_recompile():
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    model = _model("gpt2")
+    policy = _policy("gpt2")
+    training_kit(model, policy, total_steps=STEPS)
+    compiled = torch.compile(model, backend=counter)
+    _train(model, policy, by_apply=False, steps=SWITCH, compiled=compiled)
+    before = counter.frame_count
+    _train(model, policy, by_apply=False, start=SWITCH, compiled=compiled)
+    assert before >= 1
+    assert counter.frame_count - before <= 1, (before, counter.frame_count)
+    # the compiled run switched for real
+    assert autoprec.applied_formats(model)["transformer.h.0.mlp.c_fc"] is Format.BF16
+
+
+def test_phases_by_fraction_need_the_run_length():
+    policy = Policy(default="fp32", layers={"transformer.h.*.mlp.*": "fp8"},
+                    phases=[{"from_fraction": 0.9, "formats": {"fp8": "bf16"}}])
+    with pytest.raises(PolicyError, match="needs the run's length: pass total_steps"):
+        training_kit(_model("gpt2"), policy)
+    kit = training_kit(_model("gpt2"), policy, total_steps=1000)
+    assert kit.phases.starts == [0, 900]
+    assert kit.phases.index_at(899) == 0 and kit.phases.index_at(900) == 1
+
+
+def test_a_phase_naming_no_module_is_refused_at_start_up():
+    policy = Policy(default="fp32", layers={"transformer.h.*.mlp.*": "fp8"},
+                    phases=[{"from_step": 5, "layers": {"transformer.h.9.mlp": "fp32"}}])
+    with pytest.raises(PolicyError, match=r"Phase 1 \(from step 5\).*`transformer.h.9.mlp`"):
+        training_kit(_model("gpt2"), policy)
+
+
+# ------------------------------------------------------------------ the file
+def test_phases_round_trip_and_mean_the_first_phase_mapped(tmp_path):
+    policy = Policy(default="bf16", layers={"a.*": "fp8", "b": "fp8:rowwise", "c": "fp16",
+                                            "lm_head": "fp32"},
+                    phases=[{"from_fraction": 0.9, "formats": {"fp8": "bf16"}, "name": "decay"},
+                            {"from_fraction": 0.95, "formats": {"fp8:rowwise": "fp32"},
+                             "layers": {"c": "fp32"}, "default": "fp32"}])
+    path = tmp_path / "p.yaml"
+    policy.save(path)
+    text = path.read_text()
+    assert text.startswith("# autoprec precision policy (schema 3)") and "from_fraction: 0.9" in text
+    back = load_policy(path)
+    assert back == policy
+    one, two = back.phase(1), back.phase(2)
+    assert (one.default, one.layers["a.*"], one.layers["b"], one.layers["c"]) == \
+        (Format.BF16, Format.BF16, Format.BF16, Format.FP16)
+    # a recipe's own key wins over `fp8`; the phase's layers and default over the map
+    assert (two.default, two.layers["a.*"], two.layers["b"], two.layers["c"]) == \
+        (Format.FP32, Format.FP8, Format.FP32, Format.FP32)
+    assert not one.phases and back.phase(0).layers == policy.layers
+    # every phase's formats count as used (the GradScaler, the FP8 warnings)
+    assert Format.FP32 in back.formats_used()
+    # a policy without phases still writes schema 2, which older autoprec reads
+    plain = tmp_path / "plain.yaml"
+    back.phase(0).save(plain)
+    assert "autoprec: 2" in plain.read_text()
+
+
+@pytest.mark.parametrize("phases,message", [
+    ([{"from_step": 0, "formats": {"fp8": "bf16"}}], "from_step` must be an integer >= 1"),
+    ([{"from_fraction": 1.5, "formats": {"fp8": "bf16"}}], "between 0 and 1"),
+    ([{"from_step": 3, "from_fraction": 0.5, "formats": {"fp8": "bf16"}}], "exactly one of"),
+    ([{"formats": {"fp8": "bf16"}}], "exactly one of"),
+    ([{"from_step": 3}], "changes nothing"),
+    ([{"from_step": 3, "formats": {"fp9": "bf16"}}], "Unknown format 'fp9'"),
+    ([{"from_step": 3, "formats": {"fp8": "bf16"}, "when": 3}], "unknown key.*'when'"),
+    ([{"from_step": 9, "formats": {"fp8": "bf16"}}, {"from_step": 4, "default": "fp32"}],
+     "phase 2.*starts at from_step 4, not after phase 1"),
+    ([{"from_step": 3, "layers": ["a"]}], "`layers` in phase 1 .*must be a mapping"),
+    ("decay", "must be a list of phases"),
+    ([{"from_step": i + 1, "default": "fp32"} for i in range(65)], "at most 64"),
+])
+def test_bad_phases_are_one_line_errors_naming_the_file_and_phase(tmp_path, phases, message):
+    import yaml
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"autoprec": 3, "default": "fp8", "layers": {"a": "fp32"},
+                                    "phases": phases}))
+    with pytest.raises(PolicyError, match=message) as e:
+        load_policy(path)
+    assert "\n" not in str(e.value) and str(path) in str(e.value)
+
+
+def test_phases_in_a_schema_2_file_are_refused_with_the_fix(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("autoprec: 2\ndefault: fp8\nphases: [{from_step: 3, default: bf16}]\n")
+    with pytest.raises(PolicyError, match="needs schema 3: write `autoprec: 3`"):
+        load_policy(path)
+
+
+def test_the_switch_keeps_the_model_and_optimizer_objects():
+    model = _model("gpt2")
+    params = [id(p) for p in model.parameters()]
+    kit = training_kit(model, _policy("gpt2"), total_steps=STEPS)
+    assert kit.phases.at(SWITCH) == 1 and kit.phases.at(SWITCH + 1) is None
+    assert [id(p) for p in model.parameters()] == params
+    assert kit.phases.at(0) == 0  # back to the first phase (a resume from an earlier step)
+    assert autoprec.applied_formats(model)["transformer.h.0.mlp.c_fc"] is Format.FP8
+    copy.deepcopy(model)  # the switcher on the model does not stop a deep copy
+    assert isinstance(get_phases(model), PhaseSwitcher)
