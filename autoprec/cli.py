@@ -177,11 +177,15 @@ def _cmd_tune(args) -> int:
     task = _load_task(args.task)
     result = tune(task, TuneConfig(search=search, study=study))
     print(result.summary())
+    if args.final_phase is not None:
+        result.policy = _final_phase(result.policy, args.final_phase)
     if args.validate_steps:
         result = validate_front(result, task, steps=args.validate_steps)
         if result.validation is None or not result.validation.passed:
             print("no policy on the Pareto front passed validation; writing all-fp32",
                   file=sys.stderr)
+        if args.final_phase is not None and not result.policy.phases:
+            result.policy = _final_phase(result.policy, args.final_phase)
     written = result.save(args.output)
     if result.profile is not None:
         profile = TunePaths.from_output(args.output).profile
@@ -190,6 +194,35 @@ def _cmd_tune(args) -> int:
     print("wrote " + ", ".join(written))
     print(f"study: {result.study_name} in {result.storage}")
     return 0
+
+
+def _final_phase(policy, spec: tuple[float, str]):
+    fraction, fmt = spec
+    phased = policy.with_final_phase(fraction, fmt)
+    if phased is policy:
+        print(f"--final-phase {fraction:g}:{fmt}: no layer computes below {fmt}, so no final "
+              "phase is written", file=sys.stderr)
+    else:
+        print(f"final phase: {phased.phases[-1].describe()}, "
+              f"{', '.join(f'{k} -> {v}' for k, v in phased.phases[-1].formats.items())}",
+              file=sys.stderr)
+    return phased
+
+
+def _final_phase_spec(text: str) -> tuple[float, str]:
+    from autoprec.phases import FINAL_FORMATS
+
+    head, _, fmt = text.partition(":")
+    fmt = fmt.strip().lower() or "bf16"
+    try:
+        fraction = float(head)
+    except ValueError:
+        fraction = math.nan
+    if not 0 < fraction < 1 or fmt not in FINAL_FORMATS:
+        raise argparse.ArgumentTypeError(
+            f"expected FRACTION[:FORMAT] with 0 < FRACTION < 1 and FORMAT one of "
+            f"{', '.join(FINAL_FORMATS)} (e.g. 0.9 or 0.9:fp32), got {text!r}")
+    return fraction, fmt
 
 
 def _cmd_validate(args) -> int:
@@ -223,6 +256,7 @@ def _cmd_show(args) -> int:
     lines += [f"  {pattern}: {fmt.label}" for pattern, fmt in policy.layers.items()]
     if any(f.is_fp8 for f in policy.formats_used()):
         lines.append(f"  fp8: default recipe {policy.fp8_recipe}, engine {policy.fp8_engine}")
+    lines += _phase_lines(policy, prof)
     if policy.tuned:
         lines += ["provenance:", _provenance_text(policy.provenance)]
     if prof is not None:
@@ -350,6 +384,46 @@ def _sources(lp) -> str:
     return ", ".join(parts) or "-"
 
 
+def _phase_text(phase) -> str:
+    """One phase's changes, e.g. ``fp8 -> bf16; lm_head: fp32; default fp32``."""
+    parts = [f"{k} -> {v.label}" for k, v in phase.formats.items()]
+    parts += [f"{p}: {f.label}" for p, f in phase.layers.items()]
+    if phase.default is not None:
+        parts.append(f"default {phase.default.label}")
+    return "; ".join(parts)
+
+
+def _phase_lines(policy, prof) -> list[str]:
+    """`show`'s lines for the phases: where each starts, what it changes, and (with a
+    profile) how many of the profiled layers compute in another format than in the first."""
+    if not policy.phases:
+        return []
+    lines = [f"phases ({len(policy.phases) + 1}; the training integrations switch at the step):",
+             "  phase 0, from step 0: the formats above"]
+    for i, phase in enumerate(policy.phases, start=1):
+        line = f"  phase {i}, {phase.describe()}: {_phase_text(phase)}"
+        if prof is not None:
+            p = policy.phase(i)
+            moved = sum(p.format_for(lp.fqn) is not policy.format_for(lp.fqn) for lp in prof.layers)
+            line += f" ({moved} of {len(prof.layers)} profiled layers change)"
+        lines.append(line)
+    return lines
+
+
+def _phase_changes(a, b) -> list[str]:
+    """`diff`'s lines for the phases, phase by phase."""
+    lines = []
+    for i in range(max(len(a.phases), len(b.phases))):
+        pa = a.phases[i] if i < len(a.phases) else None
+        pb = b.phases[i] if i < len(b.phases) else None
+        if pa == pb:
+            continue
+        def shown(p):
+            return "(none)" if p is None else f"[{p.describe()}: {_phase_text(p)}]"
+        lines.append(f"phase {i + 1}: {shown(pa)} -> {shown(pb)}")
+    return lines
+
+
 def _cmd_diff(args) -> int:
     from autoprec.policy import load_policy
     from autoprec.profiling import Profile
@@ -358,7 +432,7 @@ def _cmd_diff(args) -> int:
     prof_path = next((p for p in (_profile_path(args.a), _profile_path(args.b))
                       if os.path.exists(p)), None)
     prof = Profile.load(prof_path) if prof_path is not None else None
-    lines = _setting_changes(a, b)
+    lines = _setting_changes(a, b) + _phase_changes(a, b)
     if a.default != b.default:
         lines.append(f"default: {a.default.label} -> {b.default.label}")
     for pattern in dict.fromkeys([*a.layers, *b.layers]):
@@ -420,7 +494,8 @@ def _cmd_export(args) -> int:
                           "--model TASK_SPEC (the task the policy was tuned on; its model is "
                           "built on the meta device, without memory).")
     model = structure_of(_load_task(args.model))
-    result = export(policy, args.to, model=model, strict=not args.no_strict, names=names)
+    result = export(policy, args.to, model=model, strict=not args.no_strict, names=names,
+                    phase=args.phase)
     for note in result.notes:
         # notes quote module names from the model: one escaped line each on the terminal too
         print(f"note: {escape_line(note)}", file=sys.stderr)
@@ -515,6 +590,12 @@ def _tune_parser(sub, common: dict) -> None:
     p.add_argument("--max-memory", type=_size, default=default("max_memory"), metavar="SIZE",
                    help="peak training-step memory the policy may need, as predicted for the "
                         "task's calibration batch: bytes or 2GiB, 512MB (default: no limit)")
+    p.add_argument("--final-phase", type=_final_phase_spec, default=None,
+                   metavar="FRACTION[:FORMAT]",
+                   help="also write a last phase of the run from FRACTION of its steps in which "
+                        "every layer below FORMAT (default bf16: the fp8 layers) computes in "
+                        "FORMAT, e.g. 0.9 for the learning-rate decay; the training "
+                        "integrations switch at that step")
     p.add_argument("--validate-steps", type=_nonneg_int, default=0,
                    help="train this many steps to validate the winner; fall back along the "
                         "Pareto front if it fails")
@@ -600,6 +681,9 @@ def _policy_parsers(sub) -> None:
     p.add_argument("--model", default=None, metavar="TASK_SPEC",
                    help="the task whose model names the layers (path/file.py:function)")
     p.add_argument("-o", "--output", default=None, help="write here (default: stdout)")
+    p.add_argument("--phase", type=_nonneg_int, default=None, metavar="N",
+                   help="export phase N of a policy with phases (0: from step 0); torchao and "
+                        "megatron take one phase, fqn lists them all")
     p.add_argument("--name-map", default=None, metavar="FILE",
                    help="megatron: YAML of HF-name regex -> Megatron module path, tried before "
                         "the built-in Llama and GPT-2 names")

@@ -178,15 +178,21 @@ class TorchaoExport(Exported):
 
 
 def export(policy: Policy | str | os.PathLike, to: str, *, model: nn.Module | None = None,
-           strict: bool = True, names: Mapping[str, str | None] | None = None) -> Exported:
+           strict: bool = True, names: Mapping[str, str | None] | None = None,
+           phase: int | None = None) -> Exported:
     """Express ``policy`` for the stack ``to`` (one of :data:`TARGETS`). ``model`` resolves
     patterns to its module names (megatron and fqn need it). ``strict=False`` turns what the
     target cannot express exactly into notes instead of errors. ``names`` (megatron only):
-    HF-name regex -> Megatron module path template, tried before :data:`MEGATRON_NAMES`."""
+    HF-name regex -> Megatron module path template, tried before :data:`MEGATRON_NAMES`.
+
+    A policy with phases: the fqn export lists each phase's layers with where it starts;
+    torchao's and Megatron's configurations hold one precision per layer for the whole run,
+    so they take one phase (``phase``: 0 is the first) and refuse the whole policy."""
     if not isinstance(policy, Policy):
         policy = load_policy(policy)
     if to not in TARGETS:
         raise ExportError(f"Unknown export target {to!r}; expected one of {', '.join(TARGETS)}.")
+    policy = _one_phase(policy, to, phase)
     if names is not None and to != "megatron":
         raise ExportError(f"A module name map is for --to megatron only, not {to}.")
     if model is None and to != "torchao":
@@ -201,6 +207,25 @@ def export(policy: Policy | str | os.PathLike, to: str, *, model: nn.Module | No
     if to == "megatron":
         return _megatron(policy, layers, strict, _rules(names))
     return _fqn(policy, model, layers)
+
+
+def _one_phase(policy: Policy, to: str, phase: int | None) -> Policy:
+    """The policy to export: one phase of it when asked, the whole of it where ``to`` can
+    express phases (fqn), else a refusal that says how to export one phase."""
+    if phase is not None:
+        if isinstance(phase, bool) or not isinstance(phase, int) or \
+                not 0 <= phase <= len(policy.phases):
+            raise ExportError(f"--phase {phase!r}: the policy has phases 0 to "
+                              f"{len(policy.phases)} (0: from step 0).")
+        return policy.phase(phase)
+    if not policy.phases or to == "fqn":
+        return policy
+    first = policy.phases[0].describe()
+    raise ExportError(
+        f"The policy has {len(policy.phases)} later phase(s) (phase 1 {first}) and {to} sets "
+        "each layer's precision once for the whole run (its modules are converted before "
+        "training): export one phase with --phase N (0: from step 0), or train with autoprec's "
+        "integrations, which switch at the step.")
 
 
 def structure_of(task) -> nn.Module:
@@ -620,4 +645,11 @@ def _fqn(policy: Policy, model: nn.Module, layers: list[_Layer]) -> Exported:
     doc = {"autoprec_export": "fqn", "version": 1, "policy": policy.source,
            "model": type(model).__name__, "default": policy.default.label,
            "layers": {x.fqn: x.runs.label for x in layers}, "notes": list(notes)}
+    if policy.phases:
+        # each later phase: where it starts and every layer's format in it
+        doc["phases"] = [{**{k: v for k, v in ph.to_dict(str).items()
+                             if k in ("name", "from_step", "from_fraction")},
+                          "layers": {x.fqn: x.runs.label
+                                     for x in _layers(policy.phase(i), model)}}
+                         for i, ph in enumerate(policy.phases, start=1)]
     return Exported("fqn", doc, json.dumps(doc, indent=2) + "\n", notes)

@@ -46,7 +46,7 @@ from torch import nn
 
 from autoprec._util import MAX_INT, atomic_write, brief, number, read_bounded
 from autoprec.formats import Format, fp8_recipes
-from autoprec.phases import Phase, parse_phases, phase_starts
+from autoprec.phases import Phase, final_phase, parse_phases, phase_starts
 from autoprec.stats import Interval
 
 __all__ = [
@@ -568,6 +568,17 @@ class Policy:
         layers.update(ph.layers)
         default = ph.default if ph.default is not None else ph.maps(self.default)
         return dataclasses.replace(self, default=default, layers=layers, phases=())
+
+    def with_final_phase(self, fraction: float, fmt: Format | str = Format.BF16) -> Policy:
+        """This policy with a last phase from ``fraction`` of the run (0.9: the last 10%) in
+        which every layer in a format of fewer mantissa bits than ``fmt`` (bf16: the fp8
+        layers) computes in ``fmt``, as NVIDIA's NVFP4 recipe runs the decay in BF16. The
+        policy itself when no layer is below ``fmt`` (the phase would change nothing)."""
+        try:
+            phase = final_phase(fraction, fmt, self.formats_used())
+        except ValueError as e:
+            raise PolicyError(f"{e}.") from None
+        return self if phase is None else dataclasses.replace(self, phases=(*self.phases, phase))
 
     def phase_starts(self, total_steps: int | None = None) -> list[int]:
         """The optimizer step count at which each phase starts (``[0, ...]``);

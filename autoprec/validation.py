@@ -27,6 +27,7 @@ import torch
 from autoprec._util import log
 from autoprec.measure.timer import Clock
 from autoprec.policy import DEFAULT_MAX_LOSS_INCREASE, Policy
+from autoprec.runtime.phases import PhaseSwitcher
 from autoprec.runtime.rewrite import apply
 from autoprec.task import Task, optimizer_step
 
@@ -97,10 +98,11 @@ def train_run(task: Task, policy: Policy | None, batches: Sequence[Any], *,
               on_step: Callable[[int, float], None] | None = None) -> tuple[list, float, float]:
     """Train a fresh model from the task's initialization; returns (losses, eval loss, median
     step seconds, timed by the one step clock). Non-finite losses are kept (the run goes on;
-    the verdict will fail). ``strict``: a policy made for another model is an error."""
+    the verdict will fail). ``strict``: a policy made for another model is an error. A policy
+    with phases trains through them: the run's length is ``len(batches)``."""
     model = task.build_model().train()
     clock = Clock(task.device)
-    scaler = None
+    scaler = phases = None
     if policy is not None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -113,6 +115,8 @@ def train_run(task: Task, policy: Policy | None, batches: Sequence[Any], *,
         scaler = policy.grad_scaler(task.device)
         if not scaler.is_enabled():
             scaler = None
+        if policy.phases:
+            phases = PhaseSwitcher(model, policy, total_steps=len(batches))
     opt = task.make_optimizer(model.parameters())
     sched = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=len(batches))
              if lr_schedule else None)
@@ -124,6 +128,8 @@ def train_run(task: Task, policy: Policy | None, batches: Sequence[Any], *,
         losses.append(float(loss.detach()))
 
     for i, batch in enumerate(batches):
+        if phases is not None and phases.at(i) is not None:
+            log(f"validate: step {i}: phase {phases.current} in force")
         torch.manual_seed(task.seed + i)  # dropout masks identical across runs
         times.append(clock.time(lambda b=batch: step(b)))
         if sched is not None:

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import autoprec
-from autoprec import Policy
+from autoprec import Format, Policy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS = os.path.join(ROOT, "tests", "tasks.py")
@@ -25,8 +25,13 @@ def cli(*args, cwd=None, timeout=600):
 def test_tune_show_diff(tmp_path):
     out = tmp_path / "policies" / "small.yaml"
     r = cli("tune", f"{TASKS}:small_gpt2_task", "-o", str(out), "--target", "cpu-amx",
-            "--n-trials", "8", "--seed", "3", cwd=tmp_path)
+            "--n-trials", "8", "--seed", "3", "--final-phase", "0.9:fp32", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
+    # the winner runs bf16 on some layers (cpu-amx prices bf16 fast); the last 10% in fp32
+    tuned = autoprec.load_policy(out)
+    assert Format.BF16 in tuned.phase(0).formats_used(), tuned
+    assert [p.from_fraction for p in tuned.phases] == [0.9]
+    assert tuned.phase(1).formats_used() == {Format.FP32}
     assert "winner: trial" in r.stdout and "sensitivity" in r.stderr
     for suffix in (".yaml", ".pareto.csv", ".pareto.png", ".profile.json", ".study.db"):
         assert (tmp_path / "policies" / f"small{suffix}").exists(), suffix
@@ -39,6 +44,7 @@ def test_tune_show_diff(tmp_path):
     layer_rows = [line for line in body if line.strip().startswith(("transformer", "lm_head"))]
     assert layer_rows and all(len(line.split()) > 3 for line in layer_rows), layer_rows
     assert "matmul FLOPs by format: bf16" in show.stdout
+    assert "phase 1, from 90% of the run (final): bf16 -> fp32" in show.stdout
 
     other = tmp_path / "policies" / "all_fp32.yaml"
     Policy(default="fp32").save(other)

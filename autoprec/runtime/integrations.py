@@ -66,7 +66,7 @@ from autoprec.runtime.rewrite import applied_policy
 
 # PolicyCallback is built on first access (module __getattr__ below)
 __all__ = ["TrainingKit", "training_kit", "PolicyCallback", "use_policy",  # noqa: F822
-           "GUARD_STATE_FILE", "save_guard_state", "load_guard_state"]
+           "GUARD_STATE_FILE", "save_guard_state", "load_guard_state", "start_phases"]
 
 logger = logging.getLogger(__name__)
 
@@ -273,6 +273,10 @@ def _make_policy_callback():
         GradScaler, torch's defaults: init_scale 65536, growth_interval 2000); on a CPU the
         Trainer has none, and the callback warns.
 
+        A policy with phases switches at ``state.global_step`` (``on_step_begin``), the run's
+        length being ``max_steps`` (or what the Trainer computes from ``num_train_epochs``); a
+        resumed run starts in the phase of its resumed step.
+
         Added later (``trainer.add_callback``) it applies the policy in ``on_train_begin``,
         after the model was prepared; that is refused when the Trainer runs in bf16/fp16,
         since Accelerate's autocast would then sit inside the policy's regions. Use
@@ -285,6 +289,8 @@ def _make_policy_callback():
             self.strict = strict
             self.guard_arg = guard
             self.guard: Guard | None = None
+            # the policy's phases, switched at the Trainer's global_step (None: no phases)
+            self.phases: PhaseSwitcher | None = None
             self._trainer = None
             self._warned = self._restored = False  # restored: the guard's state was loaded
 
@@ -304,9 +310,14 @@ def _make_policy_callback():
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             self._apply(model)
             _resume_guard(self, args, state)
+            self.phases = start_phases(self, model, state.max_steps, state.global_step)
             if self.policy.uses(Format.FP16) and self._scaler(args) is None and not self._warned:
                 self._warned = True
                 _warn_unscaled_fp16()
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if self.phases is not None:
+                self.phases.at(state.global_step)
 
         def on_step_end(self, args, state, control, **kwargs):
             if self.guard is not None:
@@ -316,6 +327,19 @@ def _make_policy_callback():
             _save_guard(self, args, state)
 
     return PolicyCallback
+
+
+def start_phases(owner: Any, model: nn.Module | None, total: int | None,
+                  step: int) -> PhaseSwitcher | None:
+    """The phase switcher of an integration's policy, made when training starts (the run's
+    length is known then) and put in the phase of ``step`` (a resumed run's)."""
+    if model is None or not owner.policy.phases:
+        return None
+    phases = get_phases(model)
+    if phases is None or phases.total_steps != total:
+        phases = PhaseSwitcher(model, owner.policy, total_steps=total)
+    phases.at(step)
+    return phases
 
 
 def _checkpoint_dir(args: Any, state: Any) -> str:

@@ -18,7 +18,9 @@ every layer's format). The callback
 - keeps the guard's state in Lightning checkpoints (``state_dict``/``load_state_dict``, the
   way Lightning persists callback state under ``checkpoint["callbacks"]``): a resumed fit
   re-applies the demotions already made;
-- writes the amended policy when ``fit`` ends.
+- writes the amended policy when ``fit`` ends;
+- switches a policy's phases at ``global_step`` (the run's length: ``max_steps``, else
+  Lightning's ``estimated_stepping_batches``); a resumed fit starts in its step's phase.
 
 ``precision``: ``"32-true"`` (recommended), ``"bf16-mixed"`` (harmless: Lightning's autocast
 wraps the policy's root region and the innermost region wins, but it adds casts) or
@@ -46,6 +48,8 @@ from autoprec.formats import Format
 from autoprec.policy import Policy, PolicyError, load_policy
 from autoprec.runtime import apply
 from autoprec.runtime.guard import Guard, GuardConfig, get_guard
+from autoprec.runtime.integrations import start_phases
+from autoprec.runtime.phases import PhaseSwitcher
 from autoprec.runtime.rewrite import applied_policy
 
 try:
@@ -89,6 +93,8 @@ class AutoprecCallback(pl.Callback):
         # the model the policy was applied to; global_step when the guard last stepped
         self.target: nn.Module | None = None
         self._last_step: int | None = None
+        # the policy's phases, switched at trainer.global_step (None: no phases)
+        self.phases: PhaseSwitcher | None = None
         # guard state from a checkpoint, kept until the guard exists
         self._pending_state: dict[str, Any] | None = None
         self._wrapped: pl.LightningModule | None = None
@@ -145,6 +151,17 @@ class AutoprecCallback(pl.Callback):
                     f"`{self.module}` (its children: {children}); name the attribute that holds "
                     "the model the policy was made for.") from None
         return _guess_target(pl_module, self.policy)
+
+    # ---------------------------------------------------------------- phases
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else \
+            int(trainer.estimated_stepping_batches)
+        self.phases = start_phases(self, self.target, total, trainer.global_step)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                             batch: Any, batch_idx: int) -> None:
+        if self.phases is not None:
+            self.phases.at(trainer.global_step)
 
     # ---------------------------------------------------------------- the guard
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
