@@ -1,0 +1,905 @@
+"""Re-checks: a policy's layers re-measured on the run's own weights.
+
+A policy is tuned on the weights of one moment (usually step 0); training moves them, and a
+layer that was safe in fp16 or fp8 may not stay so (outputs creeping up towards the format's
+range, outliers that crush a tensorwise FP8 scale), while a layer kept in higher precision may
+have become safe to lower. :func:`recheck` measures, with the first-order estimate (one FP32
+reference pass plus work local to each layer: :mod:`autoprec.measure.estimate`, the profile's
+``mode="fast"``), each layer that computes:
+
+- a layer the policy runs in a low-precision format (anything but fp32), in that format. It is
+  to **demote** (to ``Format.demoted()`` of its format) when on its own it breaks the budget:
+  a non-finite loss or gradient, values beyond the format's range (outputs, inputs or output
+  gradients of its matmuls, unscaled; in training a non-finite step), a relative loss
+  increase above ``budget.max_loss_increase``, or (where the budget has one) a gradient error
+  above ``budget.max_grad_error``;
+- a layer the policy keeps in a higher precision, in each lower format the policy uses for
+  other layers (the candidates). It **may be promoted** to the lowest of them that is *well
+  inside* the budget: finite, nothing beyond the range, ``|loss change|`` and gradient error
+  both below :data:`PROMOTE_SHARE` (half) of the budget's limits. Half, because per-layer
+  errors add up over a policy and the estimate is first order: a layer measured at 0.9 of the
+  budget alone would leave nothing for the others. Promotions are only listed; they change a
+  policy only on the user's word (``amended_policy(promote=True)``, ``--promote``).
+
+Each layer is measured alone against the all-FP32 reference, as the profile measures it, so a
+verdict is about that layer's own error (not the policy's total, which validation judges).
+
+The budget is the one the policy was tuned under (its provenance, ``tuned.budget``), else
+:class:`~autoprec.policy.Budget`'s default.
+
+``autoprec recheck TASK --policy P --checkpoint C -o REPORT.yaml`` runs it on a checkpoint
+(:func:`load_checkpoint`: a ``.safetensors`` file, a torch ``.pt``/``.bin`` state dict or a
+training checkpoint holding one under ``"model"``, an HF checkpoint folder); the functions
+:func:`add_parser` and :func:`run` are its subcommand. In training, :class:`Rechecker` runs it
+every N steps on the current batch and hands the demotions to the runtime guard
+(``Guard.request_demotion``), which applies them at its next ``step()`` on every rank together.
+
+What it costs and what it touches: the model is never modified. :func:`recheck` measures a
+private copy (``copy.deepcopy`` without the guard's hooks, the policy's regions removed);
+a :class:`Rechecker` makes that copy once and, at each re-check, copies the live weights into
+it (one copy of the parameters and buffers, no gradients or optimizer state: about a quarter
+of an AdamW run's state stays allocated). The measurement runs with gradients on, the RNG
+state forked (the run's random stream is as if no re-check ran), and writes no ``.grad``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import logging
+import math
+import os
+import pickle
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoprec._util import brief, device_of, encode_float, move_to, read_json, text_table
+from autoprec.formats import Format
+from autoprec.measure.sensitivity import LayerSensitivity, measure_sensitivity
+from autoprec.policy import Budget, Policy
+from autoprec.runtime import calls, rewrite
+from autoprec.runtime.attribution import CallAttribution
+from autoprec.runtime.guard import get_guard
+from autoprec.runtime.guard.demote import amend
+from autoprec.task import Task, default_loss
+
+__all__ = [
+    "PROMOTE_SHARE",
+    "RecheckRow",
+    "RecheckResult",
+    "recheck",
+    "judge",
+    "load_checkpoint",
+    "read_state_dict",
+    "Rechecker",
+    "add_parser",
+    "run",
+]
+
+logger = logging.getLogger(__name__)
+
+# "Well inside" the budget, where a layer may be promoted: every measured error below this
+# share of the budget's limit (per-layer errors add up over a policy; see the docstring).
+PROMOTE_SHARE = 0.5
+# The verdicts of a row: a low-precision layer keeps its format or is to be demoted; a
+# higher-precision layer measured in a lower format may be promoted to it, or stays.
+VERDICTS = ("keep", "demote", "may promote", "stay")
+# A checkpoint file may be at most this many times the model's weights (AdamW's two moments
+# and the weights make 3x), plus CHECKPOINT_SLACK: anything larger is another model's.
+CHECKPOINT_FACTOR = 5
+CHECKPOINT_SLACK = 64 * 2 ** 20
+# Keys of a training checkpoint that hold the model's state dict, tried in this order.
+STATE_DICT_KEYS = ("model", "state_dict", "model_state_dict", "module")
+# What wrappers put in front of (or inside) parameter names: torch.compile, DDP/DataParallel.
+WRAPPER_COMPONENTS = ("_orig_mod", "module")
+# How many names an error lists before "and N more".
+_SHOWN = 3
+# Rechecker.state_dict: its layout version, and the requests it keeps (the newest).
+_STATE_VERSION = 1
+_MAX_KEPT = 64
+# The module attributes that hold hooks: left out of the private copy (the guard's watches
+# must not see the re-check's passes, nor be copied with the model).
+_HOOK_ATTRS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+               "_backward_pre_hooks")
+
+
+# ------------------------------------------------------------------------------ result
+@dataclass(frozen=True)
+class RecheckRow:
+    """One layer measured in one format."""
+
+    # the module's fqn, as named_modules() spells it
+    fqn: str
+    # the format the policy gives it, and the format it was measured in (the same for a
+    # low-precision layer; a lower candidate for a higher-precision one)
+    format: Format
+    measured: Format
+    # the estimate's relative loss change (signed: positive is a higher loss), whole-model
+    # gradient error, and the layer's output SQNR (dB)
+    loss_change: float
+    grad_error: float
+    sqnr_db: float
+    # share of the rounded values (activations or output gradients, the larger) beyond the
+    # measured format's range; 0 for fp32/bf16, and for fp8 (scaled to its amax)
+    overflow: float
+    finite: bool
+    # one of VERDICTS, and why, in words
+    verdict: str
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"fqn": self.fqn, "format": self.format.value, "measured": self.measured.value,
+                "loss_change": encode_float(self.loss_change),
+                "grad_error": encode_float(self.grad_error),
+                "sqnr_db": encode_float(self.sqnr_db), "overflow": encode_float(self.overflow),
+                "finite": self.finite, "verdict": self.verdict, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class RecheckResult:
+    """What a re-check found; :attr:`demote` and :attr:`promote` are its decisions."""
+
+    # the policy re-checked and the budget it was judged against
+    policy: Policy
+    budget: Budget
+    rows: tuple[RecheckRow, ...]
+    # every module that computes (the demotion's amendment pins their formats)
+    layers: tuple[str, ...]
+    n_batches: int
+    seconds: float
+    # the training step it ran at (Rechecker), else None
+    step: int | None = None
+    # where the weights came from (the CLI's checkpoint), for the report
+    source: str | None = None
+
+    @property
+    def demote(self) -> dict[str, Format]:
+        """fqn -> the format to demote it to (one step safer than the policy's)."""
+        return {r.fqn: r.format.demoted() for r in self.rows if r.verdict == "demote"}
+
+    @property
+    def promote(self) -> dict[str, Format]:
+        """fqn -> the lowest-precision candidate well inside the budget (only listed)."""
+        best: dict[str, Format] = {}
+        for r in self.rows:
+            if r.verdict == "may promote" and (
+                    r.fqn not in best or r.measured.numerics.precision_rank
+                    > best[r.fqn].numerics.precision_rank):
+                best[r.fqn] = r.measured
+        return best
+
+    def reason(self, fqn: str) -> str:
+        """Why ``fqn`` is to be demoted (or may be promoted), as the report says it."""
+        target = self.demote.get(fqn) or self.promote.get(fqn)
+        for r in self.rows:
+            if r.fqn == fqn and (r.verdict == "demote" or r.measured is target):
+                return r.reason
+        raise KeyError(f"{fqn} is neither to demote nor to promote in this re-check.")
+
+    def amended_policy(self, *, promote: bool = False) -> Policy:
+        """The policy with the demotions written in (and the promotions, with ``promote``),
+        each changing only that layer's own computation, and the re-check in its
+        provenance (``tuned.recheck``)."""
+        changes = dict(self.demote)
+        if promote:
+            changes.update(self.promote)
+        updates: dict[str, Format] = {}
+        for fqn, fmt in changes.items():
+            updates.update(amend(self.policy, fqn, fmt, self.layers))
+        tuned = dict(self.policy.tuned or {})
+        tuned["recheck"] = {"demoted": {f: v.value for f, v in self.demote.items()},
+                            "promoted": {f: v.value for f, v in self.promote.items()}
+                            if promote else {},
+                            "listed_promotions": {f: v.value for f, v in self.promote.items()},
+                            "step": self.step, "source": self.source}
+        return self.policy.with_layers(updates, tuned=tuned)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (the CLI's YAML report); non-finite numbers as "inf"/"nan" strings."""
+        return {"autoprec_recheck": 1, "source": self.source, "policy": self.policy.source,
+                "step": self.step, "budget": self.budget.to_dict(),
+                "promote_share": PROMOTE_SHARE, "n_batches": self.n_batches,
+                "seconds": round(self.seconds, 3),
+                "demote": {f: v.value for f, v in self.demote.items()},
+                "promote": {f: v.value for f, v in self.promote.items()},
+                "rows": [r.to_dict() for r in self.rows]}
+
+    def format(self) -> str:
+        """A text table of every row, then the decisions, for the CLI."""
+        rows = [[r.fqn, r.format.label, r.measured.label, _pct(r.loss_change),
+                 _num(r.grad_error, ".3f"), _num(r.sqnr_db, ".1f"), _pct(r.overflow, ".2f"),
+                 r.verdict] for r in self.rows]
+        lines = [text_table(["layer", "policy", "measured", "loss change", "grad error",
+                             "SQNR dB", "overflow", "verdict"], rows, right=(3, 4, 5, 6))]
+        b = self.budget
+        grad = "no limit" if b.max_grad_error is None else f"{b.max_grad_error:g}"
+        lines.append(f"\nbudget: loss change {b.max_loss_increase:.2%}, gradient error {grad}; "
+                     f"'may promote' below {PROMOTE_SHARE:g}x of each; {self.n_batches} "
+                     f"batch(es), {self.seconds:.1f} s")
+        for fqn, fmt in self.demote.items():
+            lines.append(f"demote {fqn}: {self.policy.format_for(fqn)} -> {fmt} "
+                         f"({self.reason(fqn)})")
+        for fqn, fmt in self.promote.items():
+            lines.append(f"may promote {fqn}: {self.policy.format_for(fqn)} -> {fmt} "
+                         f"({self.reason(fqn)}; applied only on request)")
+        if not self.demote and not self.promote:
+            lines.append("nothing to demote or promote")
+        return "\n".join(lines)
+
+
+def _num(value: float, spec: str) -> str:
+    return format(value, spec) if math.isfinite(value) else str(value)
+
+
+def _pct(value: float, spec: str = "+.3f") -> str:
+    return f"{format(100 * value, spec)}%" if math.isfinite(value) else str(value)
+
+
+# ------------------------------------------------------------------------------ verdicts
+def judge(sens: LayerSensitivity, budget: Budget, *, candidate: bool) -> tuple[str, str]:
+    """The verdict on one measurement and why: for the policy's own format (``candidate``
+    False) "demote" or "keep"; for a lower candidate format "may promote" or "stay". A pure
+    function of the numbers (see the module docstring for the rule)."""
+    fmt = sens.format
+    over = max(sens.act_overflow or 0.0, sens.grad_overflow or 0.0)
+    loss, grad = sens.loss_rel_change, sens.grad_rel_error
+    limit_grad = budget.max_grad_error
+    finite = sens.finite and math.isfinite(loss) and math.isfinite(grad)
+    problem = None if finite else f"non-finite loss, gradients or outputs in {fmt}"
+    if over > 0.0:  # the cause, where values went beyond the range: say it first
+        which = "activations" if (sens.act_overflow or 0.0) >= over else "output gradients"
+        problem = (f"{over:.2%} of its {which} beyond {fmt}'s range "
+                   f"({fmt.max_value:g}, before loss scaling)"
+                   + ("" if finite else ": its loss and gradients are not finite"))
+    if not candidate:
+        if problem is None and loss > budget.max_loss_increase:
+            problem = (f"loss change {loss:+.2%} in {fmt} alone exceeds the budget's "
+                       f"{budget.max_loss_increase:.2%}")
+        elif problem is None and limit_grad is not None and grad > limit_grad:
+            problem = (f"gradient error {grad:.3f} in {fmt} alone exceeds the budget's "
+                       f"{limit_grad:g}")
+        if problem is not None:
+            return "demote", problem
+        return "keep", f"within the budget in {fmt} (loss change {loss:+.2%}, gradient error {grad:.3f})"
+    share = PROMOTE_SHARE
+    if problem is None and abs(loss) >= share * budget.max_loss_increase:
+        problem = f"|loss change| {abs(loss):.2%} in {fmt} is not below {share:g}x the budget"
+    elif problem is None and limit_grad is not None and grad >= share * limit_grad:
+        problem = f"gradient error {grad:.3f} in {fmt} is not below {share:g}x the budget"
+    if problem is not None:
+        return "stay", problem
+    return "may promote", (f"well inside the budget in {fmt} (loss change {loss:+.2%}, "
+                           f"gradient error {grad:.3f})")
+
+
+def _row(fqn: str, fmt: Format, sens: LayerSensitivity, budget: Budget) -> RecheckRow:
+    verdict, reason = judge(sens, budget, candidate=sens.format is not fmt)
+    over = max(sens.act_overflow or 0.0, sens.grad_overflow or 0.0)
+    return RecheckRow(fqn=fqn, format=fmt, measured=sens.format,
+                      loss_change=sens.loss_rel_change, grad_error=sens.grad_rel_error,
+                      sqnr_db=sens.output_sqnr_db, overflow=over, finite=sens.finite,
+                      verdict=verdict, reason=reason)
+
+
+# ------------------------------------------------------------------------------ measuring
+def recheck(model: nn.Module, policy: Policy, batches: Sequence[Any], *,
+            budget: Budget | None = None,
+            loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+            formats: Sequence[Format | str] | None = None,
+            progress: Callable[[int, int, str], None] | None = None) -> RecheckResult:
+    """Re-measure ``policy``'s layers on ``model``'s current weights with the first-order
+    estimate, on ``batches``; see the module docstring for what is measured and judged.
+
+    ``model``: the module (a policy may be applied, a guard attached, torch.compile or DDP
+    around it); it is not modified (a private copy is measured). ``budget``: default the
+    policy's tuned budget, else ``Budget()``. ``loss_fn(model, batch)``: default the output's
+    ``.loss``. ``formats``: the lower formats higher-precision layers are measured in (default
+    the low-precision formats the policy gives the model's computing layers).
+    ``progress(done, total, label)`` as :func:`~autoprec.measure.measure_sensitivity`'s."""
+    return _recheck_copy(_private_copy(model), policy, list(batches), budget=budget,
+                         loss_fn=loss_fn, formats=formats, progress=progress)
+
+
+def _recheck_copy(private: nn.Module, policy: Policy, batches: list, *, budget=None,
+                  loss_fn=None, formats=None, progress=None, layers=None) -> RecheckResult:
+    """:func:`recheck` on a model the caller owns (measured in place; its hooks, dropout and
+    regions may be changed). ``layers``: its computing modules, if already known."""
+    t0 = time.perf_counter()
+    if not batches:
+        raise ValueError("recheck needs at least one batch to measure on; got none.")
+    device = device_of(private)
+    batches = [move_to(b, device) for b in batches]
+    budget = budget or policy.provenance.budget or Budget()
+    layers = list(layers) if layers is not None else computing_layers(
+        private, batches[0], loss_fn or default_loss)
+    plan = _plan(policy, layers, formats)
+    rows: list[RecheckRow] = []
+    if any(plan.values()):
+        # a factory handing over the private copy: measure_sensitivity would deep-copy a
+        # module (a second copy of the weights, each re-check); this one is ours to change
+        task = Task(model=lambda: private, batches=batches, loss_fn=loss_fn, device=device,
+                    name="recheck")
+        fmts = list(dict.fromkeys(f for fs in plan.values() for f in fs))
+        with _isolated(device):
+            found = measure_sensitivity(task, layers, fmts, batches=batches, mode="fast",
+                                        only={n: fs for n, fs in plan.items()}, budget=budget,
+                                        progress=progress)
+        for fqn in layers:
+            for fmt in plan[fqn]:
+                rows.append(_row(fqn, policy.format_for(fqn), found[fqn][fmt], budget))
+    return RecheckResult(policy=policy, budget=budget, rows=tuple(rows), layers=tuple(layers),
+                         n_batches=len(batches), seconds=time.perf_counter() - t0)
+
+
+def _plan(policy: Policy, layers: Sequence[str],
+          formats: Sequence[Format | str] | None) -> dict[str, list[Format]]:
+    """Per computing layer, the formats to measure it in: its own when low-precision, then
+    the lower candidates, lowest precision last."""
+    if formats is None:
+        lower = {policy.format_for(n) for n in layers}
+    else:
+        lower = {Format.parse(f, where="in recheck(formats=...)", fp8_recipe=policy.fp8_recipe)
+                 for f in formats}
+    lower = sorted((f for f in lower if f.numerics.precision_rank > 0),
+                   key=lambda f: (f.numerics.precision_rank, f.value))
+    plan = {}
+    for fqn in layers:
+        own = policy.format_for(fqn)
+        rank = own.numerics.precision_rank
+        plan[fqn] = ([own] if rank > 0 else []) + [
+            f for f in lower if f.numerics.precision_rank > rank]
+    return plan
+
+
+@contextlib.contextmanager
+def _isolated(device: torch.device):
+    """Run a measurement with no effect the training run could see: the RNG state of the CPU
+    (and the model's CUDA device) forked, gradients enabled whatever the caller had."""
+    cuda = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda), torch.enable_grad():
+        yield
+
+
+def _private_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` to measure: the module under torch.compile/DDP, deep-copied without
+    any module's hooks (the guard's watches, others' probes) nor the guard, and with the
+    policy's regions removed. Parameters copy their values only (no ``.grad``, no hooks)."""
+    live = rewrite.unwrap(model)
+    memo: dict[int, Any] = {}
+    for m in live.modules():
+        for attr in _HOOK_ATTRS:
+            hooks = m.__dict__.get(attr)
+            if hooks:
+                memo[id(hooks)] = type(hooks)()
+    guard = get_guard(live)
+    keys = [k for k, v in live.__dict__.items() if guard is not None and v is guard]
+    if guard is not None:
+        memo[id(guard)] = None
+    private = copy.deepcopy(live, memo)
+    for k in keys:
+        private.__dict__.pop(k, None)
+    rewrite.remove(private)
+    return private
+
+
+def _copy_weights(live: nn.Module, private: nn.Module) -> None:
+    """Copy ``live``'s current parameters and buffers into ``private`` (same names)."""
+    mine = dict(private.named_parameters())
+    mine.update(private.named_buffers())
+    with torch.no_grad():
+        for name, t in [*live.named_parameters(), *live.named_buffers()]:
+            target = mine.get(name)
+            if target is None:
+                raise RuntimeError(f"The model gained `{name}` since the re-check copied it; "
+                                   "make a new Rechecker after changing the model's modules.")
+            if type(t.data) is not torch.Tensor and type(t.data).__name__ == "DTensor":
+                raise NotImplementedError(
+                    f"`{name}` is sharded (FSDP2 DTensor); the re-check measures a whole "
+                    "model on one rank and cannot gather it yet: run it on a checkpoint with "
+                    "`autoprec recheck` instead.")
+            target.copy_(t.detach())
+
+
+class _CallFinder(CallAttribution):
+    """Which module's own forward makes which registered call (one forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: dict[str, set[str]] = {}
+
+    def attribute(self, call, func, args, kwargs):
+        self.calls.setdefault(self.owner(), set()).add(call.name)
+        return func(*args, **kwargs)
+
+
+def computing_layers(model: nn.Module, batch: Any,
+                     loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> list[str]:
+    """The fqns of ``model``'s modules that compute (``calls.layer_kind``: by class, or by the
+    matmul-like calls their own forward runs, found by one no-grad forward on ``batch``), in
+    ``named_modules()`` order: the rule the guard and capture use."""
+    modules = dict(model.named_modules())
+    finder = _CallFinder()
+    handles = finder.track(modules.items())
+    try:
+        with _isolated(device_of(model)), torch.no_grad(), finder:
+            loss_fn(model, batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return [fqn for fqn, m in modules.items() if fqn and calls.layer_kind(
+        m, finder.calls.get(fqn, ())) in calls.COMPUTING_KINDS]
+
+
+# ------------------------------------------------------------------------------ checkpoints
+def load_checkpoint(model: nn.Module, path: str | os.PathLike) -> None:
+    """Load the weights of the checkpoint at ``path`` into ``model`` in place (cast to its
+    dtypes): a ``.safetensors`` file, a torch state dict (``.pt``, ``.bin``, ...), a training
+    checkpoint holding one under one of :data:`STATE_DICT_KEYS`, or an HF checkpoint folder.
+    Names carrying torch.compile's ``_orig_mod.`` or DDP's ``module.`` are matched without
+    them; a tied weight (GPT-2's ``lm_head.weight``) may be left out. The file is untrusted:
+    at most :data:`CHECKPOINT_FACTOR` times the model's weights (plus
+    :data:`CHECKPOINT_SLACK`), read without unpickling code. Anything that does not fit the
+    model (missing tensors, others' names, other shapes) is a one-line ValueError naming the
+    file and the first few tensors."""
+    path = os.fspath(path)
+    expected = model.state_dict()
+    limit = CHECKPOINT_FACTOR * _state_bytes(expected) + CHECKPOINT_SLACK
+    state = _match_names(read_state_dict(path, max_bytes=limit), expected, path)
+    _check_fit(state, expected, path, type(model).__name__)
+    model.load_state_dict(state, strict=False)
+
+
+def read_state_dict(path: str | os.PathLike, *, max_bytes: int) -> dict[str, torch.Tensor]:
+    """The tensors of the checkpoint at ``path`` (a file or an HF folder, see
+    :func:`load_checkpoint`), on the CPU; files larger than ``max_bytes`` in all are refused
+    before they are read."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"Checkpoint {path} does not exist; give a .safetensors or "
+                                ".pt/.bin file, or an HF checkpoint folder.")
+    files = _folder_files(path) if os.path.isdir(path) else [path]
+    size = sum(os.path.getsize(f) for f in files)
+    if size > max_bytes:
+        raise ValueError(f"Checkpoint {path} is {size / 2 ** 20:.1f} MiB, more than the "
+                         f"{max_bytes / 2 ** 20:.1f} MiB a checkpoint of this model may be "
+                         f"({CHECKPOINT_FACTOR}x its weights, plus "
+                         f"{CHECKPOINT_SLACK // 2 ** 20} MiB): is it another model's?")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        part = _read_file(f)
+        twice = [k for k in part if k in state]
+        if twice:
+            raise ValueError(f"Checkpoint {path}: {_first(twice)} appear in two of its shards; "
+                             "each tensor must be in one.")
+        state.update(part)
+    return state
+
+
+def _folder_files(folder: str) -> list[str]:
+    """The weight files of an HF checkpoint folder: one file, or the shards its index names."""
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        if os.path.isfile(os.path.join(folder, name)):
+            return [os.path.join(folder, name)]
+    for name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = os.path.join(folder, name)
+        if os.path.isfile(index):
+            return _shards(folder, index)
+    raise FileNotFoundError(f"Checkpoint folder {folder} holds none of model.safetensors, "
+                            "pytorch_model.bin or their .index.json; give the folder an HF "
+                            "model's save_pretrained() wrote, or a weight file.")
+
+
+def _shards(folder: str, index: str) -> list[str]:
+    data = read_json(index, "checkpoint index", max_bytes=CHECKPOINT_SLACK)
+    weight_map = data.get("weight_map") if isinstance(data, Mapping) else None
+    if not isinstance(weight_map, Mapping) or not weight_map:
+        raise ValueError(f"{index} has no `weight_map` (tensor name -> shard file); it is not "
+                         "an HF checkpoint index.")
+    shards = []
+    for name in dict.fromkeys(weight_map.values()):
+        # a shard is a file of this folder: no path may lead out of it
+        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+            raise ValueError(f"{index} names the shard {brief(name)}; a shard must be a plain "
+                             "file name inside the checkpoint folder.")
+        shard = os.path.join(folder, name)
+        if not os.path.isfile(shard):
+            raise FileNotFoundError(f"{index} names the shard {name}, which is not in {folder}.")
+        shards.append(shard)
+    return shards
+
+
+def _read_file(path: str) -> dict[str, torch.Tensor]:
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(path, device="cpu")
+        except Exception as e:  # the file is untrusted: whatever fails is its fault
+            raise ValueError(f"{path} is not a readable safetensors file ({_first_line(e)}).") from None
+    try:
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            obj = torch.load(path, map_location="cpu", weights_only=True)  # a legacy file
+    except pickle.UnpicklingError as e:
+        said = _unpickler_says(e)
+        if "global" not in said.lower() and "class" not in said.lower():
+            raise ValueError(f"{path} is not a checkpoint torch.load can read (its weights-only "
+                             f"unpickler: {said}); give a .safetensors file or what torch.save "
+                             "wrote.") from None
+        raise ValueError(f"{path} holds Python objects other than tensors and plain containers, "
+                         "which a checkpoint read as untrusted may not (torch.load(weights_only="
+                         f"True) refused: {said}); save the weights alone, e.g. "
+                         "torch.save(model.state_dict(), path).") from None
+    except Exception as e:
+        raise ValueError(f"{path} is not a checkpoint torch.load can read ({_first_line(e)}); "
+                         "give a .safetensors file or what torch.save wrote.") from None
+    return _state_dict_of(obj, path)
+
+
+def _state_dict_of(obj: Any, path: str) -> dict[str, torch.Tensor]:
+    """The state dict in what a torch file held: itself, or a training checkpoint's entry."""
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"{path} holds a {type(obj).__name__}, not a state dict (parameter "
+                         "names -> tensors); save model.state_dict().")
+    where, state = path, obj
+    for key in STATE_DICT_KEYS:
+        if isinstance(obj.get(key), Mapping):
+            where, state = f"{path}[{key!r}]", obj[key]
+            break
+    bad = [str(k) for k, v in state.items() if not isinstance(k, str)
+           or not isinstance(v, torch.Tensor)]
+    if bad or not state:
+        keys = ", ".join(map(str, list(obj)[:6])) or "nothing"
+        found = (f"its entries {_first(bad)} are not named tensors" if bad and len(bad) < len(state)
+                 else f"it holds {keys}")
+        raise ValueError(f"{where} is not a state dict: {found}. Expected parameter names -> "
+                         f"tensors, or a training checkpoint with them under one of "
+                         f"{', '.join(map(repr, STATE_DICT_KEYS))}.")
+    return dict(state)
+
+
+def _strip_wrappers(name: str) -> str:
+    """``name`` without torch.compile's ``_orig_mod`` components (anywhere: a compiled block
+    adds one inside) and leading DDP/DataParallel ``module`` ones."""
+    parts = [p for p in name.split(".") if p != "_orig_mod"]
+    while parts and parts[0] in WRAPPER_COMPONENTS:
+        parts.pop(0)
+    return ".".join(parts)
+
+
+def _match_names(state: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
+                 path: str) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
+    for key, value in state.items():
+        name = key if key in expected else _strip_wrappers(key)
+        if name in out:
+            raise ValueError(f"Checkpoint {path} holds both `{origin[name]}` and `{key}`, which "
+                             f"name the same tensor `{name}` once wrapper prefixes (_orig_mod., "
+                             "module.) are removed; keep one.")
+        out[name], origin[name] = value, key
+    return out
+
+
+def _check_fit(state: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
+               path: str, model_name: str) -> None:
+    aliases: dict[tuple, list[str]] = {}
+    for key, t in expected.items():
+        aliases.setdefault(_storage_key(t), []).append(key)
+    missing = [k for k, t in expected.items()
+               if not any(a in state for a in aliases[_storage_key(t)])]
+    unexpected = [k for k in state if k not in expected]
+    wrong = [f"{k}: checkpoint {list(v.shape)} {v.dtype}, model {list(expected[k].shape)} "
+             f"{expected[k].dtype}" for k, v in state.items() if k in expected and (
+                 v.shape != expected[k].shape
+                 or v.is_floating_point() != expected[k].is_floating_point())]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} of the model's tensors are missing ({_first(missing)})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} are not the model's ({_first(unexpected)})")
+    if wrong:
+        problems.append(f"{len(wrong)} have another shape or kind ({_first(wrong)})")
+    if problems:
+        raise ValueError(f"Checkpoint {path} does not fit the task's {model_name}: "
+                         f"{'; '.join(problems)}. Give a checkpoint of this task's model (the "
+                         "same layers and sizes).")
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    """Tensors with the same key are one tensor under two names (tied weights)."""
+    if t.device.type == "meta":
+        return (id(t),)
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+
+
+def _state_bytes(state: Mapping[str, torch.Tensor]) -> int:
+    seen = {_storage_key(t): t.numel() * t.element_size() for t in state.values()}
+    return sum(seen.values())
+
+
+def _first(names: Sequence[str]) -> str:
+    shown = ", ".join(f"`{n}`" if " " not in n else n for n in names[:_SHOWN])
+    return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
+
+
+def _first_line(e: BaseException) -> str:
+    text = " ".join((str(e).strip().splitlines() or [type(e).__name__])[0].split())
+    return text[:200]
+
+
+def _unpickler_says(e: BaseException) -> str:
+    """What the weights-only unpickler refused (its own paragraph, not torch's advice around
+    it to load the file unsafely)."""
+    paragraphs = [" ".join(p.split()) for p in str(e).split("\n\n") if p.strip()]
+    said = [p for p in paragraphs
+            if not p.startswith(("Weights only load failed", "Check the documentation"))]
+    return (" ".join(said) or _first_line(e))[:200]
+
+
+# ------------------------------------------------------------------------------ in training
+class Rechecker:
+    """Re-checks a guarded model every ``every`` steps of training on the batch at hand, and
+    asks the runtime guard to demote what it finds (applied at the guard's next ``step()``,
+    on every rank together: a layer any rank asks for is demoted on all)::
+
+        model, scaler, guard = training_kit(model, policy, guard=True)
+        rechecker = Rechecker(policy, every=200)
+        for step, batch in enumerate(batches, start=1):
+            ...forward, backward, optimizer step...
+            rechecker.maybe(model, batch, step)     # before guard.step(): applied there
+            guard.step()
+
+    ``policy``: the policy applied (the guard's policy in force, demotions and phase switches
+    included, is what is re-checked); ``budget``: default the policy's tuned budget, else
+    ``Budget()``; ``loss_fn(model, batch)``: default the output's ``.loss``. Promotions are
+    logged at INFO, never applied. Under torch.distributed each rank re-checks its own batch
+    (every rank must call :meth:`maybe` with the same steps); FSDP-sharded parameters are not
+    supported (re-check a checkpoint with ``autoprec recheck``).
+
+    The model and the training run see nothing of it: a private copy of the model (made on
+    the first re-check, then refreshed with the live weights each time) is measured, with the
+    RNG state forked."""
+
+    def __init__(self, policy: Policy, *, every: int, budget: Budget | None = None,
+                 loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None):
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"Rechecker(every=...) is the number of steps between re-checks, "
+                             f"an integer >= 1; got {every!r}.")
+        if not isinstance(policy, Policy):
+            raise TypeError(f"Rechecker(policy=...) needs a Policy (autoprec.load_policy(path)), "
+                            f"got {type(policy).__name__}.")
+        self.policy, self.every, self.loss_fn = policy, every, loss_fn
+        self.budget = budget or policy.provenance.budget or Budget()
+        # re-checks run, the step of the last one, and the demotions asked for (newest last)
+        self.runs = 0
+        self.last_step: int | None = None
+        self.requested: list[dict[str, Any]] = []
+        self._live: nn.Module | None = None
+        self._private: nn.Module | None = None
+        self._layers: list[str] | None = None
+
+    def maybe(self, model: nn.Module, batch: Any, step: int) -> RecheckResult | None:
+        """Re-check at every step that is a positive multiple of ``every``; else None."""
+        if step <= 0 or step % self.every:
+            return None
+        return self.check(model, batch, step)
+
+    def check(self, model: nn.Module, batch: Any, step: int) -> RecheckResult:
+        """Re-check now on ``batch``; request each demotion from the model's guard."""
+        guard = get_guard(model)
+        if guard is None:
+            raise RuntimeError("Rechecker needs the runtime guard to apply its demotions: apply "
+                               "the policy with autoprec.apply(model, policy, guard=True) (or "
+                               "training_kit(..., guard=True)).")
+        private = self._refresh(model)
+        if self._layers is None:
+            self._layers = computing_layers(private, move_to(batch, device_of(private)),
+                                            self.loss_fn or default_loss)
+        policy = guard.policy or self.policy
+        result = _recheck_copy(private, policy, [batch], budget=self.budget,
+                               loss_fn=self.loss_fn, layers=self._layers)
+        result = dataclasses.replace(result, step=step)
+        for fqn, fmt in result.demote.items():
+            reason = f"re-check at step {step}: {result.reason(fqn)}"
+            guard.request_demotion(fqn, reason, where="recheck")
+            self.requested = [*self.requested, {"step": step, "fqn": fqn, "to": fmt.value,
+                                                "reason": reason}][-_MAX_KEPT:]
+            logger.info("autoprec recheck: step %d: asked the guard to demote %s to %s (%s)",
+                        step, fqn, fmt, result.reason(fqn))
+        for fqn, fmt in result.promote.items():
+            logger.info("autoprec recheck: step %d: %s could be promoted from %s to %s (%s); "
+                        "not applied: write it into the policy yourself if you want it",
+                        step, fqn, policy.format_for(fqn), fmt, result.reason(fqn))
+        self.runs, self.last_step = self.runs + 1, step
+        return result
+
+    def _refresh(self, model: nn.Module) -> nn.Module:
+        """The private copy, holding ``model``'s current weights."""
+        live = rewrite.unwrap(model)
+        if self._private is None or self._live is not live:
+            self._private, self._live, self._layers = _private_copy(model), live, None
+        else:
+            _copy_weights(live, self._private)
+        return self._private
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data (``torch.load(weights_only=True)``- and JSON-safe): the re-checks run and
+        the demotions asked for. The demotions themselves are the guard's state."""
+        return {"version": _STATE_VERSION, "every": self.every, "runs": self.runs,
+                "last_step": self.last_step, "requested": [dict(r) for r in self.requested]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take up :meth:`state_dict`'s output; a state of another layout is a ValueError."""
+        ok = (isinstance(state, Mapping) and state.get("version") == _STATE_VERSION
+              and _is_int(state.get("runs")) and state["runs"] >= 0
+              and (state.get("last_step") is None or _is_int(state["last_step"]))
+              and isinstance(state.get("requested"), list)
+              and all(isinstance(r, Mapping) and _is_int(r.get("step"))
+                      and all(isinstance(r.get(k), str) for k in ("fqn", "to", "reason"))
+                      for r in state["requested"]))
+        if not ok:
+            raise ValueError(f"Rechecker.load_state_dict: expected what state_dict() returns "
+                             f"(version {_STATE_VERSION}: runs, last_step, requested), got "
+                             f"{brief(state)}.")
+        self.runs, self.last_step = state["runs"], state["last_step"]
+        self.requested = [dict(r) for r in state["requested"]][-_MAX_KEPT:]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# ------------------------------------------------------------------------------ the command
+def _typed(cast: Callable[[str], Any], ok: Callable[[Any], bool], rule: str):
+    """An argparse type: ``cast`` the text and check it (``rule`` says what ``ok`` wants)."""
+    import argparse
+
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text!r}")
+        return value
+    return parse
+
+
+def add_parser(subparsers: Any) -> None:
+    """Add ``autoprec recheck`` to the CLI's subcommands (``run`` is its function)."""
+    count = _typed(int, lambda v: v >= 1, "an integer >= 1")
+    limit = _typed(float, lambda v: 0 <= v < math.inf, "a finite number >= 0")
+    p = subparsers.add_parser(
+        "recheck", help="re-measure a policy's layers on a checkpoint's weights: what to "
+                        "demote, what might be promoted (exit 0 nothing to demote, 1 some, "
+                        "2 error)")
+    p.add_argument("task", help="path/file.py:function or package.module:function: the model "
+                                "the checkpoint is of, and the batches to measure on")
+    p.add_argument("--policy", required=True, help="the policy YAML to re-check")
+    p.add_argument("--checkpoint", required=True,
+                   help="the weights: .safetensors, a torch .pt/.bin state dict (or a training "
+                        "checkpoint with it under 'model'), or an HF checkpoint folder")
+    p.add_argument("-o", "--out", required=True, help="write the report (YAML) here")
+    p.add_argument("--amended", default=None, metavar="POLICY_OUT",
+                   help="also write the policy with the demotions written in")
+    p.add_argument("--promote", action="store_true",
+                   help="write the layers that may be promoted into --amended too")
+    p.add_argument("--batches", type=count, default=2,
+                   help="the task's calibration batches to measure on (default 2)")
+    p.add_argument("--max-loss-increase", type=limit, default=None,
+                   help="the budget's relative loss change (default: the policy's tuned one)")
+    p.add_argument("--max-grad-error", type=limit, default=None,
+                   help="the budget's gradient error (default: the policy's tuned one)")
+    p.set_defaults(fn=run)
+
+
+def _task_path(spec: str) -> str | None:
+    """The file a task spec names, found without running it (None: not found here; loading
+    the task reports that)."""
+    import importlib.util
+
+    target, sep, _ = str(spec).rpartition(":")
+    if not sep or not target:
+        return None
+    if target.endswith(".py") or "/" in target or os.sep in target:
+        return target if os.path.isfile(target) else None
+    try:
+        found = importlib.util.find_spec(target)
+    except (ImportError, ValueError):
+        return None
+    return found.origin if found is not None and found.origin and os.path.isfile(found.origin) \
+        else None
+
+
+def _same_file(a: str, b: str) -> bool:
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:  # hard links
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _check_files(args: Any) -> None:
+    """No output is an input (or the other output), and each can be written: before any
+    work, each refusal one line."""
+    from autoprec._util import unwritable_folder
+
+    if args.promote and not args.amended:
+        raise ValueError("--promote writes the promotions into the amended policy; give "
+                         "--amended PATH too.")
+    ckpt = args.checkpoint
+    inputs = [(args.policy, f"the policy {args.policy}"), (_task_path(args.task), "the task file"),
+              *((os.path.join(ckpt, n), f"a file of the checkpoint {ckpt}")
+                for n in (sorted(os.listdir(ckpt)) if os.path.isdir(ckpt) else [])),
+              (ckpt, f"the checkpoint {ckpt}")]
+    outputs = [(o, f"{flag} {o}") for flag, o in (("-o", args.out), ("--amended", args.amended))
+               if o]
+    if len(outputs) == 2 and _same_file(outputs[0][0], outputs[1][0]):
+        raise ValueError(f"-o and --amended are both {args.out}: the report and the policy need "
+                         "two files. Choose another path.")
+    for out, what in outputs:
+        for path, role in inputs:
+            if path and os.path.exists(path) and _same_file(out, path):
+                raise ValueError(f"{what} is {role}: writing it would destroy an input of "
+                                 "this command. Choose another path.")
+        problem = unwritable_folder(out)
+        if os.path.isdir(out) or problem is not None:
+            why = "is a directory" if os.path.isdir(out) else f"cannot be written ({problem[0]} " \
+                f"is {'a file' if problem[1] == 'file' else 'not writable'})"
+            raise ValueError(f"{what} {why}. Choose another path.")
+
+
+def _budget(args: Any, policy: Policy) -> Budget:
+    tuned = policy.provenance.budget or Budget()
+    loss = tuned.max_loss_increase if args.max_loss_increase is None else args.max_loss_increase
+    grad = tuned.max_grad_error if args.max_grad_error is None else args.max_grad_error
+    return Budget(loss, grad)
+
+
+def run(args: Any) -> int:
+    """``autoprec recheck``: 0 when nothing is to be demoted, 1 when something is."""
+    import sys
+
+    import yaml
+
+    from autoprec._util import ProgressBar, atomic_write, log
+    from autoprec.policy import load_policy
+    from autoprec.task import load_task
+
+    _check_files(args)
+    policy = load_policy(args.policy)
+    # as the other commands: no hub download, and task files beside the working directory
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    task = load_task(args.task)
+    model = task.build_model()
+    log(f"recheck: loading {args.checkpoint} into {type(model).__name__} ({task.name})")
+    load_checkpoint(model, args.checkpoint)
+    policy.check_model(model)
+    batches = list(task.batches[:args.batches])
+    if len(batches) < args.batches:
+        log(f"recheck: the task has {len(batches)} calibration batch(es); measuring on those")
+    result = _recheck_copy(model, policy, batches, budget=_budget(args, policy),
+                           loss_fn=task.loss_fn, progress=ProgressBar("recheck"))
+    result = dataclasses.replace(result, source=os.fspath(args.checkpoint))
+    print(result.format())
+    atomic_write(args.out, yaml.safe_dump(result.to_dict(), sort_keys=False, width=100))
+    written = [args.out]
+    if args.amended:
+        result.amended_policy(promote=args.promote).save(args.amended)
+        written.append(args.amended)
+    print("wrote " + ", ".join(written))
+    return 1 if result.demote else 0
