@@ -8,6 +8,10 @@ under the runtime guard.
 fp16 and, at STEP, multiplies its weight by 2e6 (the weight itself still fits FP16, its outputs
 do not). Without ``--guard`` the loss turns NaN for good; with it the layer is demoted to fp32
 after two failing steps and training goes on.
+
+A policy with phases switches at its steps (the run's length is ``--steps``)::
+
+    python examples/train_plain.py --policy policies/gpt2_bytes.phased.yaml --steps 40
 """
 
 from __future__ import annotations
@@ -45,10 +49,14 @@ def train(model, policy, batches, *, steps: int, lr: float = 1e-3, guard=None,
     ``autoprec.apply``. ``plant_at``: step at which :func:`plant_overflow` runs.
     """
     model.train()
-    model, scaler, guard = training_kit(model, policy, guard=guard)
+    kit = training_kit(model, policy, guard=guard, total_steps=steps)
+    model, scaler, guard = kit
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses, times = [], []
     for step in range(steps):
+        if kit.phases is not None and kit.phases.at(step) is not None:
+            print(f"step {step:4d}  phase {kit.phases.current} in force: "
+                  f"{policy.phases[kit.phases.current - 1].describe()}", flush=True)
         if step == plant_at:
             plant_overflow(model)
         batch = batches[step % len(batches)]

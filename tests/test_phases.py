@@ -405,3 +405,18 @@ def test_a_final_phase_maps_every_format_below_its_own():
     assert Policy(default="fp32").with_final_phase(0.9) == Policy(default="fp32")
     with pytest.raises(PolicyError, match="switches to one of bf16, fp16, fp32"):
         policy.with_final_phase(0.9, "fp8")
+
+
+def test_the_shipped_phased_example_trains_through_its_decay_phase(capsys):
+    import os
+
+    from examples import train_plain
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "policies", "gpt2_bytes.phased.yaml")
+    policy = load_policy(path)
+    out = train_plain.train(_model("gpt2"), policy, byte_batches(2, 4, 32, seed=0), steps=10,
+                            guard=True)
+    assert "step    9  phase 1 in force: from 90% of the run (decay)" in capsys.readouterr().out
+    assert all(x == x for x in out["losses"])
+    assert autoprec.applied_formats(out["guard"].model)[MLP] is Format.BF16
