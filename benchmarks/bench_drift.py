@@ -24,6 +24,7 @@ Per format it prints:
 estimate ranks against the exact numbers at each step. ``--out`` saves every raw row as JSON.
 
     python benchmarks/bench_drift.py [--steps 200,1000] [--mode exact] [--planted] [--out F]
+    python benchmarks/bench_drift.py --report F      # the tables of a saved run again
 """
 
 from __future__ import annotations
@@ -42,10 +43,14 @@ import torch
 from _common import device_line
 from scipy.stats import rankdata, spearmanr
 
-from autoprec._util import encode_float, write_json
+from autoprec._util import decode_float, encode_float, read_json, write_json
 from autoprec.formats import Format
 from autoprec.measure.capture import capture
-from autoprec.measure.sensitivity import SENSITIVITY_MODES, measure_sensitivity
+from autoprec.measure.sensitivity import (
+    SENSITIVITY_MODES,
+    LayerSensitivity,
+    measure_sensitivity,
+)
 from autoprec.runtime.calls import COMPUTING_KINDS
 from autoprec.task import Task, optimizer_step
 from examples import gpt2_bytes
@@ -236,14 +241,17 @@ def step_rows(result: dict, mode: str) -> list[list[str]]:
     """Per step and format: the largest |loss change| and its layer, the gradient-error and
     output-SQNR ranges over layers."""
     layers, rows = result["layers"], []
+    first = next(iter(result["checkpoints"].values()))["modes"][mode]
     for step, c in result["checkpoints"].items():
         measured = c["modes"][mode]
         for fmt in FORMATS:
             name, value = largest(measured, layers, fmt)
+            start = abs(largest(first, layers, fmt)[1])
             sqnr = [measured[n][fmt].output_sqnr_db for n in layers]
             grad = metric(measured, layers, fmt, "grad_rel_error")
             rows.append([str(step), f"{c['calib_loss']:.3f}", fmt.label, signed(value),
-                         name, spread(grad, ".2e"), spread(sqnr, ".1f")])
+                         f"{abs(value) / start:.2f}x" if start > 0 else "-", name,
+                         spread(grad, ".2e"), spread(sqnr, ".1f")])
     return rows
 
 
@@ -302,8 +310,9 @@ def report(result: dict, settings: Settings) -> str:
         out.append(markdown(["format", "steps", "loss change", "grad error"],
                             rank_rows(result, mode, settings.seed)))
         out.append(f"\n### {mode} mode: each profile\n")
-        out.append(markdown(["step", "calib loss", "format", "largest loss change", "its layer",
-                             "grad error range", "SQNR dB range"], step_rows(result, mode)))
+        out.append(markdown(["step", "calib loss", "format", "largest loss change",
+                             "vs step 0", "its layer", "grad error range", "SQNR dB range"],
+                            step_rows(result, mode)))
         if settings.planted:
             out.append(f"\n### {mode} mode: the drifted layer `{DRIFT_LAYER}` in fp16 (rank 1 "
                        f"= worst of {n}; amax is its FP32 output's on the calibration batch)\n")
@@ -334,7 +343,40 @@ def raw(result: dict, settings: Settings, elapsed: float) -> dict:
             "checkpoints": cps}
 
 
-def parse(argv: Sequence[str] | None = None) -> tuple[Settings, str | None]:
+def load_raw(path: str) -> tuple[dict, Settings]:
+    """A run saved by ``--out``, back as :func:`run`'s result and its settings; a file that
+    is not one is a one-line ValueError naming it."""
+    data = read_json(path, "bench_drift result")
+    if not isinstance(data, dict) or data.get("benchmark") != "bench_drift":
+        raise ValueError(f"{path} is not a bench_drift result (no \"benchmark\": "
+                         "\"bench_drift\"); pass a file written by --out.")
+    try:
+        given = data["settings"]
+        settings = Settings(**{k: tuple(v) if isinstance(v, list) else v
+                               for k, v in given.items()})
+        cps = {}
+        for step, c in data["checkpoints"].items():
+            modes = {}
+            for mode, rows in c["rows"].items():
+                for row in rows:
+                    s = LayerSensitivity.from_dict(row)
+                    modes.setdefault(mode, {}).setdefault(s.layer, {})[s.format] = s
+            cps[int(step)] = {"train_loss": decode_float(c["train_loss"], "checkpoint"),
+                              "calib_loss": decode_float(c["calib_loss"], "checkpoint"),
+                              "seconds": {m: float(v) for m, v in c["seconds"].items()},
+                              "modes": modes}
+            if "drift_amax" in c:
+                cps[int(step)]["drift_amax"] = decode_float(c["drift_amax"], "checkpoint")
+        result = {"layers": list(data["layers"]), "checkpoints": cps,
+                  "train_seconds": float(data["train_seconds"]),
+                  "drift_scale": decode_float(data["drift_scale"], "bench_drift result")}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"{path} is not a readable bench_drift result ({type(e).__name__}: "
+                         f"{e}); write it again with --out.") from None
+    return result, settings
+
+
+def parse(argv: Sequence[str] | None = None) -> tuple[Settings, argparse.Namespace]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", default="200,1000", help="checkpoints after step 0")
     ap.add_argument("--mode", default="exact",
@@ -345,6 +387,8 @@ def parse(argv: Sequence[str] | None = None) -> tuple[Settings, str | None]:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="save the raw rows as JSON here")
+    ap.add_argument("--report", metavar="JSON",
+                    help="print the tables of a run saved by --out (measures nothing)")
     args = ap.parse_args(argv)
     try:
         steps = tuple(int(s) for s in args.steps.split(",") if s.strip())
@@ -357,11 +401,16 @@ def parse(argv: Sequence[str] | None = None) -> tuple[Settings, str | None]:
                             seed=args.seed)
     except ValueError as e:
         ap.error(str(e))
-    return settings, args.out
+    return settings, args
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    settings, out = parse(argv)
+    settings, args = parse(argv)
+    if args.report:
+        result, settings = load_raw(args.report)
+        print(report(result, settings))
+        return
+    out = args.out
     warnings.filterwarnings("ignore")
     t0 = time.perf_counter()
     print(device_line())
@@ -372,12 +421,12 @@ def main(argv: Sequence[str] | None = None) -> None:
           + (f"; planted drift on {DRIFT_LAYER}, aimed at step {settings.overflow_at}"
              if settings.planted else ""))
     result = run(task, settings)
-    print(report(result, settings))
     elapsed = time.perf_counter() - t0
-    print(f"\ntraining {result['train_seconds']:.0f} s; whole run {elapsed:.0f} s")
-    if out:
+    if out:  # first: a table that fails to print must not lose the measurements
         write_json(out, raw(result, settings, elapsed))
-        print(f"raw rows: {out}")
+    print(report(result, settings))
+    print(f"\ntraining {result['train_seconds']:.0f} s; whole run {elapsed:.0f} s"
+          + (f"; raw rows: {out}" if out else ""))
 
 
 if __name__ == "__main__":

@@ -79,7 +79,19 @@ def test_every_table_and_the_json_have_every_step_and_format(planted, tmp_path):
     data = json.loads(path.read_text())
     rows = data["checkpoints"]["40"]["rows"]["exact"]
     assert len(rows) == len(result["layers"]) * len(bench_drift.FORMATS)
+    again, same = bench_drift.load_raw(str(path))
+    assert same == settings and bench_drift.report(again, same) == text
     back = [LayerSensitivity.from_dict(r) for r in rows]
     assert any(r.layer == DRIFT_LAYER and r.format is Format.FP16 and not r.finite or
                r.layer == DRIFT_LAYER and r.format is Format.FP16 and r.act_overflow > 0
                for r in back)
+
+
+def test_a_file_that_is_no_saved_run_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "other.json"
+    path.write_text('{"benchmark": "bench_drift", "settings": {"steps": [5]}}')
+    with pytest.raises(ValueError, match="is not a readable bench_drift result"):
+        bench_drift.load_raw(str(path))
+    path.write_text('{"layers": []}')
+    with pytest.raises(ValueError, match="is not a bench_drift result"):
+        bench_drift.load_raw(str(path))
