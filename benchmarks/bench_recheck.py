@@ -23,6 +23,7 @@ import time
 import _common  # noqa: F401  (sets up sys.path)
 import torch
 from _common import device_line, interleaved, print_table, ratio_cell
+from bench_guard import plain_step  # the same training step the guard's overhead is timed on
 
 from autoprec import Policy
 from autoprec.measure.timer import ratio_interval
@@ -34,19 +35,6 @@ from examples.gpt2_bytes import make_model, task
 POLICY = Policy(default="bf16", layers={"lm_head": "fp32"})
 
 
-def _stepper(model, batch, guard=None):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step():
-        loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if guard is not None:
-            guard.step()
-    return step
-
-
 def cost_per_recheck(rounds: int) -> None:
     t = task()
     batch = t.batches[0]
@@ -54,8 +42,8 @@ def cost_per_recheck(rounds: int) -> None:
     policed, _, guard = training_kit(t.build_model(), POLICY, guard=True)
     rechecker = Rechecker(POLICY, every=1)
     steps = iter(range(1, 10 ** 9))
-    cmp = interleaved({"fp32 step": _stepper(fp32, batch),
-                       "policy step": _stepper(policed, batch, guard),
+    cmp = interleaved({"fp32 step": plain_step(fp32, batch),
+                       "policy step": plain_step(policed, batch, guard),
                        "recheck": lambda: rechecker.check(policed, batch, next(steps))},
                       warmup=2, rounds=rounds, repeats=1)
     layers = len(rechecker.check(policed, batch, next(steps)).rows)
