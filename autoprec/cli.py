@@ -643,6 +643,9 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_cmd_profile)
     _tune_parser(sub, common)
     _policy_parsers(sub)
+    from autoprec import recheck  # its subcommand lives beside the re-check it runs
+
+    recheck.add_parser(sub)
     return ap
 
 

@@ -63,15 +63,19 @@ from autoprec.runtime import apply
 from autoprec.runtime.guard import Guard, GuardConfig, get_guard
 from autoprec.runtime.phases import PhaseSwitcher, get_phases
 from autoprec.runtime.rewrite import applied_policy
+from autoprec.runtime.rewrite import unwrap as rewrite_unwrap
 
 # PolicyCallback is built on first access (module __getattr__ below)
 __all__ = ["TrainingKit", "training_kit", "PolicyCallback", "use_policy",  # noqa: F822
-           "GUARD_STATE_FILE", "save_guard_state", "load_guard_state", "start_phases"]
+           "GUARD_STATE_FILE", "save_guard_state", "load_guard_state", "start_phases",
+           "make_rechecker"]
 
 logger = logging.getLogger(__name__)
 
 # What the Trainer callback writes beside trainer_state.json in each checkpoint folder.
 GUARD_STATE_FILE = "autoprec_guard.json"
+# where training_kit keeps the Rechecker it made, on the model
+_RECHECKER_ATTR = "_autoprec_rechecker"
 
 
 class TrainingKit(NamedTuple):
@@ -83,6 +87,11 @@ class TrainingKit(NamedTuple):
     scaler: torch.amp.GradScaler
     # The runtime guard, or None when none was asked for.
     guard: Guard | None
+
+    @property
+    def rechecker(self):
+        """The :class:`~autoprec.recheck.Rechecker` ``recheck_every=N`` made, or None."""
+        return rewrite_unwrap(self.model).__dict__.get(_RECHECKER_ATTR)
 
     @property
     def phases(self) -> PhaseSwitcher | None:
@@ -111,7 +120,8 @@ def _check_accelerator(accelerator: Any, model: nn.Module) -> None:
 def training_kit(model: nn.Module, policy: Policy | str | os.PathLike, *,
                  device: torch.device | str | None = None, strict: bool = True,
                  guard: bool | GuardConfig | Guard | None = None,
-                 accelerator: Any = None, total_steps: int | None = None) -> TrainingKit:
+                 accelerator: Any = None, total_steps: int | None = None,
+                 recheck_every: int | None = None) -> TrainingKit:
     """Apply ``policy`` to ``model`` and return it with the GradScaler its ``loss_scaling``
     describes (enabled only when a layer is fp16) and the runtime guard (``guard=True`` or a
     :class:`~autoprec.runtime.guard.GuardConfig`; see :mod:`autoprec.runtime.guard`).
@@ -124,6 +134,9 @@ def training_kit(model: nn.Module, policy: Policy | str | os.PathLike, *,
     ``total_steps``: the run's optimizer steps, for a policy with phases by fraction of the run;
     a policy with phases gets a :class:`~autoprec.runtime.phases.PhaseSwitcher` (``kit.phases``:
     call ``kit.phases.at(step)`` before each step, with the optimizer steps done).
+    ``recheck_every=N`` (needs ``guard``): ``kit.rechecker`` is a
+    :class:`~autoprec.recheck.Rechecker`; call ``kit.rechecker.maybe(model, batch, step)``
+    after each optimizer step, before ``guard.step()``, which applies its demotions.
     """
     if not isinstance(policy, Policy):
         policy = load_policy(policy)
@@ -133,6 +146,9 @@ def training_kit(model: nn.Module, policy: Policy | str | os.PathLike, *,
     apply(model, policy, strict=strict, guard=guard)
     if policy.phases:
         PhaseSwitcher(model, policy, total_steps=total_steps)
+    rechecker = make_rechecker(policy, recheck_every, guard)
+    if rechecker is not None:
+        rewrite_unwrap(model).__dict__[_RECHECKER_ATTR] = rechecker
     device = torch.device(device) if device is not None else device_of(model)
     outer = getattr(accelerator, "scaler", None) if accelerator is not None else None
     if outer is not None:
@@ -273,7 +289,10 @@ def _make_policy_callback():
         GradScaler, torch's defaults: init_scale 65536, growth_interval 2000); on a CPU the
         Trainer has none, and the callback warns.
 
-        A policy with phases switches at ``state.global_step`` (``on_step_begin``), the run's
+        ``recheck_every=N`` (with a guard) re-checks the policy's layers on the step's batch
+        every N steps (:class:`autoprec.recheck.Rechecker`: the first-order estimate on a
+        private copy of the current weights); the guard demotes what breaks the budget at that
+        step, on every rank. A policy with phases switches at ``state.global_step`` (``on_step_begin``), the run's
         length being ``max_steps`` (or what the Trainer computes from ``num_train_epochs``); a
         resumed run starts in the phase of its resumed step.
 
@@ -284,10 +303,14 @@ def _make_policy_callback():
         """
 
         def __init__(self, policy: Policy | str | os.PathLike, *, strict: bool = True,
-                     guard: bool | GuardConfig | Guard | None = None):
+                     guard: bool | GuardConfig | Guard | None = None,
+                     recheck_every: int | None = None):
             self.policy = policy if isinstance(policy, Policy) else load_policy(policy)
             self.strict = strict
             self.guard_arg = guard
+            # re-check the policy's layers every N steps on the step's batch (autoprec.recheck)
+            self.rechecker = make_rechecker(self.policy, recheck_every, guard)
+            self._batch = None
             self.guard: Guard | None = None
             # the policy's phases, switched at the Trainer's global_step (None: no phases)
             self.phases: PhaseSwitcher | None = None
@@ -311,6 +334,8 @@ def _make_policy_callback():
             self._apply(model)
             _resume_guard(self, args, state)
             self.phases = start_phases(self, model, state.max_steps, state.global_step)
+            if self.rechecker is not None and model is not None:
+                _capture_batches(self, model)
             if self.policy.uses(Format.FP16) and self._scaler(args) is None and not self._warned:
                 self._warned = True
                 _warn_unscaled_fp16()
@@ -320,6 +345,8 @@ def _make_policy_callback():
                 self.phases.at(state.global_step)
 
         def on_step_end(self, args, state, control, **kwargs):
+            if self.rechecker is not None and self._batch is not None:
+                self.rechecker.maybe(self.guard.model, self._batch, state.global_step)
             if self.guard is not None:
                 self.guard.step(step=state.global_step, scaler=self._scaler(args))
 
@@ -327,6 +354,30 @@ def _make_policy_callback():
             _save_guard(self, args, state)
 
     return PolicyCallback
+
+
+def make_rechecker(policy: Policy, every: int | None, guard: Any):
+    """The :class:`~autoprec.recheck.Rechecker` an integration's ``recheck_every`` asks for."""
+    if every is None:
+        return None
+    if not guard:
+        raise PolicyError(f"recheck_every={every!r} hands its demotions to the runtime guard: "
+                          "pass guard=True as well.")
+    from autoprec.recheck import Rechecker  # measurement code: only when asked for
+
+    return Rechecker(policy, every=every)
+
+
+def _capture_batches(owner: Any, model: nn.Module) -> None:
+    """Keep a reference to the last training batch the model was called with (the Trainer
+    does not hand its callbacks the batch), for the re-check at the step's end."""
+    def keep(module, args, kwargs):
+        if torch.is_grad_enabled() and module.training:
+            owner._batch = dict(kwargs) if kwargs else (args[0] if len(args) == 1 else args)
+
+    inner = rewrite_unwrap(model)
+    if getattr(owner, "_capture", None) is None:
+        owner._capture = inner.register_forward_pre_hook(keep, with_kwargs=True)
 
 
 def start_phases(owner: Any, model: nn.Module | None, total: int | None,

@@ -48,7 +48,7 @@ from autoprec.formats import Format
 from autoprec.policy import Policy, PolicyError, load_policy
 from autoprec.runtime import apply
 from autoprec.runtime.guard import Guard, GuardConfig, get_guard
-from autoprec.runtime.integrations import start_phases
+from autoprec.runtime.integrations import make_rechecker, start_phases
 from autoprec.runtime.phases import PhaseSwitcher
 from autoprec.runtime.rewrite import applied_policy
 
@@ -77,14 +77,19 @@ class AutoprecCallback(pl.Callback):
     LightningModule holding an HF model as ``self.model``); default: found as the module
     docstring says. ``engine`` overrides the policy's FP8 engine. ``amended_to``: where the
     amended policy is written at the end of ``fit`` (default ``<log_dir>/autoprec.amended.yaml``;
-    written only with a guard).
+    written only with a guard). ``recheck_every=N`` (with a guard): every N optimizer steps the
+    policy's layers are re-checked on that step's batch (:class:`autoprec.recheck.Rechecker`,
+    the batch as the LightningModule passes it to the model) and the guard demotes what
+    breaks the budget.
     """
 
     def __init__(self, policy: Policy | str | os.PathLike, *, guard: bool | GuardConfig | None = None,
                  module: str | None = None, strict: bool = True, engine: str | None = None,
-                 amended_to: str | os.PathLike | None = None):
+                 amended_to: str | os.PathLike | None = None, recheck_every: int | None = None):
         self.policy = policy if isinstance(policy, Policy) else load_policy(policy)
         self.guard_arg = guard
+        # re-check the policy's layers every N steps on the step's batch (autoprec.recheck)
+        self.rechecker = make_rechecker(self.policy, recheck_every, guard)
         self.module = module
         self.strict = strict
         self.engine = engine
@@ -169,6 +174,8 @@ class AutoprecCallback(pl.Callback):
         if self.guard is None or trainer.global_step == self._last_step:
             return  # no guard, or a micro-batch of gradient accumulation
         self._last_step = trainer.global_step
+        if self.rechecker is not None:
+            self.rechecker.maybe(self.target, batch, trainer.global_step)
         self.guard.step(step=trainer.global_step, scaler=trainer.scaler)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
