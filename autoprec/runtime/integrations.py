@@ -286,36 +286,23 @@ def _make_policy_callback():
         fp16=False)``: the policy decides the formats. ``bf16=True`` is harmless when the
         policy was applied first (its regions win over Accelerate's autocast) but only adds
         casts. For fp16 layers, loss scaling comes from ``fp16=True`` on a GPU (Accelerate's
-        GradScaler, torch's defaults: init_scale 65536, growth_interval 2000); on a CPU the
-        Trainer has none, and the callback warns.
+        GradScaler, torch's defaults); on a CPU the Trainer has none, and the callback warns.
 
         ``recheck_every=N`` (with a guard) re-checks the policy's layers on the step's batch
-        every N steps (:class:`autoprec.recheck.Rechecker`: the first-order estimate on a
-        private copy of the current weights); the guard demotes what breaks the budget at that
-        step, on every rank. A policy with phases switches at ``state.global_step`` (``on_step_begin``), the run's
-        length being ``max_steps`` (or what the Trainer computes from ``num_train_epochs``); a
-        resumed run starts in the phase of its resumed step.
+        every N steps (:class:`autoprec.recheck.Rechecker`, on a private copy of the weights);
+        the guard demotes what breaks the budget at that step, on every rank. A policy with phases switches at ``state.global_step``
+        (``on_step_begin``), the run's length being ``max_steps`` (or what the Trainer computes
+        from ``num_train_epochs``); a resumed run starts in the phase of its resumed step.
 
         Added later (``trainer.add_callback``) it applies the policy in ``on_train_begin``,
-        after the model was prepared; that is refused when the Trainer runs in bf16/fp16,
-        since Accelerate's autocast would then sit inside the policy's regions. Use
-        :func:`use_policy` for an existing Trainer instead.
+        after the model was prepared; refused when the Trainer runs in bf16/fp16 (Accelerate's
+        autocast would sit inside the policy's regions): use :func:`use_policy` instead.
         """
 
         def __init__(self, policy: Policy | str | os.PathLike, *, strict: bool = True,
                      guard: bool | GuardConfig | Guard | None = None,
                      recheck_every: int | None = None):
-            self.policy = policy if isinstance(policy, Policy) else load_policy(policy)
-            self.strict = strict
-            self.guard_arg = guard
-            # re-check the policy's layers every N steps on the step's batch (autoprec.recheck)
-            self.rechecker = make_rechecker(self.policy, recheck_every, guard)
-            self._batch = None
-            self.guard: Guard | None = None
-            # the policy's phases, switched at the Trainer's global_step (None: no phases)
-            self.phases: PhaseSwitcher | None = None
-            self._trainer = None
-            self._warned = self._restored = False  # restored: the guard's state was loaded
+            _init_callback(self, policy, strict, guard, recheck_every)
 
         def _apply(self, model: nn.Module) -> None:
             _apply_in_callback(self, model)
@@ -331,14 +318,7 @@ def _make_policy_callback():
             _load_into_callback(self, checkpoint_dir)
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
-            self._apply(model)
-            _resume_guard(self, args, state)
-            self.phases = start_phases(self, model, state.max_steps, state.global_step)
-            if self.rechecker is not None and model is not None:
-                _capture_batches(self, model)
-            if self.policy.uses(Format.FP16) and self._scaler(args) is None and not self._warned:
-                self._warned = True
-                _warn_unscaled_fp16()
+            _begin_training(self, args, state, model)
 
         def on_step_begin(self, args, state, control, **kwargs):
             if self.phases is not None:
@@ -354,6 +334,34 @@ def _make_policy_callback():
             _save_guard(self, args, state)
 
     return PolicyCallback
+
+
+def _init_callback(callback: Any, policy, strict: bool, guard, recheck_every) -> None:
+    """PolicyCallback's fields."""
+    callback.policy = policy if isinstance(policy, Policy) else load_policy(policy)
+    callback.strict = strict
+    callback.guard_arg = guard
+    # re-check the policy's layers every N steps on the step's batch (autoprec.recheck)
+    callback.rechecker = make_rechecker(callback.policy, recheck_every, guard)
+    callback._batch = None
+    callback.guard = None
+    # the policy's phases, switched at the Trainer's global_step (None: no phases)
+    callback.phases = None
+    callback._trainer = None
+    callback._warned = callback._restored = False  # restored: the guard's state was loaded
+
+
+def _begin_training(callback: Any, args: Any, state: Any, model: nn.Module | None) -> None:
+    """PolicyCallback.on_train_begin: apply, resume the guard, start the phases and re-checks."""
+    callback._apply(model)
+    _resume_guard(callback, args, state)
+    callback.phases = start_phases(callback, model, state.max_steps, state.global_step)
+    if callback.rechecker is not None and model is not None:
+        _capture_batches(callback, model)
+    if callback.policy.uses(Format.FP16) and callback._scaler(args) is None \
+            and not callback._warned:
+        callback._warned = True
+        _warn_unscaled_fp16()
 
 
 def make_rechecker(policy: Policy, every: int | None, guard: Any):
