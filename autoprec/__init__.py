@@ -66,6 +66,11 @@ __all__ = [
     "get_guard",
     "training_kit",
     "PolicyCallback",
+    "PhaseSwitcher",
+    "get_phases",
+    # re-check (autoprec.recheck.recheck is the function: the module shares its name)
+    "Rechecker",
+    "RecheckResult",
     # export
     "export",
 ]
@@ -79,6 +84,9 @@ _LAZY = {
     "training_kit": "autoprec.runtime.integrations",
     "PolicyCallback": "autoprec.runtime.integrations",
     "export": "autoprec.exporting",
+    "PhaseSwitcher": "autoprec.runtime.phases", "get_phases": "autoprec.runtime.phases",
+    "Rechecker": "autoprec.recheck",
+    "RecheckResult": "autoprec.recheck",
 }
 
 
