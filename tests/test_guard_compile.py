@@ -157,7 +157,8 @@ def test_compiled_guard_blames_no_layer_for_nan_from_an_fp32_layer(caplog):
 def test_compiled_checks_equal_eager_ones_for_watched_layers_and_suspects():
     """The numbers step() judges, per layer and kind: the probes' (compiled) and the hooks'
     (eager) agree, including a suspect's input and input-gradient checks and its share of
-    failing values, with a planted overflow in one fp16 layer."""
+    failing values, with a planted overflow in one fp16 layer; and so do the predictive
+    check's summaries (amax, kurtosis, underflow share) of outputs and gradients."""
     policy = Policy(default="bf16", layers={PLANT_LAYER: "fp16", "lm_head": "fp32"})
     batch = byte_batches(1, 4, 32, seed=0)[0]
     suspect = PLANT_LAYER
@@ -176,9 +177,9 @@ def test_compiled_checks_equal_eager_ones_for_watched_layers_and_suspects():
         forward(**batch).loss.backward()
         torch._dynamo.reset()
         checks = guard.recorder.collect()
-        return checks.level, checks.share
+        return checks.level, checks.share, checks.forecast
 
-    (level, frac), (level_c, frac_c) = checks(False), checks(True)
+    (level, frac, ahead), (level_c, frac_c, ahead_c) = checks(False), checks(True)
     for kind in ("out", "grad", "in", "ingrad"):
         assert suspect in level_c[kind], (kind, level_c[kind])
     assert level_c["out"][suspect] == math.inf and 0 < frac_c["out"][suspect] < 1
@@ -189,3 +190,13 @@ def test_compiled_checks_equal_eager_ones_for_watched_layers_and_suspects():
         assert frac_c[kind] == pytest.approx(frac[kind], rel=1e-6), kind
     # eagerly the checks come in the order the layers ran; compiled, in the order learned
     assert list(level_c["out"]) == list(level["out"])
+    assert set(ahead) == {"out", "grad"} and set(ahead["out"]) == set(level["out"])
+    assert set(ahead["grad"]) == set(level["grad"])
+    for kind, found in ahead.items():
+        assert set(ahead_c[kind]) == set(found), kind
+        for fqn, (amax, kurtosis, under) in found.items():
+            got = ahead_c[kind][fqn]
+            assert got[0] == pytest.approx(amax, rel=1e-3, nan_ok=True), (kind, fqn)
+            assert got[1] == pytest.approx(kurtosis, rel=1e-3, nan_ok=True), (kind, fqn)
+            assert (got[2] is None) == (under is None), (kind, fqn)
+    assert ahead["out"][suspect][2] is not None  # fp16: its underflow share is measured

@@ -50,6 +50,30 @@ re-applying the policy amended with ``{fqn: new_format}`` (the module tree, para
 ``state_dict`` are untouched; a parent's children that inherited its format are pinned to it,
 so only the parent's own computation changes).
 
+The predictive check (``GuardConfig.predict``, on by default; ``autoprec.runtime.guard.forecast``)
+sees trouble coming, before any non-finite step. Per watched layer it keeps, for the outputs
+and (without an enabled GradScaler) the gradients at the output, the step's amax (the mean over
+the step's calls), the kurtosis about zero of a fixed 4096-value sample (an outlier statistic)
+and, for fp16, the share of the sample's nonzero values below FP16's smallest normal. Over the
+last ``window`` (32) steps it fits the trend of ln(amax / limit) (the limit as above: fp16
+65504, bf16 and fp8 BF16's max). A layer is demoted (``where="forecast"``) when, on
+``patience`` steps in a row, the least-squares slope is positive at t >= 4 over at least half
+a window, and both that line and a robust Theil-Sen line reach the limit within ``horizon``
+(50) steps; the event gives the trend, e.g. "outputs' amax 4.653e+04 (0.71 of fp16 max 65504),
+growing 1.10%/step over 31 steps (t 9.6, fit residual 0.057): reaches 65504 in ~43 steps;
+kurtosis 2.74; ...". Kurtosis and underflow are evidence, not triggers (see the forecast
+module: healthy GPT-2 outputs range from kurtosis 3 to hundreds; underflow costs precision, not
+range). With an enabled GradScaler only outputs are forecast: scaled gradients sit near the
+range by design (the scaler raises the scale until they overflow), and their overflows are the
+scaler's to handle. On the planted drift (``examples/drift.py``) it demoted the layer at step
+173, the reactive check at 225 (first overflow 224); on the unplanted model, 1000 steps in
+fp16/bf16/fp8, nothing. A layer's history is dropped when its format changes.
+
+Demotions decided outside the guard (autoprec's re-check) are queued with
+:meth:`Guard.request_demotion` and made at the next ``step()``; :meth:`Guard.replace_policy`
+switches the model to another policy (a phase) keeping the guard's demotions (the safer of
+the two formats per layer).
+
 What cannot be demoted away is a WARNING, once: non-finite values that start in a layer the
 policy keeps in fp32, in the loss, or in the input batch (named by watching every module on
 the next step), and poisoned parameters. Without a GradScaler one non-finite step sends its
@@ -67,17 +91,23 @@ again once the parameters are finite (restored). One module's own non-finite par
 bad checkpoint entry) is that module's failure, judged as any other.
 
 Under torch.distributed (DDP, FSDP) each ``step()`` combines the ranks' verdicts with one
-all_reduce(MAX) of a flag per watched layer (and one for poisoned parameters), so every rank
-demotes the same layers at the same step and holds the same events and amended policy
+all_reduce(MAX) of three flags per watched layer (blamed, forecast to hit, demotion requested:
+an OR over ranks) and one for poisoned parameters, so every rank demotes the same layers at
+the same step and holds the same events and amended policy
 (``save_to`` is written by rank 0). Every rank must call ``step()``.
-``state_dict()``/``load_state_dict()`` carry the demotions through a checkpoint (see
+``state_dict()``/``load_state_dict()`` carry the demotions and the forecast history (at most
+``window`` points per layer and kind) through a checkpoint (see
 ``autoprec.runtime.integrations`` for the Trainer and Accelerate).
 
 Cost: one fused reduction per watched output, output gradient and own weight gradient, kept on
 the device: a count of the values above the limit (or NaN) for fp16 layers (a finite FP32 value
 can exceed 65504) and for suspects (it gives the share of failing values), a plain ``sum``
-elsewhere (non-finite exactly when a value is; about half the cost). ``step()`` reads them all
-with one host sync per device. Nothing is watched while autograd is off (evaluation).
+elsewhere (non-finite exactly when a value is; about half the cost). The predictive check adds,
+per watched output (and unscaled output gradient), one amax reduction over every value and a
+dozen small ops on its 4096-value sample, stacked with the checks: ``step()`` reads them all
+with the same one host sync per device, then fits the trends in Python (a few microseconds per
+layer; bf16 and fp8 layers far from BF16's range are not fitted). Nothing is watched while
+autograd is off (evaluation).
 Measured on GPT-2 4x256, batch 16x128, 20 layers watched: about 1-2% of a CPU training step
 (``benchmarks/bench_guard.py``).
 
@@ -93,7 +123,7 @@ first forward still compiles in pieces (the search's records inside the checkpoi
 
 The parts, each with one job, composed by :class:`Guard`: ``record`` (the watches' hooks and
 the per-step checks, read with one host sync), ``discovery`` (modules found to compute on the
-first forward), ``blame`` (a pure function from the checks to the layer at fault), ``ranks``
+first forward), ``forecast`` (the trends and the predictive verdict), ``blame`` (a pure function from the checks to the layer at fault), ``ranks``
 (agreement under torch.distributed), ``diagnose`` (where unexplained non-finite values start,
 poisoned parameters), ``demote`` (amend and re-apply the policy) and ``state`` (what a
 checkpoint carries, checked when read back).
@@ -113,19 +143,22 @@ from autoprec.formats import Format
 from autoprec.policy import Policy
 from autoprec.runtime import rewrite
 from autoprec.runtime.guard.blame import Failure, Verdict, blame, describe, failing, first_nonfinite
-from autoprec.runtime.guard.config import GuardConfig, GuardEvent
-from autoprec.runtime.guard.demote import amend, demotion_reason, reapply
-from autoprec.runtime.guard.diagnose import Diagnostician, Poisoning
+from autoprec.runtime.guard.config import GuardConfig, GuardEvent, check_where
 from autoprec.runtime.guard.coverage import Coverage
-from autoprec.runtime.guard.record import Recorder
-from autoprec.runtime.guard.ranks import Ranks
+from autoprec.runtime.guard.demote import amend, demotion_reason, merge, reapply
+from autoprec.runtime.guard.diagnose import Diagnostician, Poisoning
+from autoprec.runtime.guard.forecast import Forecaster, Trend
+from autoprec.runtime.guard.ranks import Agreed, Ranks
+from autoprec.runtime.guard.record import Checks, Recorder
 from autoprec.runtime.guard.state import Ledger, check_version
 
-__all__ = ["GuardConfig", "GuardEvent", "Guard", "get_guard"]
+__all__ = ["GuardConfig", "GuardEvent", "Guard", "Trend", "get_guard"]
 
 logger = logging.getLogger(__name__)
 
 _GUARD_ATTR = "_autoprec_guard"
+# Longest reason request_demotion keeps (it goes into events, checkpoints and policy files).
+_MAX_REASON = 500
 
 
 def get_guard(model: nn.Module) -> Guard | None:
@@ -141,7 +174,8 @@ class Guard:
     :func:`get_guard`. Call :meth:`step` once per training step (after the optimizer step); it
     returns the demotions it made. See the module docstring for what is measured.
 
-    Its parts: ``recorder`` (the checks), ``coverage`` (what is watched), ``ranks``,
+    Its parts: ``recorder`` (the checks), ``forecaster`` (the trends toward each range),
+    ``coverage`` (what is watched), ``ranks``,
     ``diagnostician`` and ``poisoning`` (what cannot be demoted away), ``ledger`` (what a
     checkpoint carries); blame and the demotion's amendment are functions of what these hold.
     """
@@ -153,7 +187,13 @@ class Guard:
         self.model: nn.Module | None = None
         # GradScaler consulted by step() when none is passed (set by autoprec.runtime.integrations).
         self.scaler: torch.amp.GradScaler | None = None
-        self.recorder = Recorder(self.config.check_gradients)
+        self.recorder = Recorder(self.config.check_gradients, predict=self.config.predict)
+        self.forecaster = Forecaster(self.config.window, self.config.horizon,
+                                     self.config.patience)
+        # fqn -> (where, reason) of the demotions requested since the last step()
+        self._requests: dict[str, tuple[str, str]] = {}
+        # the policy replace_policy last switched to (None: the policy attached with)
+        self._phase: Policy | None = None
         self.ranks = Ranks(self.config.distributed)
         self.diagnostician = Diagnostician()
         self.poisoning = Poisoning()
@@ -206,7 +246,7 @@ class Guard:
         self.diagnostician.close()
         self.model, self.policy = model, policy
         if not self._reapplying:
-            self.ledger.base = policy
+            self.ledger.base, self._phase = policy, None
         self.coverage.attach(model, policy)
         model.__dict__[_GUARD_ATTR] = self
         self.recorder.set_suspects(self.recorder.suspects, model)
@@ -231,9 +271,11 @@ class Guard:
     def step(self, *, scaler: torch.amp.GradScaler | None = None,
              step: int | None = None) -> list[GuardEvent]:
         """Judge the training step that just ran; demote layers that failed ``patience`` steps
-        in a row. Call once per optimizer step (after ``scaler.update()``). ``scaler``: the
-        GradScaler in use (default: ``self.scaler``); ``step``: the step number to log
-        (default: count of calls). Returns the demotions made now."""
+        in a row, layers forecast to reach their format's range within the horizon on
+        ``patience`` steps in a row, and layers whose demotion was requested
+        (:meth:`request_demotion`). Call once per optimizer step (after ``scaler.update()``).
+        ``scaler``: the GradScaler in use (default: ``self.scaler``); ``step``: the step
+        number to log (default: count of calls). Returns the demotions made now."""
         led = self.ledger
         led.step = led.step + 1 if step is None else int(step)
         if self.model is None:
@@ -242,45 +284,87 @@ class Guard:
             self.detach()  # autoprec.remove(model) ran: nothing left to guard
             return []
         self.coverage.hook_found()
-        trained, failure, poisoned = self._judge(scaler if scaler is not None else self.scaler)
-        blamed = [failure.fqn] if failure is not None else []
+        scaler = scaler if scaler is not None else self.scaler
+        trained, failure, poisoned, checks = self._judge(scaler)
+        foreseen = self._foresee(checks, scaler) if trained and not poisoned else {}
+        requested = self._take_requests()
+        agreed = Agreed(trained, [failure.fqn] if failure is not None else [], poisoned,
+                        list(foreseen), list(requested))
         if self.ranks.world() > 1:
             # every rank must reach the same counts, hence the same demotions at the same step
-            trained, blamed, poisoned = self.ranks.agree(
-                trained, failure.fqn if failure is not None else None, poisoned,
-                list(self.recorder.watches), self.model)
-        if not trained:
+            agreed = self.ranks.agree(trained, failure.fqn if failure is not None else None,
+                                      poisoned, list(self.recorder.watches), self.model,
+                                      foreseen=foreseen, requested=requested)
+        due = self._blamed_due(agreed, failure)
+        asked = [f for f in agreed.requested if f not in due]
+        ahead = [f for f in agreed.foreseen if f not in due and f not in asked]
+        if not (due or asked or ahead):
+            return []
+        fmt = self.watched.get
+        mine = {"blame": {} if failure is None else
+                {failure.fqn: (failure.where, describe(failure, fmt(failure.fqn)))},
+                "forecast": {f: ("forecast", f"{t.describe(fmt(f))}; forecast on "
+                                             f"{self.forecaster.streaks[f]} steps in a row")
+                             for f, t in foreseen.items()},
+                "request": requested}
+        seen = self.ranks.gather(mine)
+        events = [self._demote(f, "blame", seen) for f in due]
+        events += [self._demote(f, "request", seen) for f in asked]
+        events += [self._demote(f, "forecast", seen) for f in ahead]
+        return [e for e in events if e is not None]
+
+    def _blamed_due(self, agreed: Agreed, failure: Failure | None) -> list[str]:
+        """The blame streaks after this step's (agreed) verdict, and the layers they make due
+        for demotion; warns once about poisoned parameters (then none is due)."""
+        led = self.ledger
+        if not agreed.trained:
             return []  # no training step since the last call (on any rank)
-        if poisoned:
+        if agreed.poisoned:
             led.streaks = {}
             self.poisoning.warn(led.step, self.watched)
             return []
         self.poisoning.since = self.poisoning.first = None
-        led.streaks = {f: led.streaks.get(f, 0) + 1 for f in blamed}
-        due = [f for f in blamed if led.streaks[f] >= self.config.patience]
+        led.streaks = {f: led.streaks.get(f, 0) + 1 for f in agreed.blamed}
+        due = [f for f in agreed.blamed if led.streaks[f] >= self.config.patience]
         if failure is not None and failure.fqn not in due:
             logger.info("autoprec guard: step %d: %s (%s) failed: %s (%d of %d steps before "
                         "demotion)", led.step, failure.fqn, self.watched.get(failure.fqn),
                         describe(failure, self.watched.get(failure.fqn)),
                         led.streaks[failure.fqn], self.config.patience)
-        if not due:
-            return []
-        mine = {} if failure is None else \
-            {failure.fqn: (failure.where, describe(failure, self.watched.get(failure.fqn)))}
-        seen = self.ranks.gather(mine)
-        return [self._demote(f, seen) for f in due]
+        return due
 
-    def _judge(self, scaler) -> tuple[bool, Failure | None, bool]:
+    def _foresee(self, checks: Checks, scaler) -> dict[str, Trend]:
+        """Feed the step's forecast summaries to the forecaster; the layers due for a
+        predictive demotion, with their evidence. With an enabled GradScaler only outputs are
+        forecast: its scaled gradients sit near the range by design (it raises the scale
+        until they overflow, then backs off), so their trend is the scaler's, not the
+        layer's; and the reactive check leaves their overflows to it too."""
+        scaled = scaler is not None and scaler.is_enabled()
+        self.recorder.forecast_grads = not scaled
+        if not self.config.predict:
+            return {}
+        stats = {k: v for k, v in checks.forecast.items() if k == "out" or not scaled}
+        self.forecaster.observe(self.ledger.step, stats, self.watched)
+        due = self.forecaster.due()
+        for fqn, trend in self.forecaster.hitting.items():
+            if fqn not in due:
+                logger.info("autoprec guard: step %d: %s (%s) forecast: %s (%d of %d steps "
+                            "before demotion)", self.ledger.step, fqn, self.watched.get(fqn),
+                            trend.describe(self.watched.get(fqn)),
+                            self.forecaster.streaks[fqn], self.config.patience)
+        return due
+
+    def _judge(self, scaler) -> tuple[bool, Failure | None, bool, Checks]:
         """This rank's verdict on the step: whether it trained (anything recorded since the
-        last call), the layer it blames, and whether the model's parameters are poisoned
-        (then it blames none); updates the suspects and warnings."""
+        last call), the layer it blames, whether the model's parameters are poisoned (then it
+        blames none), and the checks read; updates the suspects and warnings."""
         diag = self.diagnostician
         diagnosis = diag.take_pending()
         checks = self.recorder.collect()
         if not checks.trained():
             if diagnosis is not None:
                 diagnosis.close()
-            return False, None, False
+            return False, None, False, checks
         enabled = scaler is not None and scaler.is_enabled()
         verdict = blame(checks, self.watched, subtree_faults=diag.subtree_faults(),
                         scale=scaler.get_scale if enabled else None,
@@ -308,26 +392,108 @@ class Guard:
             diag.explain(diagnosis, verdict.origin,
                          failed=verdict.failure is None and bool(verdict.cleared),
                          model=self.model, step=self.ledger.step, format_of=self._format_of)
-        return True, verdict.failure, poisoned
+        return True, verdict.failure, poisoned, checks
 
     # ---------------------------------------------------------------- demotion
-    def _demote(self, fqn: str, seen: list[dict[str, tuple[str, str]]]) -> GuardEvent:
-        """Demote ``fqn``; ``seen``: per rank, what it measured at the layers it blamed."""
+    def _demote(self, fqn: str, source: str, seen: list[dict[str, Any]]) -> GuardEvent | None:
+        """Demote ``fqn`` for ``source`` ("blame", "forecast" or "request"); ``seen``: per
+        rank, its evidence by source (Ranks.gather). None: no longer watched (an earlier
+        demotion of this step changed it)."""
         led = self.ledger
-        ranks = [r for r, d in enumerate(seen) if fqn in d]
-        where, described = seen[ranks[0]][fqn]
-        old = self.recorder.watches[fqn].format
-        new = old.demoted()
-        event = GuardEvent(step=led.step, fqn=fqn, old=old, new=new, where=where,
-                           reason=demotion_reason(described, led.streaks[fqn], ranks, len(seen)))
+        watch = self.recorder.watches.get(fqn)
+        if watch is None:
+            return None
+        ranks = [r for r, d in enumerate(seen) if fqn in d[source]]
+        where, described = seen[ranks[0]][source][fqn]
+        streak = led.streaks.get(fqn, 0) if source == "blame" else None
+        event = GuardEvent(step=led.step, fqn=fqn, old=watch.format, new=watch.format.demoted(),
+                           where=where,
+                           reason=demotion_reason(described, streak, ranks, len(seen)))
         led.events.append(event)
         led.streaks.pop(fqn, None)
         self.recorder.suspects.discard(fqn)
-        self._reapply(self.policy.with_layers(amend(self.policy, fqn, new, self.coverage.layers or {})))
+        self.forecaster.forget([fqn])
+        self._reapply(self.policy.with_layers(
+            amend(self.policy, fqn, event.new, self.coverage.layers or {})))
         logger.warning("autoprec guard: demoted %s", event)
         if self.config.save_to and self.ranks.writes():
             self.save(self.config.save_to)  # one writer: every rank holds the same policy
         return event
+
+    # ---------------------------------------------------------------- asked from outside
+    def request_demotion(self, fqn: str, reason: str, *, where: str = "recheck") -> None:
+        """Demote ``fqn`` one step (``Format.demoted()``) at the next :meth:`step`, for a
+        reason decided outside the guard (autoprec's re-check). Under torch.distributed a
+        layer any rank requested is demoted on every rank at that step. It is a GuardEvent
+        with ``reason`` and ``where`` (a short label), in the state and the amended policy
+        like any demotion. A layer not watched (fp32, or no module that computes) is
+        ignored, with an INFO line."""
+        wrong = check_where(where)
+        if wrong is not None:
+            raise ValueError(f"Guard.request_demotion(where=...): {wrong}.")
+        if not isinstance(reason, str) or not reason.strip():
+            raise ValueError(f"Guard.request_demotion(reason=...) must be text saying why, got "
+                             f"{reason!r}.")
+        reason = " ".join(reason.split())[:_MAX_REASON]  # one line, bounded
+        if fqn not in self.watched:
+            logger.info("autoprec guard: demotion of %r requested (%s) is ignored: the guard "
+                        "does not watch it (%s)", fqn, reason, self._unwatched(fqn))
+            return
+        self._requests[fqn] = (where, reason)
+
+    def _unwatched(self, fqn: str) -> str:
+        if self.model is None:
+            return "not attached to a model"
+        if fqn not in dict(self.model.named_modules()):
+            return "no module of the model has that name"
+        fmt = self._format_of(fqn)
+        if fmt not in self.config.formats:
+            return f"{fmt} under the policy, not one of the watched formats"
+        return "it is not a module that computes"
+
+    def _take_requests(self) -> dict[str, tuple[str, str]]:
+        """The requests to apply now: those for layers still watched."""
+        requests, self._requests = self._requests, {}
+        for fqn in [f for f in requests if f not in self.watched]:
+            logger.info("autoprec guard: step %d: the requested demotion of %s is dropped: no "
+                        "longer watched (%s)", self.ledger.step, fqn, self._unwatched(fqn))
+            del requests[fqn]
+        return requests
+
+    def replace_policy(self, policy: Policy) -> None:
+        """Switch the model to ``policy`` (a phase switch), keeping every demotion the guard
+        made: a demoted layer computes in the safer of ``policy``'s format and the one it was
+        demoted to (fp32, then bf16 and fp16, then fp8; on a tie ``policy``'s). The watches
+        are made anew from it; the forecast history of layers whose format changed is
+        dropped. The checkpointed state keeps the policy first attached (see state_dict)."""
+        if self.model is None:
+            raise RuntimeError("This guard is not attached; autoprec.apply(model, policy, "
+                               "guard=True) attaches one.")
+        if not isinstance(policy, Policy):
+            raise TypeError(f"Guard.replace_policy(policy=...) takes an autoprec.Policy, got "
+                            f"{type(policy).__name__}; load a file with autoprec.load_policy.")
+        before = self.watched
+        self._phase = policy
+        self._reapply(merge(policy, self.demotions(), self.coverage.layers or {}))
+        self._formats_changed(before)
+
+    def _formats_changed(self, before: Mapping[str, Format]) -> None:
+        """Drop the streaks, suspicions and forecast history of layers whose watched format
+        is no longer what it was (``before``)."""
+        changed = {f for f, fmt in before.items() if self.watched.get(f) is not fmt}
+        self.forecaster.forget(changed)
+        self.ledger.streaks = {f: n for f, n in self.ledger.streaks.items() if f not in changed}
+        self.recorder.set_suspects(self.recorder.suspects - changed, self.model)
+
+    def demotions(self) -> dict[str, Format]:
+        """fqn -> the format the guard last demoted it to."""
+        return {e.fqn: e.new for e in self.ledger.events}
+
+    @property
+    def trends(self) -> dict[str, list[Trend]]:
+        """fqn -> the trends fitted now to its recent amax (outputs, gradients), for the
+        layers where there is one (see ``forecast``): the evidence, including kurtosis."""
+        return {f: t for f in self.forecaster.history if (t := self.forecaster.trends(f))}
 
     def _reapply(self, policy: Policy) -> None:
         self._reapplying = True  # the attach inside keeps the base policy and pending state
@@ -358,8 +524,11 @@ class Guard:
         if self.ledger.base is None:
             raise RuntimeError("This guard was never attached; autoprec.apply(model, policy, "
                                "guard=True) attaches one.")
-        return self.ledger.state_dict(self.policy, self.config.formats, self.recorder.suspects,
-                                      self.diagnostician.warned)
+        policy = self.policy if self._phase is None else \
+            merge(self.ledger.base, self.demotions(), self.coverage.layers or {})
+        return self.ledger.state_dict(policy, self.config.formats, self.recorder.suspects,
+                                      self.diagnostician.warned,
+                                      forecast=self.forecaster.state_dict(), phase=self._phase)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Take up the state :meth:`state_dict` returned: the demoted layers are re-applied to
@@ -378,8 +547,15 @@ class Guard:
         self.ledger.take(restored)
         self.diagnostician.warned = restored.warned
         self.poisoning.clear()
+        if restored.attached_to_phase:
+            # attached with the policy the run had switched to: merge the demotions into it
+            self.ledger.base, self._phase = restored.base, self.policy
+            restored.amended = merge(self.policy, self.demotions(), self.coverage.layers or {})
         if restored.amended is not None:
             self._reapply(restored.amended)
+        # by the policy's format: attention cores are watched once a training forward finds them
+        history = restored.forecast or {}
+        self.forecaster.load(history, {f: self._format_of(f) for f in history})
         self.recorder.suspects = restored.suspects
         self.diagnostician.watch_subtrees(self.model, restored.suspects,
                                           frozenset(self.recorder.watches))

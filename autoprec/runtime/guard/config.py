@@ -4,6 +4,7 @@ judges values against."""
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +19,19 @@ FP16_MAX = float(torch.finfo(torch.float16).max)
 # What the diagnosis names when the non-finite values were in the model's inputs already; no
 # module is named so (a module name holds no "<").
 INPUT = "<input batch>"
-# GuardEvent.where, in the words the log and the checkpoint use.
-WHERE = ("outputs", "gradients", "weight gradients", "backward")
+# GuardEvent.where, in the words the log and the checkpoint use: what the reactive check saw,
+# "forecast" (the predictive check), "recheck" (a demotion requested by autoprec's re-check).
+WHERE = ("outputs", "gradients", "weight gradients", "backward", "forecast", "recheck")
+# What else Guard.request_demotion(where=...) accepts (and a checkpoint may hold): a short label.
+WHERE_LABEL = re.compile(r"[a-z][a-z0-9 _-]{0,39}")
+
+
+def check_where(where: object) -> str | None:
+    """None if ``where`` is a GuardEvent.where the guard writes or reads, else what is wrong."""
+    if isinstance(where, str) and (where in WHERE or WHERE_LABEL.fullmatch(where)):
+        return None
+    return (f"{where!r} is not one of {', '.join(WHERE)} or a short label (lowercase "
+            "letters, digits, spaces, '-' and '_', at most 40)")
 
 
 def limit(fmt: Format) -> float:
@@ -48,6 +60,14 @@ class GuardConfig:
     # step (one small all_reduce per step). False: each rank decides for itself (ranks that hold
     # different parts of the model, e.g. pipeline stages).
     distributed: bool = True
+    # The predictive check (see autoprec.runtime.guard.forecast): demote a layer whose amax
+    # trend reaches its format's range within ``horizon`` steps, before any non-finite step.
+    predict: bool = True
+    # How far ahead (training steps) a forecast crossing demotes; >= 1.
+    horizon: int = 50
+    # Steps of history each trend is fitted to (half of it, and 8, at least, before a
+    # forecast counts); >= 8. Longer: steadier, slower to see a trend start.
+    window: int = 32
 
     def __post_init__(self):
         if int(self.patience) != self.patience or self.patience < 2:
@@ -68,6 +88,12 @@ class GuardConfig:
         if not self.min_loss_scale > 0:
             raise ValueError(f"GuardConfig.min_loss_scale must be positive, got "
                              f"{self.min_loss_scale!r}.")
+        for name, low in (("horizon", 1), ("window", 8)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or int(v) != v or v < low:
+                raise ValueError(f"GuardConfig.{name} must be an integer >= {low} (steps), "
+                                 f"got {v!r}.")
+            object.__setattr__(self, name, int(v))
         if self.save_to is not None:
             object.__setattr__(self, "save_to", os.fspath(self.save_to))
 
@@ -86,7 +112,9 @@ class GuardEvent:
     # a row".
     reason: str
     # One of WHERE: "outputs", "gradients" (at the layer's output, beyond its format's range),
-    # "weight gradients", or "backward" (it sent non-finite gradients upstream).
+    # "weight gradients", "backward" (it sent non-finite gradients upstream), "forecast" (its
+    # amax trend was to reach the range within the horizon), or what request_demotion was told
+    # ("recheck" by default).
     where: str
 
     def to_dict(self) -> dict[str, Any]:

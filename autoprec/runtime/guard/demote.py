@@ -4,7 +4,7 @@ amended with it, leaving every other layer's computation as it was."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from torch import nn
 
@@ -12,12 +12,13 @@ from autoprec.formats import Format
 from autoprec.policy import Policy
 from autoprec.runtime import rewrite
 
-__all__ = ["amend", "demotion_reason", "reapply"]
+__all__ = ["amend", "demotion_reason", "merge", "reapply", "safer"]
 
 
-def demotion_reason(described: str, streak: int, ranks: list[int], world: int) -> str:
-    """The event's reason: what was measured, for how many steps, on which ranks."""
-    reason = f"{described}; {streak} steps in a row"
+def demotion_reason(described: str, streak: int | None, ranks: list[int], world: int) -> str:
+    """The event's reason: what was measured, for how many steps (``streak``; None: said in
+    ``described``), on which ranks."""
+    reason = described if streak is None else f"{described}; {streak} steps in a row"
     if world > 1:
         reason += (f" (seen on rank{'s' if len(ranks) > 1 else ''} "
                    f"{', '.join(map(str, ranks))} of {world})")
@@ -37,6 +38,32 @@ def amend(policy: Policy, fqn: str, new: Format, layers: Iterable[str]) -> dict[
             if amended.format_for(name) is not before:
                 updates[name] = before
     return updates
+
+
+def safety(fmt: Format) -> int:
+    """Rank of ``fmt`` by safety (lower: safer): fp32, then bf16 and fp16 (a tie: one has
+    range, the other precision), then every fp8 recipe."""
+    if fmt is Format.FP32:
+        return 0
+    return 2 if fmt.is_fp8 else 1
+
+
+def safer(new: Format, demoted: Format) -> Format:
+    """The safer of a policy's ``new`` format and a guard's ``demoted`` one; on a tie,
+    ``new``."""
+    return demoted if safety(demoted) < safety(new) else new
+
+
+def merge(policy: Policy, demoted: Mapping[str, Format], layers: Iterable[str]) -> Policy:
+    """``policy`` with each layer of ``demoted`` (fqn -> the format the guard demoted it to)
+    computing in the safer of the two (see safer), amended as one demotion each (amend)."""
+    layers = list(layers)
+    out = policy
+    for fqn, fmt in demoted.items():
+        keep = safer(out.format_for(fqn), fmt)
+        if keep is not out.format_for(fqn):
+            out = out.with_layers(amend(out, fqn, keep, layers))
+    return out
 
 
 def reapply(model: nn.Module, before: Policy, after: Policy,

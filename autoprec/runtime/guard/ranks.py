@@ -4,13 +4,24 @@ that all demote the same layers at the same step and hold the same amended polic
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["Ranks"]
+__all__ = ["Agreed", "Ranks"]
+
+
+class Agreed(NamedTuple):
+    """What the ranks agreed on for one step (see Ranks.agree); on one rank, its own view."""
+
+    trained: bool
+    blamed: list[str]
+    poisoned: bool
+    foreseen: list[str]
+    requested: list[str]
 
 
 class Ranks:
@@ -30,18 +41,26 @@ class Ranks:
         return self.world() == 1 or dist.get_rank() == 0
 
     def agree(self, trained: bool, blamed: str | None, poisoned: bool, watched: list[str],
-              model: nn.Module | None) -> tuple[bool, list[str], bool]:
-        """One all_reduce(MAX) of [trained, digest, -digest, poisoned, one flag per watched
-        layer]: every rank learns whether any rank trained, whether any rank found the
-        parameters poisoned (then none demotes), and which layers any rank blamed. The digest
-        of the watched list, reduced as its max and its negated min, tells every rank alike
-        when the ranks watch different layers (the flags would then not line up)."""
+              model: nn.Module | None, *, foreseen: Iterable[str] = (),
+              requested: Iterable[str] = ()) -> Agreed:
+        """One all_reduce(MAX) of [trained, digest, -digest, poisoned, then three flags per
+        watched layer: blamed, forecast to hit its range (``foreseen``), demotion requested
+        (``requested``)]: every rank learns whether any rank trained, whether any rank found
+        the parameters poisoned (then none demotes for blame), and which layers any rank
+        blamed, foresaw or was asked to demote (an OR over ranks). The digest of the watched
+        list, reduced as its max and its negated min, tells every rank alike when the ranks
+        watch different layers (the flags would then not line up)."""
         watched = sorted(watched)
+        n = len(watched)
         digest = int.from_bytes(hashlib.sha256("\n".join(watched).encode()).digest()[:7], "big")
-        flags = [0] * (4 + len(watched))
+        flags = [0] * (4 + 3 * n)
         flags[0], flags[1], flags[2], flags[3] = int(trained), digest, -digest, int(poisoned)
-        if blamed is not None and blamed in watched:
-            flags[4 + watched.index(blamed)] = 1
+        index = {f: i for i, f in enumerate(watched)}
+        for at, fqns in ((4, [blamed] if blamed is not None else []), (4 + n, foreseen),
+                         (4 + 2 * n, requested)):
+            for f in fqns:
+                if f in index:
+                    flags[at + index[f]] = 1
         vec = torch.tensor(flags, dtype=torch.int64, device=self.device(model))
         dist.all_reduce(vec, op=dist.ReduceOp.MAX)
         out = vec.tolist()
@@ -51,7 +70,9 @@ class Ranks:
                 f"watches {len(watched)}), so they cannot agree on demotions; apply the same "
                 "policy to the same model on every rank, or set GuardConfig(distributed=False) "
                 "when the ranks hold different parts of the model.")
-        return bool(out[0]), [f for f, flag in zip(watched, out[4:]) if flag], bool(out[3])
+        return Agreed(bool(out[0]), [f for f, flag in zip(watched, out[4:4 + n]) if flag],
+                      bool(out[3]), [f for f, flag in zip(watched, out[4 + n:4 + 2 * n]) if flag],
+                      [f for f, flag in zip(watched, out[4 + 2 * n:]) if flag])
 
     @staticmethod
     def device(model: nn.Module | None) -> torch.device:
@@ -62,9 +83,10 @@ class Ranks:
         param = next(model.parameters(), None)
         return param.device if param is not None else torch.device("cpu")
 
-    def gather(self, mine: dict[str, tuple[str, str]]) -> list[dict[str, tuple[str, str]]]:
-        """Every rank's (where, description) of the layer it blamed, on the steps that demote
-        (rare): all ranks write the same events, told by the lowest rank that saw each."""
+    def gather(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's evidence of the layers it blamed, foresaw or was asked to demote
+        (source -> fqn -> (where, description)), on the steps that demote (rare): all ranks
+        write the same events, told by the lowest rank that saw each."""
         if self.world() == 1:
             return [mine]
         seen: list[Any] = [None] * dist.get_world_size()

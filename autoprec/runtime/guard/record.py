@@ -5,6 +5,11 @@ Eagerly each hook folds its check into :attr:`Recorder.records` as it is made, a
 which layers ran is learned. While ``torch.compile`` traces, Python state cannot change without
 a graph break, so a watched output goes through :class:`SinkReport` instead, whose backward
 hands the checks to a leaf tensor of the watch (its *sink*) as its gradient.
+
+With ``predict`` on, the outputs (and, unless a GradScaler scales them, the gradients at the
+output) of every watched layer also get a forecast summary (:func:`forecast_stat`: the amax,
+and a sample's kurtosis and underflow share), kept on the device beside the checks and read
+with the same host sync.
 """
 
 from __future__ import annotations
@@ -32,7 +37,16 @@ KINDS = ("out", "in", "grad", "ingrad", "wgrad")
 # number of stat() and the count of values it covers, for outputs, gradients at the output,
 # inputs and gradients sent to the input.
 SLOTS = {"out": 0, "grad": 2, "in": 4, "ingrad": 6}
-ROW = 8
+# Then, with ``predict`` on, the forecast summaries (forecast_stat, WIDTH numbers each) of the
+# outputs and of the gradients at the output.
+FORECAST = {"out": 8, "grad": 12}
+WIDTH = 4
+ROW = 16
+# Values per tensor the kurtosis and underflow share are estimated on (a strided sample: one
+# pass over 4096 values, not over every value; the amax sees every value).
+SAMPLE = 4096
+# Smallest amax a sample is divided by (a sample of zeros: kurtosis NaN, reported as none).
+FLOOR = 1e-30
 
 
 def first_tensor(obj: Any) -> torch.Tensor | None:
@@ -64,6 +78,29 @@ def stat(t: torch.Tensor, count: bool, bound: float) -> torch.Tensor:
     return t.sum().float()
 
 
+def forecast_stat(t: torch.Tensor, tiny: float | None) -> torch.Tensor:
+    """WIDTH FP32 numbers on ``t``'s device that sum over calls: ``t``'s amax (one reduction
+    over every value), the kurtosis about zero (E[x^4] / E[x^2]^2) of a strided sample of
+    SAMPLE values, the share of the sample's nonzero values below ``tiny`` (the format's
+    smallest normal; None: 0, not measured), and 1 (the calls, to average by)."""
+    t = t.detach()
+    amax = torch.linalg.vector_norm(t, math.inf).float()
+    flat = t.reshape(-1)
+    n = flat.numel()
+    # an odd stride walks through every channel of a power-of-two width
+    s = (flat[::(n // SAMPLE) | 1] if n > SAMPLE else flat).float()
+    one = amax.new_ones(())
+    if tiny is None:
+        under = one * 0
+    else:
+        nonzero = s != 0
+        under = ((s.abs() < tiny) & nonzero).sum() / nonzero.sum().clamp_min(1)
+    z = s / s.abs().amax().clamp_min(FLOOR)  # scale-free: x^4 cannot overflow
+    z2 = z * z
+    kurtosis = (z2 * z2).mean() / (z2.mean() * z2.mean())
+    return torch.stack([amax, kurtosis, under.float(), one])
+
+
 def read_host(values: list[torch.Tensor]) -> list[list[float]]:
     """Host values of many small tensors, each flattened: one transfer (one host sync) per
     device."""
@@ -92,9 +129,11 @@ class SinkReport(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, t, sink, row, slot, count, bound):
+    def forward(ctx, t, sink, row, slot, count, bound, ahead=None):
+        # ahead: None, no forecast summary of the gradient; else the underflow threshold of
+        # forecast_stat (0.0: none measured)
         ctx.save_for_backward(row)
-        ctx.slot, ctx.count, ctx.bound = slot, count, bound
+        ctx.slot, ctx.count, ctx.bound, ctx.ahead = slot, count, bound, ahead
         return t.clone()
 
     @staticmethod
@@ -104,7 +143,10 @@ class SinkReport(torch.autograd.Function):
             found = torch.stack([stat(grad, ctx.count, ctx.bound),
                                  row.new_ones(()) * grad.numel()])
             row = torch.cat([row[:ctx.slot], found, row[ctx.slot + 2:]])
-        return grad, row, None, None, None, None
+        if ctx.ahead is not None:
+            at = FORECAST["grad"]
+            row = torch.cat([row[:at], forecast_stat(grad, ctx.ahead or None), row[at + WIDTH:]])
+        return grad, row, None, None, None, None, None
 
 
 @dataclass
@@ -112,10 +154,13 @@ class Checks:
     """One step's checks, read back: per kind (KINDS), fqn -> level (non-finite, or above the
     layer's limit, when it failed) and, where values were counted, fqn -> share of failing
     values; each in the order the layers ran (forward for outputs and inputs, backward for
-    gradients, as recorded for own weight gradients)."""
+    gradients, as recorded for own weight gradients). ``forecast``: per kind of FORECAST,
+    fqn -> (amax, kurtosis, underflow share or None), each the mean over the step's calls."""
 
     level: dict[str, dict[str, float]] = field(default_factory=lambda: {k: {} for k in KINDS})
     share: dict[str, dict[str, float]] = field(default_factory=lambda: {k: {} for k in KINDS})
+    forecast: dict[str, dict[str, tuple]] = field(
+        default_factory=lambda: {k: {} for k in FORECAST})
 
     def trained(self) -> bool:
         """Whether anything was recorded: a training step ran since the last read."""
@@ -132,6 +177,10 @@ class Watch:
         self.format = fmt
         self.limit = limit(fmt)
         self.exact = self.limit < BF16_MAX  # fp16: a finite FP32 value can exceed the limit
+        # the smallest normal of the format's outputs, for the underflow share (fp16 only: an
+        # fp8 layer's outputs are BF16, its FP8 operands rescaled per tensor)
+        self.tiny = float(torch.finfo(torch.float16).smallest_normal) \
+            if fmt is Format.FP16 else None
         self.device = device
         # made eagerly: a module found to compute during a compiled first forward gets its
         # sink at the next step() (a tensor made with requires_grad is a graph break)
@@ -154,7 +203,10 @@ class Watch:
 
     def record(self, kind: str, t: torch.Tensor) -> None:
         if t.numel():
-            self.recorder.record(kind, self.fqn, self.check(kind, t), t.numel())
+            rec = self.recorder
+            rec.record(kind, self.fqn, self.check(kind, t), t.numel())
+            if rec.forecasting(kind):
+                rec.record_forecast(kind, self.fqn, forecast_stat(t, self.tiny))
 
     def pre_hook(self, module, args, kwargs):
         """Compiled, for suspects (only they have this hook): route the input through a sink
@@ -199,13 +251,18 @@ class Watch:
 
     def compiled(self, out: torch.Tensor, x: torch.Tensor | None) -> torch.Tensor:
         """``out`` through a SinkReport of this call's checks (the compiled path)."""
+        rec = self.recorder
         zero = out.new_zeros((), dtype=torch.float32)
         seen_in = [self.check("in", x), zero + x.numel()] if x is not None else [zero, zero]
         row = torch.stack([self.check("out", out), zero + out.numel(), zero, zero, *seen_in,
                            zero, zero])
-        slot = SLOTS["grad"] if self.recorder.check_gradients else None
+        ahead = forecast_stat(out, self.tiny) if rec.forecasting("out") else zero.expand(WIDTH)
+        row = torch.cat([row, ahead, zero.expand(WIDTH)])
+        slot = SLOTS["grad"] if rec.check_gradients else None
         return SinkReport.apply(out, self.sink.to(out.device), row, slot,
-                                self.counts_values("grad"), self.limit)
+                                self.counts_values("grad"), self.limit,
+                                (self.tiny or 0.0) if slot is not None and rec.forecasting("grad")
+                                else None)
 
     def grad_hook(self, grad):
         self.recorder.seen_backward(self.fqn)
@@ -248,8 +305,13 @@ def owners(model: nn.Module) -> dict[int, int]:
 class Recorder:
     """The watches of one model, the checks they record, and the order layers ran in."""
 
-    def __init__(self, check_gradients: bool):
+    def __init__(self, check_gradients: bool, predict: bool = False):
         self.check_gradients = check_gradients
+        # Record the forecast summaries (forecast_stat) of outputs and, while
+        # ``forecast_grads``, of gradients at the output (the guard turns that off while a
+        # GradScaler is enabled: scaled gradients sit near the range by design).
+        self.predict = predict
+        self.forecast_grads = True
         # fqn -> the watch (hooks, format, sink) of every layer being watched now
         self.watches: dict[str, Watch] = {}
         # Layers under closer watch (their inputs checked, failing values counted); set by
@@ -325,6 +387,8 @@ class Recorder:
         # device (see stat), folded over the eager calls of one step; in the order recorded.
         # Compiled calls report through each watch's sink instead (see SinkReport).
         self.records: dict[str, dict[str, list]] = {k: {} for k in KINDS}
+        # kind of FORECAST -> fqn -> forecast_stat summed over the eager calls of one step
+        self.forecasts: dict[str, dict[str, torch.Tensor]] = {k: {} for k in FORECAST}
         for watch in self.watches.values():
             if watch.sink is None:
                 watch.sink = watch.new_sink()
@@ -335,6 +399,14 @@ class Recorder:
         self.records[kind][fqn] = [check, numel] if prev is None else \
             [prev[0] + check, prev[1] + numel]
 
+    def forecasting(self, kind: str) -> bool:
+        """Whether checks of ``kind`` get a forecast summary."""
+        return self.predict and (kind == "out" or (kind == "grad" and self.forecast_grads))
+
+    def record_forecast(self, kind: str, fqn: str, row: torch.Tensor) -> None:
+        prev = self.forecasts[kind].get(fqn)
+        self.forecasts[kind][fqn] = row if prev is None else prev + row
+
     def seen_forward(self, fqn: str) -> None:
         if fqn not in self.forward_order:
             self.forward_order[fqn] = len(self.forward_order)
@@ -344,17 +416,20 @@ class Recorder:
             self.backward_order[fqn] = len(self.backward_order)
 
     def collect(self) -> Checks:
-        """This step's checks, eager records and compiled sinks together, read with one host
-        sync; the records start afresh for the next step."""
-        records = self.records
+        """This step's checks and forecast summaries, eager records and compiled sinks
+        together, read with one host sync; the records start afresh for the next step."""
+        records, forecasts = self.records, self.forecasts
         sinks = [(fqn, w.sink.grad) for fqn, w in self.watches.items()
                  if w.sink is not None and w.sink.grad is not None]
         self.reset()
         entries = [(k, fqn, n) for k in KINDS for fqn, (_, n) in records[k].items()]
-        values = read_host([records[k][fqn][0] for k, fqn, _ in entries] + [g for _, g in sinks])
+        ahead = [(k, fqn) for k in FORECAST for fqn in forecasts[k]]
+        values = read_host([records[k][fqn][0] for k, fqn, _ in entries]
+                           + [forecasts[k][fqn] for k, fqn in ahead] + [g for _, g in sinks])
+        rows = values[len(entries) + len(ahead):]
         totals: dict[str, dict[str, list[float]]] = {k: {} for k in KINDS}
         found = [(k, fqn, v[0], n) for (k, fqn, n), v in zip(entries, values)]
-        found += [(k, fqn, row[s], row[s + 1]) for (fqn, _), row in zip(sinks, values[len(entries):])
+        found += [(k, fqn, row[s], row[s + 1]) for (fqn, _), row in zip(sinks, rows)
                   for k, s in SLOTS.items() if row[s + 1] > 0]
         for k, fqn, v, n in found:
             prev = totals[k].setdefault(fqn, [0.0, 0])
@@ -369,7 +444,25 @@ class Recorder:
                     checks.share[k][fqn] = v / n if n else 0.0
                 else:
                     checks.level[k][fqn] = v
+        summed = list(zip(ahead, values[len(entries):len(entries) + len(ahead)]))
+        summed += [((k, fqn), row[at:at + WIDTH]) for (fqn, _), row in zip(sinks, rows)
+                   for k, at in FORECAST.items() if row[at + WIDTH - 1] > 0]
+        checks.forecast = self.means(summed)
         return checks
+
+    def means(self, summed: list[tuple[tuple[str, str], list[float]]]) -> dict[str, dict]:
+        """kind -> fqn -> (amax, kurtosis, underflow share or None), each the mean over the
+        calls of forecast_stat rows ``summed`` (per (kind, fqn), eager and compiled alike)."""
+        totals: dict[tuple[str, str], list[float]] = {}
+        for key, row in summed:
+            prev = totals.setdefault(key, [0.0] * WIDTH)
+            totals[key] = [a + b for a, b in zip(prev, row)]
+        out: dict[str, dict[str, tuple]] = {k: {} for k in FORECAST}
+        for (k, fqn), (amax, kurtosis, under, calls) in totals.items():
+            watch = self.watches.get(fqn)
+            measured = watch is not None and watch.tiny is not None
+            out[k][fqn] = (amax / calls, kurtosis / calls, under / calls if measured else None)
+        return out
 
     def order_key(self, kind: str) -> Callable[[str], tuple]:
         """Sort key of layers in the order they ran: as seen eagerly, else as modules finish;

@@ -7,6 +7,7 @@ lacks would otherwise run a demoted layer in its old format again without a word
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,13 +16,17 @@ from typing import Any
 from autoprec._util import atomic_write, escape_line
 from autoprec.formats import Format
 from autoprec.policy import Policy, PolicyError
-from autoprec.runtime.guard.config import INPUT, WHERE, GuardEvent
+from autoprec.runtime.guard.config import INPUT, GuardEvent, check_where
+from autoprec.runtime.guard.forecast import MAX_STATE_POINTS, NAMES
 
 __all__ = ["Ledger", "Restored"]
 
 # Version of Guard.state_dict()'s layout.
 STATE_VERSION = 1
 STATE_KEYS = ("policy", "formats", "step", "layers", "events", "counts", "suspects", "warned")
+# Keys a state may lack (written since): the forecaster's history, and the policy the run had
+# switched to with Guard.replace_policy (None: none).
+OPTIONAL_KEYS = ("forecast", "phase")
 EVENT_KEYS = ("step", "layer", "from", "to", "reason", "where")
 
 
@@ -93,8 +98,46 @@ class _StateCheck:
             self.fail(key, f"demotes {e['from']} to {e['to']}, which the guard never does")
         if not isinstance(e["reason"], str):
             self.fail(f"{key}.reason", f"is {e['reason']!r}, not text")
-        if e["where"] not in WHERE:
-            self.fail(f"{key}.where", f"is {e['where']!r}, not one of {', '.join(WHERE)}")
+        wrong = check_where(e["where"])
+        if wrong is not None:
+            self.fail(f"{key}.where", f"is {wrong}")
+
+    def number(self, key: str, v: Any, *, none_ok: bool = False) -> None:
+        if v is None and none_ok:
+            return
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            self.fail(key, f"is {v!r}, not a finite number")
+
+    def forecast(self, key: str, state: Any) -> None:
+        """The forecaster's history: fqn -> {"format", "streak", kind: [[step, amax,
+        kurtosis, underflow], ...]}, bounded."""
+        self.kind(key, state, Mapping)
+        for fqn, entry in state.items():
+            self.layer(key, fqn)
+            at = f"{key}.{fqn}"
+            self.kind(at, entry, Mapping)
+            extra = [k for k in entry if k not in ("format", "streak", *NAMES)]
+            if extra or "format" not in entry or "streak" not in entry:
+                self.fail(at, f"has keys {sorted(map(str, entry))}, not format, streak and "
+                              f"the kinds {', '.join(NAMES)}")
+            self.format(f"{at}.format", entry["format"])
+            self.integer(f"{at}.streak", entry["streak"])
+            for kind in NAMES:
+                points = entry.get(kind, [])
+                self.kind(f"{at}.{kind}", points, list)
+                if len(points) > MAX_STATE_POINTS:
+                    self.fail(f"{at}.{kind}", f"holds {len(points)} points, more than "
+                                              f"{MAX_STATE_POINTS}")
+                for p in points:
+                    if not isinstance(p, list) or len(p) != 4:
+                        self.fail(f"{at}.{kind}", f"holds {p!r}, not [step, amax, kurtosis, "
+                                                  "underflow]")
+                    self.integer(f"{at}.{kind} step", p[0])
+                    self.number(f"{at}.{kind} amax", p[1])
+                    if not p[1] > 0:
+                        self.fail(f"{at}.{kind} amax", f"is {p[1]!r}, not positive")
+                    self.number(f"{at}.{kind} kurtosis", p[2], none_ok=True)
+                    self.number(f"{at}.{kind} underflow", p[3], none_ok=True)
 
 
 def check_state(state: Mapping[str, Any], modules: set[str] | None = None) -> None:
@@ -127,6 +170,10 @@ def check_state(state: Mapping[str, Any], modules: set[str] | None = None) -> No
     c.kind("warned", state["warned"], list)
     for v in state["warned"]:
         c.layer("warned", v, none_ok=True)
+    if state.get("forecast") is not None:
+        c.forecast("forecast", state["forecast"])
+    if state.get("phase") is not None:
+        c.kind("phase", state["phase"], Mapping)
 
 
 def check_version(state: Any) -> None:
@@ -153,6 +200,14 @@ class Restored:
     suspects: set[str]
     warned: set[str | None]
     amended: Policy | None
+    # the forecaster's history (None: the state has none)
+    forecast: Mapping[str, Any] | None = None
+    # the policy the checkpointed run had switched to (replace_policy; None: none), and
+    # whether this guard was attached with it (then ``base`` is the run's first policy and
+    # ``amended`` is None: the guard merges the demotions into the attached policy)
+    phase: Mapping[str, Any] | None = None
+    attached_to_phase: bool = False
+    base: Policy | None = None
 
 
 class Ledger:
@@ -181,7 +236,10 @@ class Ledger:
         atomic_write(path, "".join(lines) + amended.to_yaml())
 
     def state_dict(self, policy: Policy, formats: tuple[Format, ...], suspects: set[str],
-                   warned: set[str | None]) -> dict[str, Any]:
+                   warned: set[str | None], *, forecast: Mapping[str, Any] | None = None,
+                   phase: Policy | None = None) -> dict[str, Any]:
+        """``policy``: the base policy with the demotions in it (the policy in force, unless
+        the run switched to ``phase``); ``forecast``: the forecaster's state_dict()."""
         base = self.base
         return {
             "autoprec_guard": STATE_VERSION,
@@ -194,6 +252,8 @@ class Ledger:
             "counts": dict(self.streaks),
             "suspects": sorted(suspects),
             "warned": sorted(warned, key=lambda w: (w is not None, w or "")),
+            "forecast": dict(forecast or {}),
+            "phase": None if phase is None else identity(phase),
         }
 
     def plan(self, state: Mapping[str, Any], formats: tuple[Format, ...],
@@ -204,7 +264,9 @@ class Ledger:
         by the state's demotions (a run resumed from the amended file), and watch the same
         formats: otherwise a PolicyError. So is a state not as ``state_dict`` writes it (a
         missing key, a wrong type, an unknown format, a layer run in a format that is no
-        demotion of its policy's) or naming a module the model lacks."""
+        demotion of its policy's) or naming a module the model lacks. A run that switched
+        policies (``phase``) resumes attached with its first policy (then replace_policy), or
+        attached with the policy it had switched to."""
         check_state(state, modules=modules)
         names = [f.value for f in formats]
         if list(state["formats"]) != names:
@@ -213,10 +275,13 @@ class Ledger:
                 f"watches {', '.join(names)}; use GuardConfig(formats=...) as in the "
                 "checkpointed run.")
         layers = {k: Format.parse(v) for k, v in state["layers"].items()}
-        amended = self._amended(state, layers)
+        phase = state.get("phase")
+        on_phase = phase is not None and phase == identity(self.base) != state["policy"]
+        base = Policy.from_dict(state["policy"]) if on_phase else self.base
+        amended = None if on_phase else self._amended(state, layers)
         for name, fmt in layers.items():
             # a demotion only ever makes a layer safer than the policy it started from
-            start = self.base.format_for(name)
+            start = base.format_for(name)
             if fmt not in (start, start.demoted(), start.demoted().demoted()):
                 raise PolicyError(
                     f"Guard state `layers` runs `{name}` in {fmt}, which is no demotion of its "
@@ -228,7 +293,8 @@ class Ledger:
         return Restored(step=int(state["step"]), events=events,
                         streaks={k: int(v) for k, v in state["counts"].items()},
                         suspects=set(state["suspects"]), warned=set(state["warned"]),
-                        amended=amended)
+                        amended=amended, forecast=state.get("forecast"), phase=phase,
+                        attached_to_phase=on_phase, base=base if on_phase else None)
 
     def _amended(self, state: Mapping[str, Any], layers: dict[str, Format]) -> Policy | None:
         mine = identity(self.base)
