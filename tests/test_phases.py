@@ -420,3 +420,71 @@ def test_the_shipped_phased_example_trains_through_its_decay_phase(capsys):
     assert "step    9  phase 1 in force: from 90% of the run (decay)" in capsys.readouterr().out
     assert all(x == x for x in out["losses"])
     assert autoprec.applied_formats(out["guard"].model)[MLP] is Format.BF16
+
+
+# ------------------------------------------------------------------ re-checks in training
+# a budget no low-precision layer can meet: every bf16 layer whose loss rises breaks it, so the
+# in-training re-check has something to demote (the reactive guard nothing: no overflow)
+STRICT = Policy(default="fp32", layers={"transformer.h.*.mlp.*": "bf16"},
+                tuned={"budget": {"max_loss_increase": 0.0, "max_grad_error": None}})
+
+
+def _rechecked(events) -> list:
+    return [(e.step, e.where) for e in events if e.where == "recheck"]
+
+
+def test_hf_trainer_rechecks_every_n_steps_and_the_guard_demotes_at_that_step(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from autoprec.runtime.integrations import PolicyCallback
+    from examples.train_hf_trainer import as_dataset
+
+    with pytest.raises(PolicyError, match="pass guard=True as well"):
+        PolicyCallback(STRICT, recheck_every=2)
+    callback = PolicyCallback(STRICT, guard=True, recheck_every=2)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4,
+                             learning_rate=1e-3, report_to=[], disable_tqdm=True, use_cpu=True,
+                             save_strategy="no")
+    Trainer(model=_model("gpt2"), args=args, callbacks=[callback],
+            train_dataset=as_dataset(byte_batches(4, 4, 32, seed=3))).train()
+    # re-checked at steps 2 and 4 (a weight's loss change can cross zero in between)
+    got = _rechecked(callback.guard.events)
+    assert got and got[0][0] == 2 and {s for s, _ in got} <= {2, 4}, callback.guard.events
+    assert callback.rechecker.runs == 2
+    for e in callback.guard.events:
+        assert callback.guard.policy.format_for(e.fqn) is Format.FP32
+
+
+def test_lightning_rechecks_every_n_steps_and_the_guard_demotes_at_that_step(tmp_path):
+    pytest.importorskip("lightning")
+    from examples import train_lightning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, _, cb = train_lightning.train(_model("gpt2"), STRICT, byte_batches(4, 4, 32, seed=3),
+                                         steps=4, guard=True, root_dir=str(tmp_path),
+                                         recheck_every=2)
+    got = _rechecked(cb.guard.events)
+    assert got and got[0][0] == 2 and {s for s, _ in got} <= {2, 4}, cb.guard.events
+    assert cb.rechecker.runs == 2
+
+
+def test_the_guards_demotions_outlive_a_phase_switch():
+    from examples import train_plain
+
+    layer = train_plain.PLANT_LAYER
+    policy = Policy(default="fp32", layers={"transformer.h.*.mlp.*": "fp8", layer: "fp16",
+                                            "lm_head": "fp32"},
+                    phases=[{"from_step": 8, "formats": {"fp16": "bf16", "fp8": "bf16"}}])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = train_plain.train(_model("gpt2"), policy, byte_batches(2, 4, 32, seed=0),
+                                steps=10, guard=True, plant_at=2)
+    guard = out["guard"]
+    assert [(e.fqn, e.new) for e in guard.events] == [(layer, Format.FP32)], guard.events
+    assert guard.events[0].step < 8
+    # after the switch: the demoted layer stays fp32 (safer than the phase's bf16), the rest
+    # follow the phase
+    assert guard.policy.format_for(layer) is Format.FP32
+    assert guard.policy.format_for("transformer.h.0.mlp.c_fc") is Format.BF16
+    assert layer not in guard.watched and "transformer.h.0.mlp.c_fc" in guard.watched
