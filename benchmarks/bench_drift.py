@@ -21,7 +21,9 @@ Per format it prints:
 
 ``--mode fast`` uses the first-order estimate instead of the exact measurement (the truth);
 ``--mode exact,fast`` measures both at every step (one training run) and also prints how the
-estimate ranks against the exact numbers at each step. ``--out`` saves every raw row as JSON.
+estimate ranks against the exact numbers at each step. ``--out`` saves every raw row as JSON;
+``--report`` prints a saved run's tables again. ``--layers/--width/--batch-size/--seq-len``
+shrink the example, for a run that does not fit at its size (the results say which size).
 
     python benchmarks/bench_drift.py [--steps 200,1000] [--mode exact] [--planted] [--out F]
     python benchmarks/bench_drift.py --report F      # the tables of a saved run again
@@ -136,7 +138,7 @@ def run(task: Task, settings: Settings, log: Callable[[str], None] = print) -> d
     drift = plant_drift(model, opt, task.example_batch(),
                         overflow_at=settings.overflow_at) if settings.planted else None
     stream = task.train_batches(settings.steps[-1], settings.seed)
-    result = {"layers": layers, "checkpoints": {}, "train_seconds": 0.0,
+    result = {"task": task.name, "layers": layers, "checkpoints": {}, "train_seconds": 0.0,
               "drift_scale": drift.start_scale if drift else None}
     losses: list[float] = []
     done = 0
@@ -250,7 +252,8 @@ def step_rows(result: dict, mode: str) -> list[list[str]]:
             sqnr = [measured[n][fmt].output_sqnr_db for n in layers]
             grad = metric(measured, layers, fmt, "grad_rel_error")
             rows.append([str(step), f"{c['calib_loss']:.3f}", fmt.label, signed(value),
-                         f"{abs(value) / start:.2f}x" if start > 0 else "-", name,
+                         f"{abs(value) / start:.2f}x" if 0 < start < math.inf
+                         and math.isfinite(value) else "-", name,
                          spread(grad, ".2e"), spread(sqnr, ".1f")])
     return rows
 
@@ -336,7 +339,8 @@ def raw(result: dict, settings: Settings, elapsed: float) -> dict:
             "rows": {mode: [s.to_dict() for n in result["layers"] for s in rows[n].values()]
                      for mode, rows in c["modes"].items()}}
     return {"benchmark": "bench_drift", "device": device_line(),
-            "settings": dataclasses.asdict(settings), "layers": result["layers"],
+            "task": result["task"], "settings": dataclasses.asdict(settings),
+            "layers": result["layers"],
             "drift_layer": DRIFT_LAYER if settings.planted else None,
             "drift_scale": encode_float(result["drift_scale"]),
             "train_seconds": result["train_seconds"], "elapsed_seconds": elapsed,
@@ -367,7 +371,8 @@ def load_raw(path: str) -> tuple[dict, Settings]:
                               "modes": modes}
             if "drift_amax" in c:
                 cps[int(step)]["drift_amax"] = decode_float(c["drift_amax"], "checkpoint")
-        result = {"layers": list(data["layers"]), "checkpoints": cps,
+        result = {"task": str(data.get("task", "")), "layers": list(data["layers"]),
+                  "checkpoints": cps,
                   "train_seconds": float(data["train_seconds"]),
                   "drift_scale": decode_float(data["drift_scale"], "bench_drift result")}
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -386,6 +391,11 @@ def parse(argv: Sequence[str] | None = None) -> tuple[Settings, argparse.Namespa
     ap.add_argument("--overflow-at", type=int, default=300)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=4, help="the example's size (a smaller "
+                    "one only where a run at the default size does not fit)")
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--out", help="save the raw rows as JSON here")
     ap.add_argument("--report", metavar="JSON",
                     help="print the tables of a run saved by --out (measures nothing)")
@@ -408,13 +418,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     settings, args = parse(argv)
     if args.report:
         result, settings = load_raw(args.report)
+        print(f"{result['task']} (saved in {args.report}): steps 0,"
+              f"{','.join(map(str, settings.steps))}; modes {','.join(settings.modes)}")
         print(report(result, settings))
         return
     out = args.out
     warnings.filterwarnings("ignore")
     t0 = time.perf_counter()
     print(device_line())
-    task = gpt2_bytes.task()
+    task = gpt2_bytes.task(n_layer=args.layers, n_embd=args.width, batch_size=args.batch_size,
+                           seq_len=args.seq_len)
     print(f"{task.name}: formats {', '.join(f.label for f in FORMATS)}; steps 0,"
           f"{','.join(map(str, settings.steps))}; modes {','.join(settings.modes)}; FP32 "
           f"AdamW lr {settings.lr}; seed {settings.seed}"
