@@ -5,6 +5,8 @@ HF GPT-2 (4 layers, 256 wide, batch 16x128), training steps (forward, backward, 
 variants of one table timed round-robin in one run:
 
     policy + guard            vs  the same policy, no guard            (target ratio <= 1.03)
+      (the guard with its predictive check, the default; and with predict=False, the
+      reactive check alone; and the one over the other: the predictive check's own cost)
     the same two, both under torch.compile (inductor)                  (target ratio <= 1.03)
     all-fp32 policy           vs  no policy, in a plain loop           (the pass's own cost)
     all-fp32 policy           vs  no policy, Accelerate-prepared (mixed_precision="no")
@@ -14,8 +16,13 @@ The guard's policy has bf16 and fp8 layers (fp8 is emulated on a CPU: slower tha
 only makes the guard's share smaller; the per-layer checks are the same). An all-fp32 policy
 asks for nothing but the regions themselves, so its ratio is the rewriting pass's overhead.
 
+Then the lead time on the planted drift (examples/drift.py: GPT-2 2x64, batch 4x64, AdamW
+1e-3, one fp16 layer's weight growing 1% per step, aimed at FP16's max at step 300): the step
+at which the predictive guard demoted it, the step of its first output beyond FP16's range
+(in the run without the predictive check), and the reactive guard's demotion step.
+
     python benchmarks/bench_guard.py [--rounds 25] [--trainer-steps 4] [--trainer-rounds 8]
-                                     [--no-compile]
+                                     [--no-compile] [--no-drift]
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from _common import device_line, interleaved, print_table, ratio_cell
 
 import autoprec
 from autoprec import Policy
+from autoprec.runtime.guard import GuardConfig
 from autoprec.measure.timer import quantile, ratio_interval
 from examples.data import byte_batches
 from examples.gpt2_bytes import make_model
@@ -164,12 +172,60 @@ def compiled_guard_row(base, batch, rounds: int) -> list:
                    "compiled policy", times, 1.03)
 
 
+def drift_run(predict: bool, steps: int = 400) -> tuple[int | None, int | None]:
+    """The planted drift under the guard: (its first demotion's step, the step of the
+    drifting layer's first output beyond FP16's range or non-finite; None: none)."""
+    from autoprec.runtime.integrations import training_kit
+    from examples.drift import DRIFT_LAYER, FP16_MAX, drift_policy, plant_drift
+
+    torch.manual_seed(0)
+    model = make_model(2, 64, 1, 64)
+    batches = byte_batches(8, 4, 64, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plant_drift(model, opt, batches[0], overflow_at=300)
+    model, scaler, guard = training_kit(model, drift_policy(), guard=GuardConfig(predict=predict))
+    seen = []
+    model.get_submodule(DRIFT_LAYER).register_forward_hook(
+        lambda m, a, out: seen.append(float(out.detach().abs().max())))
+    bad = None
+    for s in range(1, steps + 1):
+        loss = model(**batches[(s - 1) % len(batches)]).loss
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        if bad is None and not seen[-1] <= FP16_MAX:
+            bad = s
+        if guard.step():
+            return s, bad
+    return None, bad
+
+
+def guard_rows(base, batch, rounds: int) -> list[list]:
+    """The guard (predictive, the default; reactive alone) against no guard, one run."""
+    unguarded = autoprec.apply(copy.deepcopy(base), GUARD_POLICY)
+    guarded = autoprec.apply(copy.deepcopy(base), GUARD_POLICY, guard=True)
+    reactive = autoprec.apply(copy.deepcopy(base), GUARD_POLICY,
+                              guard=GuardConfig(predict=False))
+    guard, plain_guard = autoprec.get_guard(guarded), autoprec.get_guard(reactive)
+    times = interleaved({"policy + guard": plain_step(guarded, batch, guard),
+                         "policy + reactive guard": plain_step(reactive, batch, plain_guard),
+                         "policy": plain_step(unguarded, batch)},
+                        warmup=3, rounds=rounds)
+    assert guard.events == [] and plain_guard.events == [], (guard.events, plain_guard.events)
+    table = f"guard ({len(guard.watched)} layers)"
+    return [cmp_row(table, "policy + guard", "policy", times, 1.03),
+            cmp_row(table, "policy + reactive guard", "policy", times, 1.03),
+            cmp_row(table, "policy + guard", "policy + reactive guard", times, 1.03)]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=25)
     ap.add_argument("--trainer-steps", type=int, default=4)
     ap.add_argument("--trainer-rounds", type=int, default=8)
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled guard row")
+    ap.add_argument("--no-drift", action="store_true", help="skip the drift's lead time")
     args = ap.parse_args()
     warnings.filterwarnings("ignore", message=".*can only emulate.*")
     print(device_line())
@@ -179,15 +235,7 @@ def main():
     rows = []
 
     # 1. the guard, with nothing to report
-    unguarded = autoprec.apply(copy.deepcopy(base), GUARD_POLICY)
-    guarded = autoprec.apply(copy.deepcopy(base), GUARD_POLICY, guard=True)
-    guard = autoprec.get_guard(guarded)
-    times = interleaved({"policy + guard": plain_step(guarded, batch, guard),
-                         "policy": plain_step(unguarded, batch)},
-                        warmup=3, rounds=args.rounds)
-    assert guard.events == [], guard.events
-    rows.append(cmp_row(f"guard ({len(guard.watched)} layers)", "policy + guard", "policy",
-                        times, 1.03))
+    rows += guard_rows(base, batch, args.rounds)
     # the same, measured from inside: time in the guard's hooks and step() per training step
     clocked = autoprec.apply(copy.deepcopy(base), GUARD_POLICY)
     with _HookClock() as clock:
@@ -199,7 +247,7 @@ def main():
             step()
         total = time.perf_counter() - t0
     share = clock.seconds / total
-    rows.append([f"guard ({len(guard.watched)} layers)", "1 + time in guard hooks / step time",
+    rows.append([rows[0][0], "1 + time in guard hooks / step time",
                  f"{1 + share:.3f} ({clock.seconds / n * 1e3:.2f} ms per step)", "<= 1.03",
                  "ok" if share <= 0.03 else "OVER", f"{total / n * 1e3:.1f} ms"])
 
@@ -239,6 +287,19 @@ def main():
                     ratio_interval(a[:n], b[:n]), quantile(b[:n]), 1.03))
 
     print_table(rows, ["setting", "ratio", "value [95% interval]", "target", "", "anchor time"])
+
+    if not args.no_drift:
+        predicted, never_bad = drift_run(predict=True)
+        reactive, first_bad = drift_run(predict=False)
+        print(f"\nplanted drift (examples/drift.py, overflow aimed at step 300): the predictive "
+              f"guard demoted at step {predicted} (outputs beyond fp16's range before it: "
+              f"{'none' if never_bad is None else f'from step {never_bad}'}); first output "
+              f"beyond fp16's range without it at step {first_bad}; the reactive guard "
+              f"demoted at step {reactive}: {reactive - predicted} steps earlier, "
+              f"{first_bad - predicted} steps before the first overflow."
+              if None not in (predicted, reactive, first_bad) else
+              f"\nplanted drift: predictive {predicted}, first overflow {first_bad}, "
+              f"reactive {reactive} (a run that did not demote)")
 
 
 if __name__ == "__main__":

@@ -45,8 +45,6 @@ ROW = 16
 # Values per tensor the kurtosis and underflow share are estimated on (a strided sample: one
 # pass over 4096 values, not over every value; the amax sees every value).
 SAMPLE = 4096
-# Smallest amax a sample is divided by (a sample of zeros: kurtosis NaN, reported as none).
-FLOOR = 1e-30
 
 
 def first_tensor(obj: Any) -> torch.Tensor | None:
@@ -82,23 +80,25 @@ def forecast_stat(t: torch.Tensor, tiny: float | None) -> torch.Tensor:
     """WIDTH FP32 numbers on ``t``'s device that sum over calls: ``t``'s amax (one reduction
     over every value), the kurtosis about zero (E[x^4] / E[x^2]^2) of a strided sample of
     SAMPLE values, the share of the sample's nonzero values below ``tiny`` (the format's
-    smallest normal; None: 0, not measured), and 1 (the calls, to average by)."""
+    smallest normal; None: 0, not measured), and 1 (the calls, to average by). Few ops: on a
+    CPU each costs a dispatch whatever its size."""
     t = t.detach()
-    amax = torch.linalg.vector_norm(t, math.inf).float()
+    # aminmax: one pass, ~15x faster on a CPU than vector_norm(t, inf); NaN propagates
+    low, high = torch.aminmax(t)
     flat = t.reshape(-1)
     n = flat.numel()
-    # an odd stride walks through every channel of a power-of-two width
-    s = (flat[::(n // SAMPLE) | 1] if n > SAMPLE else flat).float()
-    one = amax.new_ones(())
+    # an odd stride walks through every channel of a power-of-two width; FP64 so that x^4
+    # of values up to BF16's max cannot overflow
+    s = (flat[::(n // SAMPLE) | 1] if n > SAMPLE else flat).double()
+    s2 = s * s
+    kurtosis = torch.dot(s2, s2) * s.numel() / s2.sum().square()
     if tiny is None:
-        under = one * 0
+        under = torch.zeros((), dtype=torch.float64, device=t.device)
     else:
         nonzero = s != 0
         under = ((s.abs() < tiny) & nonzero).sum() / nonzero.sum().clamp_min(1)
-    z = s / s.abs().amax().clamp_min(FLOOR)  # scale-free: x^4 cannot overflow
-    z2 = z * z
-    kurtosis = (z2 * z2).mean() / (z2.mean() * z2.mean())
-    return torch.stack([amax, kurtosis, under.float(), one])
+    return torch.stack([torch.maximum(high, -low).double(), kurtosis, under.double(),
+                        torch.ones((), dtype=torch.float64, device=t.device)]).float()
 
 
 def read_host(values: list[torch.Tensor]) -> list[list[float]]:
