@@ -14,10 +14,11 @@ The rule, on y = ln(amax / limit) (<= 0 while in range) over the last ``window``
 
 Kurtosis (about zero, E[x^4] / E[x^2]^2: 3 for a Gaussian, large for outlier features) and the
 share of nonzero values below the format's smallest normal (fp16 only) are recorded with every
-point and reported in the evidence, but decide nothing: in large trained transformers a few massive activations are normal, so
-a kurtosis in the hundreds need not mean trouble and a threshold would be a model's, not the
-guard's (on the planted drift's layer it stayed about 1.6-2.8); and an fp16 underflow loses precision, not range, which demoting for
-would trade speed for a risk the loss does not show. The amax's trend is what hits the range.
+point and reported in the evidence, but decide nothing: in large trained transformers a few
+massive activations are normal, so a kurtosis in the hundreds need not mean trouble and a
+threshold would be a model's, not the guard's (on the planted drift's layer it stayed about
+1.6-2.8); and an fp16 underflow loses precision, not range, which demoting for would trade
+speed for a risk the loss does not show. The amax's trend is what hits the range.
 
 Everything here is plain Python on numbers read with the step's one host sync.
 """
