@@ -488,3 +488,17 @@ def test_the_guards_demotions_outlive_a_phase_switch():
     assert guard.policy.format_for(layer) is Format.FP32
     assert guard.policy.format_for("transformer.h.0.mlp.c_fc") is Format.BF16
     assert layer not in guard.watched and "transformer.h.0.mlp.c_fc" in guard.watched
+    # the amended policy keeps its phases, the demotion in each (not only the phase in force)
+    amended = guard.amended_policy()
+    assert [p.from_step for p in amended.phases] == [8]
+    assert amended.phase(0).format_for(layer) is Format.FP32
+    assert amended.phase(1).format_for(layer) is Format.FP32
+    assert amended.phase(1).format_for("transformer.h.0.mlp.c_fc") is Format.BF16
+    assert amended.phase(0).format_for("transformer.h.0.mlp.c_fc") is Format.FP8
+    # a phase whose map alone would lower the demoted layer again keeps it safe
+    up = Policy(default="fp32", layers={"a": "bf16"}, phases=[{"from_step": 2,
+                                                              "formats": {"bf16": "fp8"}}])
+    from autoprec.runtime.guard.demote import merge_phases
+    kept = merge_phases(up, {"a": Format.FP32}, ["a"])
+    assert kept.phase(0).format_for("a") is Format.FP32 and kept.phase(1).format_for("a") is \
+        Format.FP32

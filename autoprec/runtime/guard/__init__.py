@@ -147,7 +147,7 @@ from autoprec.runtime import rewrite
 from autoprec.runtime.guard.blame import Failure, Verdict, blame, describe, failing, first_nonfinite
 from autoprec.runtime.guard.config import GuardConfig, GuardEvent, check_where
 from autoprec.runtime.guard.coverage import Coverage
-from autoprec.runtime.guard.demote import amend, demotion_reason, merge, reapply
+from autoprec.runtime.guard.demote import amend, demotion_reason, merge, merge_phases, reapply
 from autoprec.runtime.guard.diagnose import Diagnostician, Poisoning
 from autoprec.runtime.guard.forecast import Forecaster, Trend
 from autoprec.runtime.guard.ranks import Agreed, Ranks
@@ -507,10 +507,16 @@ class Guard:
     # ---------------------------------------------------------------- the amended policy, checkpoints
     def amended_policy(self) -> Policy:
         """The policy in force now: the original with every demotion written into ``layers``,
-        and the demotions listed under ``tuned.guard`` (provenance)."""
+        and the demotions listed under ``tuned.guard`` (provenance). A policy with phases is
+        written whole, each phase keeping the demoted layers in their safer format
+        (``demote.merge_phases``), whichever phase the run is in."""
         if self.policy is None:
             raise RuntimeError("This guard was never attached; autoprec.apply(model, policy, "
                                "guard=True) attaches one.")
+        base = self.ledger.base
+        if base is not None and base.phases:
+            return self.ledger.amended_policy(
+                merge_phases(base, self.demotions(), self.coverage.layers or {}))
         return self.ledger.amended_policy(self.policy)
 
     def save(self, path: str | os.PathLike) -> None:

@@ -3,6 +3,8 @@ amended with it, leaving every other layer's computation as it was."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 
@@ -64,6 +66,22 @@ def merge(policy: Policy, demoted: Mapping[str, Format], layers: Iterable[str]) 
         if keep is not out.format_for(fqn):
             out = out.with_layers(amend(out, fqn, keep, layers))
     return out
+
+
+def merge_phases(policy: Policy, demoted: Mapping[str, Format], layers: Iterable[str]) -> Policy:
+    """``policy`` with its phases, every phase amended as :func:`merge` amends one: the first
+    phase's entries get the demotions, and each later phase's own ``layers`` the entries that
+    keep a demoted layer in the safer format there too (a phase's map alone could lower it
+    again, e.g. ``formats: {bf16: fp8}`` for a layer demoted to bf16)."""
+    layers = list(layers)
+    first = merge(policy.phase(0), demoted, layers)
+    phases = []
+    for i, phase in enumerate(policy.phases, start=1):
+        flat = policy.phase(i)
+        amended = merge(flat, demoted, layers)
+        extra = {p: f for p, f in amended.layers.items() if flat.layers.get(p) is not f}
+        phases.append(dataclasses.replace(phase, layers={**phase.layers, **extra}))
+    return dataclasses.replace(first, phases=tuple(phases))
 
 
 def reapply(model: nn.Module, before: Policy, after: Policy,
