@@ -781,8 +781,8 @@ def _check_version(data: Mapping[str, Any], where: Callable[[str], str]) -> None
     version = data["autoprec"]
     if isinstance(version, bool) or not isinstance(version, int):
         raise PolicyError(f"Schema version `autoprec: {version!r}`{where('autoprec')} must be "
-                          f"the integer {SCHEMA_VERSION} (write `autoprec: {SCHEMA_VERSION}`, "
-                          "no quotes).")
+                          f"the integer {_PLAIN_VERSION}, or {SCHEMA_VERSION} for a policy with "
+                          f"phases (write `autoprec: {_PLAIN_VERSION}`, no quotes).")
     if version not in _READABLE_VERSIONS:
         raise PolicyError(f"Unknown policy schema version {version!r}{where('autoprec')}; "
                           f"this autoprec reads versions "

@@ -25,6 +25,8 @@ SHIPPED = {
     "gpt2_bytes.yaml": lambda: gpt2_bytes.make_model(),
     "gpt2_bytes.bf16.yaml": lambda: gpt2_bytes.make_model(),
     "gpt2_bytes.bf16_fp32_head.yaml": lambda: gpt2_bytes.make_model(),
+    # hand-written: phases (examples/train_plain.py; tests/test_phases.py trains through them)
+    "gpt2_bytes.phased.yaml": lambda: gpt2_bytes.make_model(),
     "gpt2_bytes_h100.yaml": lambda: gpt2_bytes.make_model(n_embd=1024, n_head=16, seq_len=1024),
     "minilm.yaml": lambda: minilm.make_model(),
     "cnn.yaml": lambda: cnn.make_model(),
