@@ -38,6 +38,7 @@ from typing import Any
 
 from torch import nn
 
+from autoprec.phases import phase_index
 from autoprec.policy import Policy, PolicyError
 from autoprec.runtime import engines, rewrite
 from autoprec.runtime.guard import get_guard
@@ -103,8 +104,6 @@ class PhaseSwitcher:
     # ---------------------------------------------------------------- the switch
     def index_at(self, step: int) -> int:
         """The phase in force when ``step`` optimizer steps are done."""
-        from autoprec.phases import phase_index
-
         return phase_index(self.starts, int(step))
 
     def at(self, step: int) -> int | None:
@@ -120,7 +119,7 @@ class PhaseSwitcher:
     def _switch(self, index: int, step: int) -> None:
         new = self.policy.phase(index)
         guard = get_guard(self.model)
-        if guard is not None and hasattr(guard, "replace_policy"):
+        if guard is not None:
             guard.replace_policy(new)
         else:
             before = rewrite.applied_policy(self.model)
