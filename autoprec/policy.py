@@ -965,8 +965,13 @@ def model_fingerprint(model: nn.Module) -> str:
 
 def _class_name(module: nn.Module) -> str:
     """The module's own class name: past the subclass ``fully_shard`` (FSDP2) makes of a module
-    it shards (``FSDPLinear``), so that sharding leaves the fingerprint as it was."""
+    it shards (``FSDPLinear``) and past torchao's ``Float8Linear`` (torchtitan's subclass of it
+    included), which is the ``Linear`` it replaced: sharding, or building the fp8 layers as
+    Float8Linear (torchtitan's converter), leaves the fingerprint as it was."""
     for cls in type(module).__mro__:
-        if not (cls.__name__.startswith("FSDP") and cls.__module__.startswith("torch.distributed")):
-            return cls.__name__
+        if cls.__name__.startswith("FSDP") and cls.__module__.startswith("torch.distributed"):
+            continue
+        if cls.__name__ == "Float8Linear" and cls.__module__.startswith(("torchao.", "torchtitan.")):
+            continue
+        return cls.__name__
     return type(module).__name__

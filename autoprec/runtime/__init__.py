@@ -25,7 +25,7 @@ __all__ = ["apply", "remove", "applied_formats", "applied_policy", "get_guard", 
 
 def apply(model: nn.Module, policy: Policy | str | os.PathLike, *, strict: bool = True,
           guard: bool | GuardConfig | Guard | None = None,
-          engine: str | None = None) -> nn.Module:
+          engine: str | None = None, standalone: tuple[str, ...] = ()) -> nn.Module:
     """Make ``model`` compute as ``policy`` says; in place, returns ``model``.
 
     ``policy`` is a :class:`~autoprec.policy.Policy` or a path to a policy YAML file. With
@@ -35,6 +35,8 @@ def apply(model: nn.Module, policy: Policy | str | os.PathLike, *, strict: bool 
     overrides the policy's ``fp8: {engine: ...}``: who runs its fp8 ``nn.Linear`` layers.
     A model wrapped by ``torch.compile``, ``DataParallel`` or ``DistributedDataParallel`` gets
     the policy (and the guard) on the module it wraps, named as the policy names it.
+    ``standalone`` names modules called outside their parent's forward, which need a region
+    of their own (see :func:`autoprec.runtime.rewrite.apply`).
 
     ``guard``: ``True`` or a :class:`GuardConfig` attaches a runtime guard that watches the
     low-precision layers in training and demotes those that keep overflowing (see
@@ -43,7 +45,7 @@ def apply(model: nn.Module, policy: Policy | str | os.PathLike, *, strict: bool 
     detaches a guard a previous ``apply`` attached.
     """
     new = Guard.coerce(guard) if guard is not None and guard is not False else None
-    rewrite.apply(model, policy, strict=strict, engine=engine)
+    rewrite.apply(model, policy, strict=strict, engine=engine, standalone=standalone)
     # a guard watches the module the policy is on: under torch.compile's or (D)DP's wrapper
     inner = rewrite.unwrap(model)
     old = get_guard(inner)

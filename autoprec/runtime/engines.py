@@ -36,7 +36,7 @@ from autoprec.formats import Format, Support, supported_formats
 from autoprec.runtime.calls import KERNEL_MULTIPLE
 
 __all__ = ["Swap", "torchao_available", "torchao_takes", "torchao_runs", "engine_for",
-           "swap_to_torchao", "restore", "keeping_sharded_swaps"]
+           "swap_to_torchao", "restore", "keeping_sharded_swaps", "is_float8_linear"]
 
 # Inside keeping_sharded_swaps(): id(Float8Linear) -> its Swap, for the swaps restore() left in
 # place because the model was sharded since (None outside: restore refuses those).
@@ -117,6 +117,11 @@ def engine_for(module: nn.Module, fmt: Format, engine: str) -> str:
         # a Float8Linear kept in place (sharded since its swap): it goes on computing its FP8
         # recipe only in that recipe; any other format runs it as nn.Linear (swap_to_torchao)
         return "torchao" if fmt is kept.format and engine != "autoprec" else "autoprec"
+    if is_float8_linear(module):
+        # built as torchao's Float8Linear before apply (torchtitan's converter, or the user's
+        # convert_to_float8_training): it computes its own FP8 recipe; in any other format
+        # it runs as nn.Linear (swap_to_torchao)
+        return "torchao" if fmt.numerics.torchao_recipe is not None else "autoprec"
     if engine == "autoprec" or not _takes(module, fmt):
         return "autoprec"
     if is_sharded(module):
@@ -140,6 +145,13 @@ def engine_for(module: nn.Module, fmt: Format, engine: str) -> str:
                            "torchao is not installed: pip install 'autoprec[torchao]', or set "
                            "the engine to auto or autoprec.")
     return "autoprec"
+
+
+def is_float8_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is torchao's ``Float8Linear`` (or a subclass: torchtitan's, the one
+    ``fully_shard`` makes), without importing torchao."""
+    return any(cls.__name__ == "Float8Linear" and cls.__module__.startswith("torchao.")
+               for cls in type(module).__mro__)
 
 
 def is_sharded(module: nn.Module) -> bool:
@@ -172,8 +184,10 @@ def swap_to_torchao(model: nn.Module, targets: dict[str, Format]) -> list[Swap]:
     swaps kept in place come first, and are not converted again."""
     kept = _KEPT.get() or {}
     swaps: list[Swap] = _keep(model, targets, kept) if kept else []
+    swaps += _native(model, targets, kept)
     targets = {fqn: f for fqn, f in targets.items()
-               if id(model.get_submodule(fqn)) not in kept}
+               if id(model.get_submodule(fqn)) not in kept
+               and not is_float8_linear(model.get_submodule(fqn))}
     if not targets:
         return swaps
     with _quiet():
@@ -216,6 +230,24 @@ def _keep(model: nn.Module, targets: dict[str, Format], kept: dict[int, Swap]) -
         elif not isinstance(own, _AsLinear):
             module.forward = _AsLinear(module)
         swaps.append(swap)
+    return swaps
+
+
+def _native(model: nn.Module, targets: dict[str, Format], kept: dict[int, Swap]) -> list[Swap]:
+    """The Float8Linear layers the model was built with (not swapped by autoprec): one in
+    ``targets`` computes its recipe; any other runs as ``nn.Linear`` in its region's format,
+    recorded as a swap of the module with itself, which :func:`restore` undoes by giving it
+    its own forward back."""
+    swaps = []
+    for fqn, module in model.named_modules():
+        if id(module) in kept or not is_float8_linear(module):
+            continue
+        if isinstance(module.__dict__.get("forward"), _AsLinear):
+            del module.forward  # left by a policy applied before
+        if fqn not in targets:
+            module.forward = _AsLinear(module)
+            parent, _, child = fqn.rpartition(".")
+            swaps.append(Swap(model.get_submodule(parent), child, module, module))
     return swaps
 
 
@@ -266,5 +298,8 @@ def restore(swaps: list[Swap]) -> None:
                 "Float8Linear after the model was sharded (fully_shard): apply the final policy "
                 "once before fully_shard, or use engine autoprec to change it later.")
     for swap in reversed(swaps):
-        if id(swap) not in stale:
+        if swap.original is swap.replacement:  # a Float8Linear of the model's own (_native)
+            if isinstance(swap.original.__dict__.get("forward"), _AsLinear):
+                del swap.original.forward
+        elif id(swap) not in stale:
             setattr(swap.parent, swap.name, swap.original)

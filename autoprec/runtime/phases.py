@@ -89,7 +89,7 @@ class PhaseSwitcher:
                     f"names `{unused[0]}`, which matches no module of {type(model).__name__} "
                     f"(module names look like {names}, ...): fix or delete the pattern.")
             for fqn, module in model.named_modules():
-                if not fqn or not engines.is_sharded(module) or _is_swap(module):
+                if not fqn or not engines.is_sharded(module) or engines.is_float8_linear(module):
                     continue
                 fmt = phase.format_for(fqn)
                 try:
@@ -156,7 +156,3 @@ class PhaseSwitcher:
         return (f"<autoprec PhaseSwitcher phase {self.current} of {len(self.starts)}, starts "
                 f"{self.starts}>")
 
-
-def _is_swap(module: nn.Module) -> bool:
-    """Whether ``module`` is a torchao Float8Linear already (swapped before sharding)."""
-    return type(module).__name__.replace("FSDP", "") == "Float8Linear"

@@ -81,6 +81,8 @@ _REGIONS_ATTR = "_autoprec_regions"
 _SWAPS_ATTR = "_autoprec_swaps"
 _POLICY_ATTR = "_autoprec_policy"
 _REENTRY_ATTR = "_autoprec_reentry"
+_WARN_HOOK_ATTR = "_autoprec_warn_hook"
+_STANDALONE_ATTR = "_autoprec_standalone"
 _tls = threading.local()
 
 
@@ -400,17 +402,34 @@ def _install(module: nn.Module, fmt: Format, fqn: str, cast_out: bool,
 
 
 def _warn_emulated_fp8(model: nn.Module, policy: Policy, assigned: dict[str, Format]) -> None:
+    """Warn that the policy's fp8 layers are only emulated on the model's device. A model on
+    the meta device (torchtitan builds it there, then materialises it) is not on its device
+    yet: the warning waits for its first forward, on the device it was materialised on."""
     fp8 = [f for f in {policy.default, *assigned.values()} if f.is_fp8]
     if not fp8:
         return
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    support = supported_formats(device) if device.type != "meta" else {}
-    if device.type != "meta" and any(support[f] is not Support.NATIVE for f in fp8):
+    if device.type != "meta":
+        _say_emulated(policy, fp8, device, stacklevel=4)
+        return
+
+    def first_forward(module, args):
+        model.__dict__.pop(_WARN_HOOK_ATTR).remove()
+        now = next((p.device for p in module.parameters()), torch.device("cpu"))
+        if now.type != "meta":
+            _say_emulated(policy, fp8, now, stacklevel=2)
+
+    model.__dict__[_WARN_HOOK_ATTR] = model.register_forward_pre_hook(first_forward)
+
+
+def _say_emulated(policy: Policy, fp8: list[Format], device: torch.device, stacklevel: int) -> None:
+    support = supported_formats(device)
+    if any(support[f] is not Support.NATIVE for f in fp8):
         warnings.warn(
             f"Policy{' ' + policy.source if policy.source else ''} puts layers in fp8, "
             f"which {device} can only emulate: numerics are exact FP8, but those layers run "
             "slower than fp32, not faster. Use a CUDA GPU of compute capability >= 8.9 for "
-            "real FP8 speed.", stacklevel=3)
+            "real FP8 speed.", stacklevel=stacklevel)
 
 
 def _wrapped(model: nn.Module) -> nn.Module | None:
@@ -452,7 +471,8 @@ def _check_wrappers(model: nn.Module) -> None:
 
 
 def apply(model: nn.Module, policy: Policy | str | os.PathLike, *,
-          strict: bool = True, engine: str | None = None) -> nn.Module:
+          strict: bool = True, engine: str | None = None,
+          standalone: tuple[str, ...] = ()) -> nn.Module:
     """Make ``model`` compute as ``policy`` says; in place, returns ``model``.
 
     ``policy`` is a :class:`Policy` or a path to a policy YAML file. With ``strict`` (the
@@ -465,6 +485,10 @@ def apply(model: nn.Module, policy: Policy | str | os.PathLike, *,
     the policy on the module it wraps (:func:`unwrap`): the patterns and the fingerprint are
     checked against that module's names, and :func:`remove` takes it off the same way. Returns
     ``model`` as passed, wrapper included.
+
+    ``standalone``: fqns of modules something calls outside their parent's forward
+    (torchtitan's ChunkedLossWrapper calls ``lm_head`` itself, after the model's forward has
+    returned): each gets a region of its own even where its format is its parent's.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply(model, policy) needs an nn.Module, got {type(model).__name__}.")
@@ -475,6 +499,8 @@ def apply(model: nn.Module, policy: Policy | str | os.PathLike, *,
     if engine is not None:
         policy = dataclasses.replace(policy, fp8_engine=engine)  # checked as the file's is
     assigned = policy.check_model(model, strict=strict)
+    # a re-apply (a guard's demotion, a phase switch) keeps the modules named standalone
+    standalone = tuple(standalone) or model.__dict__.get(_STANDALONE_ATTR, ())
     _remove_regions(model)
     _warn_emulated_fp8(model, policy, assigned)
     # fp8 nn.Linear layers go to torchao where the engine says so (modules swapped, the same
@@ -483,26 +509,38 @@ def apply(model: nn.Module, policy: Policy | str | os.PathLike, *,
                if fqn and engines.engine_for(module, policy.format_for(fqn),
                                              policy.fp8_engine) == "torchao"}
     swaps = engines.swap_to_torchao(model, torchao)
-    installed: list[Region] = []
-    # Parents before children, so each region knows the format it would inherit.
-    for fqn, module in model.named_modules():
-        own = assigned.get(fqn, policy.default if fqn == "" else None)
-        if fqn in torchao:
-            own = torchao[fqn]
-        if own is None:
-            continue
-        inherited = None if fqn == "" else policy.format_for(fqn.rpartition(".")[0])
-        if own is inherited and fqn not in torchao:
-            continue  # same format as the enclosing region: a region would only cost time
-        installed.append(_install(module, own, fqn, cast_out=_casts_out(own, inherited),
-                                  engine="torchao" if fqn in torchao else "autoprec"))
+    installed = _install_regions(model, policy, assigned, torchao, standalone)
     model.__dict__[_REGIONS_ATTR] = installed
     model.__dict__[_REENTRY_ATTR] = _install_reentry(model, policy, installed)
     model.__dict__[_SWAPS_ATTR] = swaps
     model.__dict__[_POLICY_ATTR] = policy
+    if standalone:
+        model.__dict__[_STANDALONE_ATTR] = standalone
     for device_type in {p.device.type for p in model.parameters()}:
         _has_autocast(device_type)  # read by each region: filled eagerly, see _has_autocast
     return wrapper
+
+
+def _install_regions(model: nn.Module, policy: Policy, assigned: dict[str, Format],
+                     torchao: dict[str, Format], standalone: tuple[str, ...]) -> list[Region]:
+    """A region on each module whose format differs from the one it inherits (and on each
+    torchao layer and each ``standalone`` module), parents first, so that each knows the
+    format it would inherit."""
+    installed: list[Region] = []
+    for fqn, module in model.named_modules():
+        own = assigned.get(fqn, policy.default if fqn == "" else None)
+        if fqn in torchao:
+            own = torchao[fqn]
+        if own is None and fqn in standalone:
+            own = policy.format_for(fqn)
+        if own is None:
+            continue
+        inherited = None if fqn == "" else policy.format_for(fqn.rpartition(".")[0])
+        if own is inherited and fqn not in torchao and fqn not in standalone:
+            continue  # same format as the enclosing region: a region would only cost time
+        installed.append(_install(module, own, fqn, cast_out=_casts_out(own, inherited),
+                                  engine="torchao" if fqn in torchao else "autoprec"))
+    return installed
 
 
 def _install_reentry(model: nn.Module, policy: Policy, installed: list[Region]) -> list[Region]:
@@ -531,7 +569,10 @@ def _remove_regions(model: nn.Module) -> nn.Module:
             region.module.forward = region.orig
         else:
             region.module.__dict__.pop("forward", None)
-    for key in (_REGIONS_ATTR, _REENTRY_ATTR, _SWAPS_ATTR, _POLICY_ATTR):
+    hook = model.__dict__.pop(_WARN_HOOK_ATTR, None)
+    if hook is not None:
+        hook.remove()
+    for key in (_REGIONS_ATTR, _REENTRY_ATTR, _SWAPS_ATTR, _POLICY_ATTR, _STANDALONE_ATTR):
         model.__dict__.pop(key, None)
     return model
 

@@ -1,0 +1,406 @@
+"""torchtitan: train with a tuned policy in torchtitan's own trainer (torchtitan 0.3).
+
+The one command (``pip install 'autoprec[torchtitan]'``)::
+
+    torchrun --nproc_per_node 8 -m torchtitan.train \\
+        --module autoprec.torchtitan --config llama3_8b --autoprec.policy llama3_8b.yaml
+
+``--config`` names any of torchtitan's own config functions (``llama3_debugmodel``,
+``llama3_8b``, ``qwen3_...``): this module hands the trainer that config with one section more,
+``--autoprec.policy`` (and ``--autoprec.strict``). For a config function of your own, return
+``with_policy(your_config())`` from it. What the policy then changes, and how:
+
+- **FP8 Linears, in torchtitan's own config tree.** :class:`PolicyConverter` (a torchtitan
+  ``ModelConfigConverter``) replaces each ``Linear.Config`` the policy puts in an FP8 recipe by
+  torchtitan's ``Float8Linear.Config`` carrying that layer's torchao recipe, before the model
+  is built, so torchtitan's compile, FSDP2 and tensor parallelism treat them as their own.
+  Every other field of the layer's config is kept. Names are matched as the policy matches
+  them (exact fqns and its globs), never by substring: torchtitan's own ``filter_fqns``
+  matches ``layers.1`` inside ``layers.10``.
+- **Everything else, in autoprec's regions.** When the trainer parallelises the model (still
+  on the meta device), :func:`autoprec.apply` gives the rest of the policy its regions: fp8
+  matmuls that are not Linears (attention), bf16 and fp32 layers. ``lm_head`` gets a region of
+  its own, since torchtitan's ChunkedLossWrapper calls it outside the model's forward.
+- **fp32 layers under torchtitan's BF16 parameters.** With ``mixed_precision_param``
+  ``bfloat16`` (torchtitan's default), FSDP2 would gather a layer the policy keeps in fp32 in
+  bf16. Each such layer gets an FSDP2 unit of its own whose ``MixedPrecisionPolicy`` gathers in
+  fp32 (the rest of its block still in bf16). Where that cannot be done (tensor or pipeline
+  parallel), the trainer stops at start-up with a one-line error naming the layer and the fix.
+
+A policy with ``phases:`` is refused: torchtitan builds each layer's precision once, and
+changes precision by restarting from a checkpoint with another config (its NVFP4 docs). So is
+one with fp16 layers: torchtitan's trainer scales no loss (tune with ``--formats fp32 bf16
+fp8``).
+
+The task helper :func:`task` builds a model from torchtitan's registry for ``autoprec tune``
+(``examples/torchtitan_llama3.py``), so that the policy is tuned on the model that is trained.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import importlib
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoprec.formats import Format, Support, supported_formats
+from autoprec.policy import Policy, PolicyError, load_policy
+from autoprec.runtime import apply
+from autoprec.runtime.engines import torchao_available, torchao_takes
+from autoprec.task import Task
+
+torchao_available()  # imports torchao (before torchtitan does) without its CUDA-less noise
+try:
+    import torchtitan  # noqa: F401
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(f"autoprec.torchtitan needs torchtitan ({e}): pip install "
+                      "'autoprec[torchtitan]'") from e
+from torchtitan.components.quantization import Float8Linear  # noqa: E402
+from torchtitan.models.common.linear import Linear  # noqa: E402
+from torchtitan.protocols.model import ModelConfigConverter  # noqa: E402
+from torchtitan.trainer import Trainer  # noqa: E402
+
+__all__ = ["PolicyConverter", "AutoprecOptions", "AutoprecTrainer", "with_policy", "policy_spec",
+           "fp8_linears", "build_model", "task"]
+
+# the modules torchtitan's ChunkedLossWrapper calls itself, after the model's forward
+_CALLED_BY_THE_LOSS = ("lm_head",)
+
+
+def _load(policy: Policy | str | os.PathLike) -> Policy:
+    policy = policy if isinstance(policy, Policy) else load_policy(policy)
+    if policy.phases:
+        raise PolicyError(
+            f"Policy{' ' + policy.source if policy.source else ''} has phases, which "
+            "torchtitan cannot follow: it builds each layer's precision once. Train each phase "
+            "from its own policy without `phases:`, restarting from a checkpoint between them.")
+    if policy.uses(Format.FP16):
+        raise PolicyError(
+            f"Policy{' ' + policy.source if policy.source else ''} puts layers in fp16, whose "
+            "gradients need loss scaling, and torchtitan's trainer scales no loss: re-tune "
+            "with `autoprec tune ... --formats fp32 bf16 fp8`.")
+    return policy
+
+
+def _native(fmt: Format) -> bool:
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    return supported_formats(device)[fmt] is Support.NATIVE
+
+
+def _torchao_config(fmt: Format):
+    """torchao's Float8LinearConfig of ``fmt``'s recipe; emulated where this machine has no FP8
+    kernels for it (the numbers are the same)."""
+    from torchao.float8 import Float8LinearConfig
+
+    config = Float8LinearConfig.from_recipe_name(fmt.numerics.torchao_recipe)
+    return config if _native(fmt) else dataclasses.replace(config, emulate=True)
+
+
+def fp8_linears(policy: Policy, model_config) -> dict[str, Format]:
+    """fqn -> FP8 format of each ``Linear.Config`` in torchtitan's ``model_config`` tree that
+    the policy puts in an FP8 recipe torchao runs (features multiples of 16, as torchao's own
+    filter asks): the layers :class:`PolicyConverter` builds as ``Float8Linear``. A policy
+    whose engine is ``autoprec`` gets none (its own FP8 matmul runs them all)."""
+    if policy.fp8_engine == "autoprec":
+        return {}
+    found = {}
+    for fqn, config, _, _ in model_config.traverse(Linear.Config):
+        fmt = policy.format_for(fqn)
+        if torchao_takes(fmt, linear=True, in_features=config.in_features,
+                         out_features=config.out_features):
+            found[fqn] = fmt
+    return found
+
+
+def _convert(model_config, policy: Policy):
+    """``model_config`` with the policy's FP8 Linears as Float8Linear.Config (each with its
+    recipe), every other field of theirs and every other config as it was."""
+    targets = fp8_linears(policy, model_config)
+    if not targets:
+        return model_config
+    if Float8Linear is None:
+        raise PolicyError(
+            f"Policy{' ' + policy.source if policy.source else ''} puts Linear layers in fp8, "
+            "which torchtitan builds with torchao: pip install 'autoprec[torchao]'.")
+    model_config = copy.deepcopy(model_config)  # the caller's tree is left as it was
+    recipes = {fmt: _torchao_config(fmt) for fmt in set(targets.values())}
+    if any(fmt.numerics.torchao_recipe == "rowwise" for fmt in recipes):
+        # what torchtitan's own float8 converter sets for rowwise (pytorch/pytorch#150859)
+        import torch._inductor.config
+
+        torch._inductor.config.emulate_precision_casts = True
+    for fqn, config, parent, attr in list(model_config.traverse(Linear.Config)):
+        fmt = targets.get(fqn)
+        if fmt is None:
+            continue
+        kept = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+                if f.name != "_torchao_config"}
+        new = Float8Linear.Config(**kept, _torchao_config=recipes[fmt])
+        if parent is None:
+            model_config = new
+        elif isinstance(parent, list):
+            parent[attr] = new
+        else:
+            setattr(parent, attr, new)
+    return model_config
+
+
+class PolicyConverter(ModelConfigConverter):
+    """torchtitan's config converter for a policy: its FP8 Linears become ``Float8Linear.Config``
+    with each layer's recipe (see :func:`fp8_linears`). Only the config-tree half of a policy:
+    :func:`with_policy` adds the regions and fp32 units; on its own, in
+    ``model_registry(flavor, converters=[PolicyConverter.Config(policy=PATH)])``, it is a
+    measured replacement of torchtitan's ``Float8LinearConverter`` and its ``filter_fqns``."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ModelConfigConverter.Config):
+        policy: str = ""
+        """Path of the autoprec policy YAML file."""
+
+    def __init__(self, config: Config):
+        if not config.policy:
+            raise PolicyError("PolicyConverter.Config(policy=...) needs the path of a policy "
+                              "YAML file (written by `autoprec tune`).")
+        self.config = config
+        self.policy = _load(config.policy)
+
+    def convert(self, model_config):
+        return _convert(model_config, self.policy)
+
+
+def _fp32_owners(model: nn.Module, policy: Policy) -> dict[int, str]:
+    """id -> fqn of each module that owns parameters itself and computes in fp32."""
+    return {id(m): fqn for fqn, m in model.named_modules()
+            if next(m.parameters(recurse=False), None) is not None
+            and policy.format_for(fqn) is Format.FP32}
+
+
+class _Units:
+    """Wraps ``fully_shard`` while torchtitan parallelises: a unit torchtitan gathers in 16 bits
+    that holds fp32 layers of the policy gets those layers as units of their own, gathered in
+    fp32, first (their parameters are then left out of the enclosing unit); a unit made only
+    of fp32 layers is gathered in fp32 itself."""
+
+    def __init__(self, real: Callable, owners: dict[int, str]):
+        self.real = real
+        self.owners = owners
+        self.covered: set[str] = set()
+        self.low = False  # whether any unit was gathered in 16 bits
+
+    def __call__(self, module, **kwargs):
+        mp = kwargs.get("mp_policy")
+        if mp is None or mp.param_dtype in (None, torch.float32):
+            return self.real(module, **kwargs)
+        self.low = True
+        fp32 = dict(kwargs, mp_policy=dataclasses.replace(mp, param_dtype=torch.float32))
+        many = isinstance(module, (list, tuple))
+        rest = [m for m in (module if many else [module]) if not self._split(m, fp32)]
+        if rest:
+            self.real(rest if many else rest[0], **kwargs)
+        return module
+
+    def _split(self, module: nn.Module, fp32: dict) -> bool:
+        """Give ``module``'s fp32 layers their own fp32 units; True when that was all of it."""
+        owning = [(f, m) for f, m in module.named_modules()
+                  if next(m.parameters(recurse=False), None) is not None]
+        if owning and all(id(m) in self.owners for _, m in owning):
+            self.real(module, **fp32)
+            self.covered.update(self.owners[id(m)] for _, m in owning)
+            return True
+        done: list[str] = []
+        for name, m in owning:
+            fqn = self.owners.get(id(m))
+            if fqn is None or fqn in self.covered or any(name.startswith(d + ".") for d in done):
+                continue
+            if m is module:
+                raise PolicyError(
+                    f"`{fqn}` is fp32 under the policy but holds layers in other formats, and "
+                    "torchtitan gathers it as one FSDP2 unit in 16 bits: put its sub-layers in "
+                    "fp32 too, or pass --training.mixed_precision_param float32.")
+            self.real(m, **fp32)
+            self.covered.update(o for n, s in m.named_modules()
+                                if (o := self.owners.get(id(s))) is not None)
+            done.append(name)
+        return False
+
+
+@contextlib.contextmanager
+def _fp32_units(owners: dict[int, str]):
+    """Inside: torchtitan's FSDP2 (``apply_fsdp_to_decoder``) makes the units of :class:`_Units`."""
+    from torchtitan.distributed import fsdp
+
+    units = _Units(fsdp.fully_shard, owners)
+    fsdp.fully_shard = units
+    try:
+        yield units
+    finally:
+        fsdp.fully_shard = units.real
+
+
+class _Parallelize:
+    """torchtitan's ``parallelize_fn`` with the policy: regions on the meta model first, then
+    torchtitan's parallelisms, with fp32 units of their own for the policy's fp32 layers."""
+
+    def __init__(self, inner: Callable, policy: Policy, strict: bool):
+        self.inner = inner
+        self.policy = policy
+        self.strict = strict
+
+    def __call__(self, model: nn.Module, *, parallel_dims, training, **rest):
+        from torchtitan.config import TORCH_DTYPE_MAP
+
+        standalone = tuple(n for n in _CALLED_BY_THE_LOSS if hasattr(model, n))
+        apply(model, self.policy, strict=self.strict, standalone=standalone)
+        low = TORCH_DTYPE_MAP[training.mixed_precision_param] != torch.float32
+        owners = _fp32_owners(model, self.policy) if low else {}
+        if owners and (parallel_dims.tp_enabled or parallel_dims.pp_enabled):
+            raise PolicyError(
+                f"`{next(iter(owners.values()))}` is fp32 under the policy, but with tensor or "
+                "pipeline parallelism autoprec cannot give it an FSDP2 unit of its own, and "
+                "torchtitan would gather it in bfloat16: pass --training.mixed_precision_param "
+                "float32, or put the layer in bf16.")
+        with _fp32_units(owners) as units:
+            model = self.inner(model, parallel_dims=parallel_dims, training=training, **rest)
+        missing = [fqn for fqn in owners.values() if fqn not in units.covered]
+        if units.low and missing:
+            raise PolicyError(
+                f"`{missing[0]}` is fp32 under the policy, but this model's parallelize function "
+                "gathered it in 16 bits outside torchtitan's apply_fsdp_to_decoder: pass "
+                "--training.mixed_precision_param float32, or put the layer in bf16.")
+        return model
+
+
+def policy_spec(spec, policy: Policy | str | os.PathLike, *, strict: bool = True):
+    """torchtitan's ``ModelSpec`` with ``policy``: its model config converted
+    (:class:`PolicyConverter`) and its ``parallelize_fn`` giving the rest of the policy."""
+    policy = _load(policy)
+    return dataclasses.replace(spec, model=_convert(spec.model, policy),
+                               parallelize_fn=_Parallelize(spec.parallelize_fn, policy, strict))
+
+
+@dataclass
+class AutoprecOptions:
+    """The trainer config's ``autoprec`` section (``--autoprec.policy PATH``)."""
+
+    policy: str = ""
+    """Path of the autoprec policy YAML file to train with (empty: train without one)."""
+    strict: bool = True
+    """Refuse a policy made for another model (fingerprint) or naming no layer of this one."""
+
+
+class AutoprecTrainer(Trainer):
+    """torchtitan's Trainer, training its model under ``config.autoprec.policy``."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        autoprec: AutoprecOptions = field(default_factory=AutoprecOptions)
+
+    def __init__(self, config: Config):
+        if config.autoprec.policy:
+            config.model_spec = policy_spec(config.model_spec, config.autoprec.policy,
+                                            strict=config.autoprec.strict)
+        super().__init__(config)
+
+
+def with_policy(config: Trainer.Config, policy: str | os.PathLike | None = None, *,
+                strict: bool = True) -> AutoprecTrainer.Config:
+    """``config`` (a torchtitan ``Trainer.Config``) as the config of :class:`AutoprecTrainer`:
+    the same fields, and the ``autoprec`` section, whose policy ``--autoprec.policy`` sets on
+    the command line (``policy`` here is its default)."""
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(Trainer.Config)}
+    options = AutoprecOptions(policy=os.fspath(policy) if policy else "", strict=strict)
+    return AutoprecTrainer.Config(**fields, autoprec=options)
+
+
+def _registry_function(name: str) -> Callable | None:
+    from torchtitan.models import _supported_models
+
+    # the model whose name starts the config's (llama3_8b: llama3), longest first
+    for model in sorted(_supported_models, key=lambda m: (not name.startswith(m), -len(m))):
+        try:
+            registry = importlib.import_module(f"torchtitan.models.{model}.config_registry")
+        except ImportError:
+            continue
+        fn = getattr(registry, name, None)
+        if callable(fn):
+            return fn
+    return None
+
+
+def __getattr__(name: str):
+    # `--module autoprec.torchtitan --config NAME`: torchtitan's config function NAME, with the
+    # autoprec section (torchtitan's ConfigManager looks the function up with getattr)
+    if name.startswith("_"):
+        raise AttributeError(name)
+    fn = _registry_function(name)
+    if fn is None:
+        raise AttributeError(f"module 'autoprec.torchtitan' has no attribute {name!r} (and "
+                             f"torchtitan has no config function {name!r})")
+
+    def config() -> AutoprecTrainer.Config:
+        return with_policy(fn())
+
+    config.__name__ = config.__qualname__ = name
+    config.__doc__ = f"torchtitan's {name}, trained under --autoprec.policy."
+    return config
+
+
+# ---------------------------------------------------------------------------- tuning
+def _registry(module: str) -> Callable:
+    try:
+        return importlib.import_module(f"torchtitan.models.{module}").model_registry
+    except (ImportError, AttributeError):
+        raise PolicyError(f"torchtitan has no model {module!r} with a model_registry "
+                          "(torchtitan.models.<module>.model_registry).") from None
+
+
+def build_model(module: str = "llama3", flavor: str = "debugmodel", *, n_layers: int | None = None,
+                device: str | torch.device = "cpu", seed: int = 0) -> nn.Module:
+    """torchtitan's ``module`` model of ``flavor``, built as its trainer builds it (meta, then
+    materialised on ``device`` and initialised by its ``init_weights``), names and shapes as
+    its trainer's, for tuning. Attention is plain causal SDPA: torchtitan's flex and varlen
+    backends need the trainer's document masks and compile (they hold no parameters, so the
+    policy's names and fingerprint are the trainer's). ``n_layers`` keeps the first blocks only
+    (a model too large to tune whole: its policy's fingerprint is then the shorter model's)."""
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    config = _registry(module)(flavor).model
+    if n_layers is not None:
+        config.layers = config.layers[:n_layers]
+    for layer in config.layers:
+        attention = getattr(layer, "attention", None)
+        if attention is not None and hasattr(attention, "inner_attention"):
+            attention.inner_attention = ScaledDotProductAttention.Config()
+    with torch.device("meta"):
+        model = config.build()
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device(device))
+    return model
+
+
+def _next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens)
+    return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
+                                       tokens[:, 1:].flatten())
+
+
+def task(batches: Sequence[torch.Tensor], module: str = "llama3", flavor: str = "debugmodel", *,
+         n_layers: int | None = None, shape_batch: Any = None, **extra) -> Task:
+    """An :class:`autoprec.Task` of torchtitan's ``module``/``flavor`` model (:func:`build_model`)
+    on token batches (``[batch, seq]`` int64 tensors), next-token loss. ``shape_batch``: a
+    batch at production size (a meta tensor is fine), to price with ``--target``; ``extra``
+    goes to ``Task`` (``eval_batches``, ``train_batches``, ``device``)."""
+    name = f"torchtitan-{module}-{flavor}" + (f"-{n_layers}layers" if n_layers else "")
+    device = extra.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    return Task(model=lambda: build_model(module, flavor, n_layers=n_layers, device=device),
+                batches=list(batches), loss_fn=_next_token_loss, name=name,
+                shape_batch=shape_batch, **{**extra, "device": device})
