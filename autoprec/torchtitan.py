@@ -7,7 +7,7 @@ The one command (``pip install 'autoprec[torchtitan]'``)::
 
 ``--config`` names any of torchtitan's own config functions (``llama3_debugmodel``,
 ``llama3_8b``, ``qwen3_...``): this module hands the trainer that config with one section more,
-``--autoprec.policy`` (and ``--autoprec.strict``). For a config function of your own, return
+``--autoprec.policy`` (and ``--autoprec.no-strict``). For a config function of your own, return
 ``with_policy(your_config())`` from it. What the policy then changes, and how:
 
 - **FP8 Linears, in torchtitan's own config tree.** :class:`PolicyConverter` (a torchtitan
@@ -176,10 +176,28 @@ class PolicyConverter(ModelConfigConverter):
 
 
 def _fp32_owners(model: nn.Module, policy: Policy) -> dict[int, str]:
-    """id -> fqn of each module that owns parameters itself and computes in fp32."""
-    return {id(m): fqn for fqn, m in model.named_modules()
-            if next(m.parameters(recurse=False), None) is not None
-            and policy.format_for(fqn) is Format.FP32}
+    """id -> fqn of each module that owns parameters itself and computes in fp32. A parameter
+    an fp32 layer shares with a layer in another format (tied embeddings and ``lm_head``) cannot
+    be gathered both ways: refused."""
+    owners = {id(m): fqn for fqn, m in model.named_modules()
+              if next(m.parameters(recurse=False), None) is not None
+              and policy.format_for(fqn) is Format.FP32}
+    holders: dict[int, list[str]] = {}
+    for fqn, m in model.named_modules():
+        for p in m.parameters(recurse=False):
+            holders.setdefault(id(p), []).append(fqn)
+    for fqn, m in model.named_modules():
+        if id(m) not in owners:
+            continue
+        for p in m.parameters(recurse=False):
+            other = next((h for h in holders[id(p)] if policy.format_for(h) is not Format.FP32),
+                         None)
+            if other is not None:
+                raise PolicyError(
+                    f"`{fqn}` is fp32 under the policy but shares its weight with `{other}` "
+                    f"({policy.format_for(other)}), which torchtitan gathers with it in 16 bits: "
+                    "give both one format, or pass --training.mixed_precision_param float32.")
+    return owners
 
 
 class _Units:
@@ -201,16 +219,26 @@ class _Units:
         self.low = True
         fp32 = dict(kwargs, mp_policy=dataclasses.replace(mp, param_dtype=torch.float32))
         many = isinstance(module, (list, tuple))
-        rest = [m for m in (module if many else [module]) if not self._split(m, fp32)]
+        group = list(module) if many else [module]
+        if all(self._all_fp32(m) for m in group):  # (tied weights stay in one unit)
+            self.real(module, **fp32)
+            self.covered.update(o for m in group for s in m.modules()
+                                if (o := self.owners.get(id(s))) is not None)
+            return module
+        rest = [m for m in group if not self._split(m, fp32)]
         if rest:
             self.real(rest if many else rest[0], **kwargs)
         return module
+
+    def _all_fp32(self, module: nn.Module) -> bool:
+        owning = [m for m in module.modules() if next(m.parameters(recurse=False), None) is not None]
+        return bool(owning) and all(id(m) in self.owners for m in owning)
 
     def _split(self, module: nn.Module, fp32: dict) -> bool:
         """Give ``module``'s fp32 layers their own fp32 units; True when that was all of it."""
         owning = [(f, m) for f, m in module.named_modules()
                   if next(m.parameters(recurse=False), None) is not None]
-        if owning and all(id(m) in self.owners for _, m in owning):
+        if self._all_fp32(module):
             self.real(module, **fp32)
             self.covered.update(self.owners[id(m)] for _, m in owning)
             return True

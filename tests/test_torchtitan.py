@@ -275,6 +275,22 @@ def test_fp32_layers_under_bf16_params_with_tensor_parallel_are_refused_at_start
                         parallelism=ParallelismConfig())
 
 
+def test_an_fp32_lm_head_tied_to_bf16_embeddings_is_refused_at_start_up():
+    # torchtitan's 1B flavor ties lm_head to tok_embeddings (one block kept: built on meta only)
+    spec = dataclasses.replace(model_registry("1B"), parallelize_fn=_no_parallelism)
+    spec.model.layers = spec.model.layers[:1]
+    spec = policy_spec(spec, Policy(default="bf16", layers={"lm_head": "fp32"}))
+    with torch.device("meta"):
+        model = spec.model.build()
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
+    with pytest.raises(PolicyError) as e:
+        spec.parallelize_fn(model, parallel_dims=dims, training=TrainingConfig(),
+                            parallelism=ParallelismConfig())
+    msg = str(e.value)
+    assert "`lm_head` is fp32 under the policy but shares its weight with `tok_embeddings`" in msg
+    assert "\n" not in msg
+
+
 # ---------------------------------------------------------------------------- FSDP2, 2 ranks
 def _sharded_run(rank: int) -> dict:
     from conftest import ComputeProbe
@@ -368,6 +384,9 @@ def test_build_model_is_the_trainers_model_for_the_policy():
     assert names(model) == names(built)
     assert autoprec.model_fingerprint(model) == autoprec.model_fingerprint(built)
     assert {p.device.type for p in model.parameters()} == {"cpu"}
+    short = build_model("llama3", "debugmodel", n_layers=2)
+    assert list(short.layers) == ["0", "1"] and names(short) == [
+        n for n in names(model) if not n.startswith("layers.") or n.split(".")[1] in "01"]
     with pytest.raises(PolicyError, match="torchtitan has no model 'nope'"):
         build_model("nope")
 
