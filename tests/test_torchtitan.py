@@ -257,36 +257,34 @@ def test_a_float8linear_torchtitan_built_runs_as_linear_when_a_reapply_demotes_i
 
 
 # ---------------------------------------------------------------------------- refusals
-def test_fp32_layers_under_bf16_params_with_tensor_parallel_are_refused_at_start_up():
-    spec = policy_spec(dataclasses.replace(model_registry("debugmodel"),
-                                           parallelize_fn=_no_parallelism), POLICY)
+def _refusal(spec, policy: Policy, tp: int = 1) -> str:
+    """The one-line PolicyError torchtitan's parallelize step with ``policy`` stops at, on the
+    meta model, under its default BF16 parameters."""
+    spec = policy_spec(dataclasses.replace(spec, parallelize_fn=_no_parallelism), policy)
     with torch.device("meta"):
         model = spec.model.build()
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, ep=1, world_size=2)
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=tp, pp=1, ep=1, world_size=tp)
     with pytest.raises(PolicyError) as e:
         spec.parallelize_fn(model, parallel_dims=dims, training=TrainingConfig(),
                             parallelism=ParallelismConfig())
-    msg = str(e.value)
-    assert "`layers.2.feed_forward.w2` is fp32" in msg and "\n" not in msg
-    assert "--training.mixed_precision_param float32" in msg
     # fp32 parameters everywhere: nothing to refuse
     spec.parallelize_fn(model, parallel_dims=dims,
                         training=TrainingConfig(mixed_precision_param="float32"),
                         parallelism=ParallelismConfig())
+    return str(e.value)
+
+
+def test_fp32_layers_under_bf16_params_with_tensor_parallel_are_refused_at_start_up():
+    msg = _refusal(model_registry("debugmodel"), POLICY, tp=2)
+    assert "`layers.2.feed_forward.w2` is fp32" in msg and "\n" not in msg
+    assert "--training.mixed_precision_param float32" in msg
 
 
 def test_an_fp32_lm_head_tied_to_bf16_embeddings_is_refused_at_start_up():
     # torchtitan's 1B flavor ties lm_head to tok_embeddings (one block kept: built on meta only)
-    spec = dataclasses.replace(model_registry("1B"), parallelize_fn=_no_parallelism)
+    spec = model_registry("1B")
     spec.model.layers = spec.model.layers[:1]
-    spec = policy_spec(spec, Policy(default="bf16", layers={"lm_head": "fp32"}))
-    with torch.device("meta"):
-        model = spec.model.build()
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
-    with pytest.raises(PolicyError) as e:
-        spec.parallelize_fn(model, parallel_dims=dims, training=TrainingConfig(),
-                            parallelism=ParallelismConfig())
-    msg = str(e.value)
+    msg = _refusal(spec, Policy(default="bf16", layers={"lm_head": "fp32"}))
     assert "`lm_head` is fp32 under the policy but shares its weight with `tok_embeddings`" in msg
     assert "\n" not in msg
 
