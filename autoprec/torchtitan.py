@@ -24,8 +24,10 @@ The one command (``pip install 'autoprec[torchtitan]'``)::
 - **fp32 layers under torchtitan's BF16 parameters.** With ``mixed_precision_param``
   ``bfloat16`` (torchtitan's default), FSDP2 would gather a layer the policy keeps in fp32 in
   bf16. Each such layer gets an FSDP2 unit of its own whose ``MixedPrecisionPolicy`` gathers in
-  fp32 (the rest of its block still in bf16). Where that cannot be done (tensor or pipeline
-  parallel), the trainer stops at start-up with a one-line error naming the layer and the fix.
+  fp32 (the rest of its block still in bf16). Where that cannot be done (tensor parallel, a
+  weight tied to a layer in another format), the trainer stops at start-up with a one-line
+  error naming the layer and the fix. Pipeline parallelism is refused the same way (each
+  stage holds part of the model the policy names).
 
 A policy with ``phases:`` is refused: torchtitan builds each layer's precision once, and
 changes precision by restarting from a checkpoint with another config (its NVFP4 docs). So is
@@ -284,16 +286,22 @@ class _Parallelize:
     def __call__(self, model: nn.Module, *, parallel_dims, training, **rest):
         from torchtitan.config import TORCH_DTYPE_MAP
 
+        if parallel_dims.pp_enabled:
+            # each stage holds part of the model: the policy's fingerprint and patterns are
+            # the whole model's
+            raise PolicyError("autoprec.torchtitan does not run under pipeline parallelism "
+                              "yet (each stage would be checked against the whole model's "
+                              "policy): train with --parallelism.pipeline_parallel_degree 1.")
         standalone = tuple(n for n in _CALLED_BY_THE_LOSS if hasattr(model, n))
         apply(model, self.policy, strict=self.strict, standalone=standalone)
         low = TORCH_DTYPE_MAP[training.mixed_precision_param] != torch.float32
         owners = _fp32_owners(model, self.policy) if low else {}
-        if owners and (parallel_dims.tp_enabled or parallel_dims.pp_enabled):
+        if owners and parallel_dims.tp_enabled:
             raise PolicyError(
-                f"`{next(iter(owners.values()))}` is fp32 under the policy, but with tensor or "
-                "pipeline parallelism autoprec cannot give it an FSDP2 unit of its own, and "
-                "torchtitan would gather it in bfloat16: pass --training.mixed_precision_param "
-                "float32, or put the layer in bf16.")
+                f"`{next(iter(owners.values()))}` is fp32 under the policy, but with tensor "
+                "parallelism autoprec cannot give it an FSDP2 unit of its own, and torchtitan "
+                "would gather it in bfloat16: pass --training.mixed_precision_param float32, "
+                "or put the layer in bf16.")
         with _fp32_units(owners) as units:
             model = self.inner(model, parallel_dims=parallel_dims, training=training, **rest)
         missing = [fqn for fqn in owners.values() if fqn not in units.covered]

@@ -289,6 +289,19 @@ def test_an_fp32_lm_head_tied_to_bf16_embeddings_is_refused_at_start_up():
     assert "\n" not in msg
 
 
+def test_pipeline_parallel_is_refused_at_start_up():
+    spec = policy_spec(dataclasses.replace(model_registry("debugmodel"),
+                                           parallelize_fn=_no_parallelism), POLICY)
+    with torch.device("meta"):
+        model = spec.model.build()
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=2, ep=1, world_size=2)
+    with pytest.raises(PolicyError, match="pipeline_parallel_degree 1") as e:
+        spec.parallelize_fn(model, parallel_dims=dims,
+                            training=TrainingConfig(mixed_precision_param="float32"),
+                            parallelism=ParallelismConfig())
+    assert "\n" not in str(e.value) and autoprec.applied_formats(model) == {}
+
+
 # ---------------------------------------------------------------------------- FSDP2, 2 ranks
 def _sharded_run(rank: int) -> dict:
     from conftest import ComputeProbe
