@@ -96,7 +96,13 @@ def test_dry_run_prints_every_section_with_finite_numbers(tmp_path):
         (s, r) for s in ("64x64x64", "128x64x32")
         for r in ("tensorwise", "rowwise", "rowwise_with_gw_hp")]
     for r in rows:
-        assert all(0 < _num(c) < 1 for c in r[2:5]), r  # emulated on CPU: slower than bf16
+        # emulated on CPU, FP8 is slower than bf16; a timed ratio is a speed, not asserted: it
+        # must be finite and positive, and one that does not show "slower" is written as a tie
+        # (a burst of contention on this shared machine once timed it at 2.46 [0.016-8.3])
+        for c in r[2:4]:
+            assert 0 < _num(c) and math.isfinite(_num(c)), r
+            assert _num(c) < 1 or "(tie)" in c, r
+        assert 0 < _num(r[4]) < 1, r  # the cost model's price of an emulated recipe
         assert _num(r[5]) < 1e-3, r
 
     assert "failed sections: none" in out
