@@ -158,8 +158,9 @@ class PolicyConverter(ModelConfigConverter):
     """torchtitan's config converter for a policy: its FP8 Linears become ``Float8Linear.Config``
     with each layer's recipe (see :func:`fp8_linears`). Only the config-tree half of a policy:
     :func:`with_policy` adds the regions and fp32 units; on its own, in
-    ``model_registry(flavor, converters=[PolicyConverter.Config(policy=PATH)])``, it is a
-    measured replacement of torchtitan's ``Float8LinearConverter`` and its ``filter_fqns``."""
+    ``model_registry(flavor, converters=[PolicyConverter.Config(policy=PATH)])``, it takes the
+    place of torchtitan's ``Float8LinearConverter`` and its ``filter_fqns``, layer by layer (the
+    policy's other layers then run as torchtitan runs them)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(ModelConfigConverter.Config):
