@@ -52,10 +52,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec.formats import Format, Support, supported_formats
+from autoprec.formats import Format
 from autoprec.policy import Policy, PolicyError, load_policy
 from autoprec.runtime import apply
-from autoprec.runtime.engines import torchao_available, torchao_takes
+from autoprec.runtime.engines import float8_linear_config, torchao_available, torchao_takes
 from autoprec.task import Task
 
 torchao_available()  # imports torchao (before torchtitan does) without its CUDA-less noise
@@ -91,20 +91,6 @@ def _load(policy: Policy | str | os.PathLike) -> Policy:
     return policy
 
 
-def _native(fmt: Format) -> bool:
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    return supported_formats(device)[fmt] is Support.NATIVE
-
-
-def _torchao_config(fmt: Format):
-    """torchao's Float8LinearConfig of ``fmt``'s recipe; emulated where this machine has no FP8
-    kernels for it (the numbers are the same)."""
-    from torchao.float8 import Float8LinearConfig
-
-    config = Float8LinearConfig.from_recipe_name(fmt.numerics.torchao_recipe)
-    return config if _native(fmt) else dataclasses.replace(config, emulate=True)
-
-
 def fp8_linears(policy: Policy, model_config) -> dict[str, Format]:
     """fqn -> FP8 format of each ``Linear.Config`` in torchtitan's ``model_config`` tree that
     the policy puts in an FP8 recipe torchao runs (features multiples of 16, as torchao's own
@@ -132,12 +118,14 @@ def _convert(model_config, policy: Policy):
             f"Policy{' ' + policy.source if policy.source else ''} puts Linear layers in fp8, "
             "which torchtitan builds with torchao: pip install 'autoprec[torchao]'.")
     model_config = copy.deepcopy(model_config)  # the caller's tree is left as it was
-    recipes = {fmt: _torchao_config(fmt) for fmt in set(targets.values())}
+    # emulated where the machine the trainer runs on has no FP8 kernels for the recipe
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    recipes = {fmt: float8_linear_config(fmt, device) for fmt in set(targets.values())}
     if any(fmt.numerics.torchao_recipe == "rowwise" for fmt in recipes):
         # what torchtitan's own float8 converter sets for rowwise (pytorch/pytorch#150859)
-        import torch._inductor.config
+        import torch._inductor.config as inductor
 
-        torch._inductor.config.emulate_precision_casts = True
+        inductor.emulate_precision_casts = True
     for fqn, config, parent, attr in list(model_config.traverse(Linear.Config)):
         fmt = targets.get(fqn)
         if fmt is None:
@@ -178,13 +166,16 @@ class PolicyConverter(ModelConfigConverter):
         return _convert(model_config, self.policy)
 
 
+def _owns_params(module: nn.Module) -> bool:
+    return next(module.parameters(recurse=False), None) is not None
+
+
 def _fp32_owners(model: nn.Module, policy: Policy) -> dict[int, str]:
     """id -> fqn of each module that owns parameters itself and computes in fp32. A parameter
     an fp32 layer shares with a layer in another format (tied embeddings and ``lm_head``) cannot
     be gathered both ways: refused."""
     owners = {id(m): fqn for fqn, m in model.named_modules()
-              if next(m.parameters(recurse=False), None) is not None
-              and policy.format_for(fqn) is Format.FP32}
+              if _owns_params(m) and policy.format_for(fqn) is Format.FP32}
     holders: dict[int, list[str]] = {}
     for fqn, m in model.named_modules():
         for p in m.parameters(recurse=False):
@@ -224,9 +215,7 @@ class _Units:
         many = isinstance(module, (list, tuple))
         group = list(module) if many else [module]
         if all(self._all_fp32(m) for m in group):  # (tied weights stay in one unit)
-            self.real(module, **fp32)
-            self.covered.update(o for m in group for s in m.modules()
-                                if (o := self.owners.get(id(s))) is not None)
+            self._shard_fp32(module, group, fp32)
             return module
         rest = [m for m in group if not self._split(m, fp32)]
         if rest:
@@ -234,19 +223,23 @@ class _Units:
         return module
 
     def _all_fp32(self, module: nn.Module) -> bool:
-        owning = [m for m in module.modules() if next(m.parameters(recurse=False), None) is not None]
+        owning = [m for m in module.modules() if _owns_params(m)]
         return bool(owning) and all(id(m) in self.owners for m in owning)
+
+    def _shard_fp32(self, unit, modules: list[nn.Module], fp32: dict) -> None:
+        """Shard ``unit`` (``modules``, one or a group) gathered in fp32: its fp32 layers are
+        covered."""
+        self.real(unit, **fp32)
+        self.covered.update(o for m in modules for s in m.modules()
+                            if (o := self.owners.get(id(s))) is not None)
 
     def _split(self, module: nn.Module, fp32: dict) -> bool:
         """Give ``module``'s fp32 layers their own fp32 units; True when that was all of it."""
-        owning = [(f, m) for f, m in module.named_modules()
-                  if next(m.parameters(recurse=False), None) is not None]
         if self._all_fp32(module):
-            self.real(module, **fp32)
-            self.covered.update(self.owners[id(m)] for _, m in owning)
+            self._shard_fp32(module, [module], fp32)
             return True
         done: list[str] = []
-        for name, m in owning:
+        for name, m in module.named_modules():
             fqn = self.owners.get(id(m))
             if fqn is None or fqn in self.covered or any(name.startswith(d + ".") for d in done):
                 continue
@@ -255,9 +248,7 @@ class _Units:
                     f"`{fqn}` is fp32 under the policy but holds layers in other formats, and "
                     "torchtitan gathers it as one FSDP2 unit in 16 bits: put its sub-layers in "
                     "fp32 too, or pass --training.mixed_precision_param float32.")
-            self.real(m, **fp32)
-            self.covered.update(o for n, s in m.named_modules()
-                                if (o := self.owners.get(id(s))) is not None)
+            self._shard_fp32(m, [m], fp32)
             done.append(name)
         return False
 

@@ -36,7 +36,8 @@ from autoprec.formats import Format, Support, supported_formats
 from autoprec.runtime.calls import KERNEL_MULTIPLE
 
 __all__ = ["Swap", "torchao_available", "torchao_takes", "torchao_runs", "engine_for",
-           "swap_to_torchao", "restore", "keeping_sharded_swaps", "is_float8_linear"]
+           "swap_to_torchao", "restore", "keeping_sharded_swaps", "is_float8_linear",
+           "float8_linear_config"]
 
 # Inside keeping_sharded_swaps(): id(Float8Linear) -> its Swap, for the swaps restore() left in
 # place because the model was sharded since (None outside: restore refuses those).
@@ -185,22 +186,17 @@ def swap_to_torchao(model: nn.Module, targets: dict[str, Format]) -> list[Swap]:
     kept = _KEPT.get() or {}
     swaps: list[Swap] = _keep(model, targets, kept) if kept else []
     swaps += _native(model, targets, kept)
+    modules = dict(model.named_modules())
     targets = {fqn: f for fqn, f in targets.items()
-               if id(model.get_submodule(fqn)) not in kept
-               and not is_float8_linear(model.get_submodule(fqn))}
+               if id(modules[fqn]) not in kept and not is_float8_linear(modules[fqn])}
     if not targets:
         return swaps
     with _quiet():
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    modules = dict(model.named_modules())
+        from torchao.float8 import convert_to_float8_training
     for fmt in dict.fromkeys(targets.values()):
         names = {fqn for fqn, f in targets.items() if f is fmt}
         device = next((p.device for p in modules[next(iter(names))].parameters()), None)
-        native = device is not None and device.type != "meta" and \
-            supported_formats(device)[fmt] is Support.NATIVE
-        config = Float8LinearConfig.from_recipe_name(fmt.numerics.torchao_recipe)
-        if not native:
-            config = dataclasses.replace(config, emulate=True)
+        config = float8_linear_config(fmt, device)
         before = {fqn: modules[fqn] for fqn in names}
         with _quiet():
             convert_to_float8_training(model, config=config,
@@ -211,6 +207,18 @@ def swap_to_torchao(model: nn.Module, targets: dict[str, Format]) -> list[Swap]:
             swaps.append(Swap(model.get_submodule(parent_name), child, original, after[fqn], fmt))
         modules = after
     return swaps
+
+
+def float8_linear_config(fmt: Format, device: torch.device | None):
+    """torchao's ``Float8LinearConfig`` of ``fmt``'s recipe for layers that compute on
+    ``device``: ``emulate=True`` where it has no FP8 kernels for the recipe (and on the meta
+    device or none: not known to have them). The same numbers either way."""
+    with _quiet():
+        from torchao.float8 import Float8LinearConfig
+    config = Float8LinearConfig.from_recipe_name(fmt.numerics.torchao_recipe)
+    native = device is not None and device.type != "meta" and \
+        supported_formats(device)[fmt] is Support.NATIVE
+    return config if native else dataclasses.replace(config, emulate=True)
 
 
 def _keep(model: nn.Module, targets: dict[str, Format], kept: dict[int, Swap]) -> list[Swap]:
