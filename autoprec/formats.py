@@ -17,6 +17,27 @@ FP32 master weights. The formats and what they mean:
   - ``fp8:rowwise``: one scale per row of each operand (along the contracted dimension), E4M3
     everywhere, gradients included;
   - ``fp8:rowwise_with_gw_hp``: rowwise, with the weight-gradient product in BF16.
+- Blackwell's block-scaled formats (:mod:`autoprec.runtime.blockscale` has their rounding;
+  real kernels on CUDA compute capability 10.0, through torchao where it has them, emulated
+  everywhere by autoprec's own kernel):
+
+  - ``mxfp8`` (torchao's ``mxfp8_rceil``, Megatron's ``mxfp8``): every operand of all three
+    GEMMs in E4M3 with one power-of-two (E8M0) scale per 32 values along that GEMM's
+    contraction, the scale rounded up (RCEIL);
+  - ``mxfp8:gw_hp``: the same with the weight-gradient GEMM in BF16;
+  - ``nvfp4`` (NVIDIA's training recipe): E2M1 values with an E4M3 scale per 16 along the
+    contraction and an FP32 scale per tensor; the gradients rounded stochastically, and the
+    weight-gradient GEMM's operands through a 16-point random Hadamard transform;
+  - ``nvfp4:plain``: the same rounding to nearest everywhere, without the transform.
+
+  The fp8 formats, FP8 recipes and these alike are "scaled" formats (:attr:`Numerics.is_fp8`
+  is true of all: their products go through autoprec's scaled-GEMM router and return BF16);
+  a bare ``fp8`` means the FP8 recipes only.
+
+**Per-GEMM precision.** A format names what each of its three GEMMs computes, so the recipes
+above are points of a space: :func:`per_gemm` registers (once) the format whose forward,
+input-gradient and weight-gradient GEMMs are those of three formats, spelled
+``fwd/dgrad/wgrad`` (``nvfp4/mxfp8/mxfp8``); any such spelling parses.
 
 **Formats as data.** What a format computes is a frozen :class:`Numerics`: per GEMM of a
 layer's product (forward ``a @ b``, input gradient ``grad @ b.T``, weight gradient
@@ -42,6 +63,7 @@ import torch
 __all__ = [
     "Format",
     "Gemm",
+    "per_gemm",
     "Numerics",
     "register",
     "unregister",
@@ -49,6 +71,8 @@ __all__ = [
     "Support",
     "FP8_E4M3",
     "FP8_E5M2",
+    "FP4_E2M1",
+    "BLOCK_FORMATS",
     "FORMAT_ORDER",
     "FP8_RECIPES",
     "FP8_FORMATS",
@@ -65,18 +89,32 @@ __all__ = [
 # E5M2 (max 57344) for gradients.
 FP8_E4M3 = torch.float8_e4m3fn
 FP8_E5M2 = torch.float8_e5m2
+# E2M1 (OCP MX v1.0's FP4: 0, 0.5, 1, 1.5, 2, 3, 4, 6), as torch names its packed dtype (two
+# values a byte); operands are emulated as the FP32 values they stand for.
+FP4_E2M1 = torch.float4_e2m1fn_x2
 _FP8_DTYPES = (FP8_E4M3, FP8_E5M2)
+_LOW_DTYPES = (*_FP8_DTYPES, FP4_E2M1)
 
 # How a GEMM's operands are scaled: not at all (a plain autocast or FP32 GEMM), one scale per
-# tensor, or one per row along the contracted dimension (each GEMM of the backward scales its
-# operands along its own contraction).
-SCALINGS = ("none", "tensor", "row")
+# tensor, one per row along the contracted dimension (each GEMM of the backward scales its
+# operands along its own contraction), or per block of values along the contraction: ``mx``
+# (32 FP8 values share an E8M0 power of two) and ``nvfp4`` (16 E2M1 values share an E4M3
+# scale, under an FP32 scale per tensor).
+SCALINGS = ("none", "tensor", "row", "mx", "nvfp4")
+# the element dtypes each scaling takes, and its block along the contraction
+_ELEMENTS = {"tensor": _FP8_DTYPES, "row": _FP8_DTYPES, "mx": _FP8_DTYPES, "nvfp4": (FP4_E2M1,)}
+_BLOCK = {"mx": 32, "nvfp4": 16}
+# Scale bytes per operand element: an E8M0 byte per 32, an E4M3 byte per 16.
+_SCALE_BYTES = {"mx": 1 / 32, "nvfp4": 1 / 16}
 # Precision a GEMM gives up, for the tie-break among equally fast policies: a 16-bit GEMM 1,
-# FP8 twice that, a row-scaled FP8 GEMM a quarter less (each row keeps its own range). A
-# format's rank is the mean over its three GEMMs.
-_GEMM_PRECISION = {"none": 1.0, "tensor": 2.0, "row": 1.75}
-# Smallest CUDA compute capability with ``torch._scaled_mm`` kernels for FP8 GEMMs so scaled.
-_SCALED_MM_CAPABILITY = {"tensor": (8, 9), "row": (9, 0)}
+# FP8 twice that, a row-scaled FP8 GEMM a quarter less (each row keeps its own range), an MX
+# one less again (a scale per 32 values), FP4 three times. A format's rank is the mean over
+# its three GEMMs.
+_GEMM_PRECISION = {"none": 1.0, "tensor": 2.0, "row": 1.75, "mx": 1.6, "nvfp4": 3.0}
+# Smallest CUDA compute capability with tensor-core kernels for GEMMs so scaled (block scales:
+# Blackwell's sm_100).
+_SCALED_MM_CAPABILITY = {"tensor": (8, 9), "row": (9, 0), "mx": (10, 0), "nvfp4": (10, 0)}
+_MX_ROUNDINGS = ("rceil", "floor")
 
 
 @dataclass(frozen=True)
@@ -90,22 +128,51 @@ class Gemm:
     scaling: str = "none"
     # scales rounded down to powers of two (torchao's rowwise recipes)
     pow2_scales: bool = False
+    # mx: how the E8M0 scale's exponent is rounded, "rceil" (up, NVIDIA's) or "floor" (OCP's)
+    rounding: str = ""
+    # nvfp4: both operands through a 16-point random Hadamard transform along the contraction
+    # (it cancels in the product and spreads outliers over their block)
+    hadamard: bool = False
+    # nvfp4: the gradient operand (dgrad's first, wgrad's second) rounded stochastically
+    stochastic: bool = False
 
     def __post_init__(self):
         if self.scaling not in SCALINGS:
             raise ValueError(f"Gemm scaling {self.scaling!r} is not one of {', '.join(SCALINGS)}.")
-        if (self.scaling != "none") != (self.a in _FP8_DTYPES or self.b in _FP8_DTYPES):
+        low = self.a in _LOW_DTYPES or self.b in _LOW_DTYPES
+        if (self.scaling != "none") != low:
             raise ValueError(f"A Gemm of {self.a} x {self.b} with scaling {self.scaling!r}: FP8 "
-                             "operands need scales (tensor or row), other dtypes none.")
+                             "and FP4 operands need scales (tensor, row, mx or nvfp4), other "
+                             "dtypes none.")
+        if low and not {self.a, self.b} <= set(_ELEMENTS[self.scaling]):
+            raise ValueError(f"A Gemm with {self.scaling} scaling takes operands in "
+                             f"{', '.join(map(str, _ELEMENTS[self.scaling]))}, not {self.a} x "
+                             f"{self.b}.")
+        if self.scaling == "mx" and not self.rounding:
+            object.__setattr__(self, "rounding", "rceil")
+        if (self.rounding not in _MX_ROUNDINGS) if self.scaling == "mx" else self.rounding:
+            raise ValueError(f"Gemm rounding {self.rounding!r}: MX scales round by one of "
+                             f"{', '.join(_MX_ROUNDINGS)}; other scalings take none.")
+        if (self.hadamard or self.stochastic) and self.scaling != "nvfp4":
+            raise ValueError("The Hadamard transform and stochastic rounding are NVFP4's; a "
+                             f"Gemm with {self.scaling} scaling takes neither.")
 
     @property
     def is_fp8(self) -> bool:
+        """Whether the GEMM is scaled low precision (FP8, MXFP8 or NVFP4)."""
         return self.scaling != "none"
 
     @property
-    def operand_bytes(self) -> int:
-        """Bytes per element the kernel reads of each operand (the wider of the two)."""
-        return max(self.a.itemsize, self.b.itemsize)
+    def block(self) -> int | None:
+        """Values per scale along the contraction for block scalings (32, 16), else None."""
+        return _BLOCK.get(self.scaling)
+
+    @property
+    def operand_bytes(self) -> float:
+        """Bytes per element the kernel reads of each operand (the wider of the two), block
+        scales included (an FP4 value is half a byte)."""
+        bits = max(4 if d is FP4_E2M1 else 8 * d.itemsize for d in (self.a, self.b))
+        return bits / 8 + _SCALE_BYTES.get(self.scaling, 0.0)
 
     @property
     def precision_rank(self) -> float:
@@ -173,8 +240,20 @@ class Numerics:
     def saves_quantized(self) -> bool:
         """autoprec's FP8 kernel keeps the quantized forward operands for backward: a
         per-tensor scale is the same along either axis, so dgrad and wgrad reuse them; a
-        row-scaled recipe saves its inputs and quantizes them again along each contraction."""
-        return self.scaling == "tensor"
+        row-scaled recipe saves its inputs and quantizes them again along each contraction
+        (so does every format with a GEMM not tensor-scaled)."""
+        return all(g.scaling == "tensor" for g in self.gemms.values())
+
+    @property
+    def is_block_scaled(self) -> bool:
+        """Whether any GEMM has block scales (MX, NVFP4): Blackwell's formats."""
+        return any(g.block for g in self.gemms.values())
+
+    @property
+    def block(self) -> int:
+        """The largest block along a contraction (1 without block scales): each of M, K and N
+        of a product must be a multiple of it (each is contracted by one of the GEMMs)."""
+        return max((g.block or 1 for g in self.gemms.values()), default=1)
 
     @property
     def cuda_capability(self) -> tuple[int, int] | None:
@@ -226,6 +305,10 @@ class Format(str, metaclass=_FormatType):
     FP8: Format
     FP8_ROWWISE: Format
     FP8_ROWWISE_GW_HP: Format
+    MXFP8: Format
+    MXFP8_GW_HP: Format
+    NVFP4: Format
+    NVFP4_PLAIN: Format
 
     def __setattr__(self, key, value):
         raise AttributeError(f"Format {self.value!r} is immutable.")
@@ -263,10 +346,12 @@ class Format(str, metaclass=_FormatType):
                 text = f"fp8:{fp8_recipe}"
             if text in _SPELLINGS:
                 return _SPELLINGS[text]
+            if text.count("/") == 2:
+                return per_gemm(*text.split("/"), where=where)
         valid = ", ".join(f.value for f in cls)
         loc = f" {where}" if where else ""
         raise ValueError(f"Unknown format {value!r}{loc}; expected one of {valid} "
-                         "(fp8 is fp8:tensorwise).")
+                         "(fp8 is fp8:tensorwise), or fwd/dgrad/wgrad of three of them.")
 
     @classmethod
     def fp8(cls, recipe: str = "tensorwise") -> Format:
@@ -309,23 +394,27 @@ class Format(str, metaclass=_FormatType):
     @property
     def max_value(self) -> float:
         """Largest finite value of the operand format: values above it overflow."""
-        return float(torch.finfo(self.compute_dtype).max)
+        return _FP4_RANGE[0] if self.compute_dtype is FP4_E2M1 else \
+            float(torch.finfo(self.compute_dtype).max)
 
     @property
     def min_normal(self) -> float:
         """Smallest positive normal value: below it precision degrades (underflow)."""
-        return float(torch.finfo(self.compute_dtype).smallest_normal)
+        return _FP4_RANGE[1] if self.compute_dtype is FP4_E2M1 else \
+            float(torch.finfo(self.compute_dtype).smallest_normal)
 
     @property
     def min_subnormal(self) -> float:
         """Smallest positive value at all: below it a value flushes to zero."""
+        if self.compute_dtype is FP4_E2M1:
+            return _FP4_RANGE[2]
         fi = torch.finfo(self.compute_dtype)
         # smallest_normal * eps is the smallest subnormal for IEEE-like formats.
         return float(fi.smallest_normal * fi.eps)
 
     def demoted(self) -> Format:
-        """One step towards safety: fp8 (any recipe) -> bf16 -> fp32; fp16 -> fp32 (used by
-        the guard)."""
+        """One step towards safety: nvfp4 -> mxfp8 -> bf16 -> fp32, fp8 (any recipe) -> bf16,
+        fp16 -> fp32 (used by the guard)."""
         return Format(self.numerics.demotes_to)
 
     @classmethod
@@ -337,6 +426,10 @@ class Format(str, metaclass=_FormatType):
                 return f
         raise ValueError(f"No plain format computes in {dtype}; expected float32, bfloat16 or "
                          "float16.")
+
+
+# E2M1's largest, smallest normal and only subnormal value (torch.finfo has no FP4)
+_FP4_RANGE = (6.0, 1.0, 0.5)
 
 
 def register(numerics: Numerics, attribute: str | None = None) -> Format:
@@ -369,6 +462,29 @@ def _add(numerics: Numerics, attribute: str | None) -> Format:
     return fmt
 
 
+def per_gemm(fwd: Format | str, dgrad: Format | str, wgrad: Format | str, *,
+             where: str = "") -> Format:
+    """The format whose forward, input-gradient and weight-gradient GEMMs are those of three
+    formats (``per_gemm("nvfp4", "mxfp8", "mxfp8")``): a registered format of those GEMMs, or
+    one :func:`register` adds, spelled ``fwd/dgrad/wgrad``. Its other layer work runs under
+    BF16 autocast, its activations leave in BF16 and it demotes to bf16, as every FP8 recipe;
+    at least one GEMM must be scaled (FP8, MX or NVFP4) and none FP16 (it would need loss
+    scaling the others do not have)."""
+    parts = [Format.parse(p, where=where) for p in (fwd, dgrad, wgrad)]
+    gemms = tuple(getattr(p.numerics, role) for p, role in zip(parts, ("fwd", "dgrad", "wgrad")))
+    same = next((f for f in Format if tuple(f.numerics.gemms.values()) == gemms), None)
+    if same is not None:
+        return same
+    name = "/".join(p.value for p in parts)
+    loc = f" {where}" if where else ""
+    if not any(g.is_fp8 for g in gemms) or any(g.a is torch.float16 for g in gemms):
+        raise ValueError(f"Per-GEMM format {name!r}{loc}: at least one GEMM must be scaled "
+                         "(fp8, mxfp8, nvfp4) and none fp16; write a plain format for the rest.")
+    return register(Numerics(name=name, label=name, fwd=gemms[0], dgrad=gemms[1],
+                             wgrad=gemms[2], autocast=torch.bfloat16, output=torch.bfloat16,
+                             demotes_to="bf16"))
+
+
 def unregister(fmt: Format) -> None:
     """Take a format :func:`register` added out again (tests); the built-ins stay."""
     if fmt in FORMAT_ORDER:
@@ -383,8 +499,18 @@ def unregister(fmt: Format) -> None:
 
 
 def fp8_recipes() -> tuple[str, ...]:
-    """The FP8 recipes registered now (a bare ``fp8`` may mean any of them)."""
+    """The FP8 recipes registered now (a bare ``fp8`` may mean any of them; the block-scaled
+    formats are not FP8 recipes)."""
     return tuple(f.recipe for f in Format if f.recipe is not None)
+
+
+def _block_entry(name: str, fwd: Gemm, dgrad: Gemm, wgrad: Gemm, demotes_to: str, *,
+                 torchao: str | None = None, megatron: str | None = None) -> Numerics:
+    """A block-scaled format: as an FP8 recipe (BF16 autocast for the rest, BF16 output), not
+    one of the ``fp8:`` recipes."""
+    return Numerics(name=name, label=name, fwd=fwd, dgrad=dgrad, wgrad=wgrad,
+                    autocast=torch.bfloat16, output=torch.bfloat16, demotes_to=demotes_to,
+                    torchao_recipe=torchao, megatron_recipe=megatron)
 
 
 def _fp8_entry(recipe: str, fwd: Gemm, dgrad: Gemm, wgrad: Gemm, *, name: str | None = None,
@@ -406,8 +532,10 @@ def _plain_entry(name: str, dtype: torch.dtype, demotes_to: str,
 
 def _builtins() -> dict[str, Numerics]:
     """The built-in formats (attribute -> numerics), cheapest-first: the factory's table."""
-    e4, e5 = FP8_E4M3, FP8_E5M2
+    e4, e5, f4 = FP8_E4M3, FP8_E5M2, FP4_E2M1
     row = Gemm(e4, e4, "row", pow2_scales=True)
+    mx, bf16 = Gemm(e4, e4, "mx", rounding="rceil"), _plain(torch.bfloat16)
+    nv = Gemm(f4, f4, "nvfp4")
     return {
         "FP32": _plain_entry("fp32", torch.float32, "fp32"),
         "BF16": _plain_entry("bf16", torch.bfloat16, "fp32"),
@@ -422,6 +550,19 @@ def _builtins() -> dict[str, Numerics]:
         "FP8_ROWWISE": _fp8_entry("rowwise", row, row, row, torchao="rowwise"),
         "FP8_ROWWISE_GW_HP": _fp8_entry("rowwise_with_gw_hp", row, row, _plain(torch.bfloat16),
                                         torchao="rowwise_with_gw_hp"),
+        # torchao's MXFP8 training recipes (MXFP8TrainingRecipe) and Transformer Engine's
+        # MXFP8BlockScaling (E4M3 everywhere; Megatron's --fp8-recipe mxfp8)
+        "MXFP8": _block_entry("mxfp8", mx, mx, mx, "bf16", torchao="mxfp8_rceil",
+                              megatron="mxfp8"),
+        "MXFP8_GW_HP": _block_entry("mxfp8:gw_hp", mx, mx, bf16, "bf16",
+                                    torchao="mxfp8_rceil_wgrad_with_hp"),
+        # Transformer Engine's NVFP4BlockScaling (Megatron's --fp4-recipe nvfp4): stochastic
+        # rounding of the gradients, the Hadamard transform on the weight gradient's operands
+        # (its 16x16 weight blocks are not emulated: weights are scaled per 1x16 here)
+        "NVFP4": _block_entry("nvfp4", nv, Gemm(f4, f4, "nvfp4", stochastic=True),
+                              Gemm(f4, f4, "nvfp4", hadamard=True, stochastic=True), "mxfp8",
+                              megatron="nvfp4"),
+        "NVFP4_PLAIN": _block_entry("nvfp4:plain", nv, nv, nv, "mxfp8"),
     }
 
 
@@ -431,9 +572,12 @@ for _attribute, _numerics in _builtins().items():
 # Cheapest-first order used in tables and for tie-breaking: the built-ins.
 FORMAT_ORDER: tuple[Format, ...] = tuple(Format)
 _BUILTIN_PLAIN = tuple(f for f in FORMAT_ORDER if not f.is_fp8)
-# The built-in FP8 formats and their recipes (torchao's names), in FORMAT_ORDER.
-FP8_FORMATS: tuple[Format, ...] = tuple(f for f in FORMAT_ORDER if f.is_fp8)
+# The built-in FP8 recipes (torchao's names), in FORMAT_ORDER.
+FP8_FORMATS: tuple[Format, ...] = tuple(f for f in FORMAT_ORDER if f.recipe is not None)
 FP8_RECIPES: tuple[str, ...] = tuple(f.recipe for f in FP8_FORMATS)
+# The built-in block-scaled formats (Blackwell's MXFP8 and NVFP4).
+BLOCK_FORMATS: tuple[Format, ...] = tuple(f for f in FORMAT_ORDER
+                                          if f.numerics.is_block_scaled)
 
 
 def expand_formats(values, *, where: str = "") -> tuple[Format, ...]:
@@ -442,7 +586,7 @@ def expand_formats(values, *, where: str = "") -> tuple[Format, ...]:
     wanted: set[Format] = set()
     for v in values:
         if isinstance(v, str) and v.strip().lower() == "fp8":
-            wanted.update(f for f in Format if f.is_fp8)
+            wanted.update(f for f in Format if f.recipe is not None)
         else:
             wanted.add(Format.parse(v, where=where))
     return tuple(f for f in Format if f in wanted)
@@ -459,10 +603,13 @@ class Support(str, enum.Enum):
 def fp8_is_native(device: torch.device | str, fmt: Format = Format.FP8) -> bool:
     """True where ``torch._scaled_mm`` has fast FP8 kernels for every FP8 GEMM of ``fmt``:
     CUDA compute capability >= 8.9 for per-tensor scales, >= 9.0 for rowwise ones
-    (:attr:`Numerics.cuda_capability`); False for a format without FP8 GEMMs."""
+    (:attr:`Numerics.cuda_capability`); False for a format without FP8 GEMMs, and for the
+    block-scaled formats, which autoprec's kernels emulate on every device (their real kernels
+    are torchao's: ``engine=torchao``)."""
     device = torch.device(device)
     need = fmt.numerics.cuda_capability
-    if need is None or device.type != "cuda" or not torch.cuda.is_available():
+    if need is None or fmt.numerics.is_block_scaled or device.type != "cuda" \
+            or not torch.cuda.is_available():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_capability(index) >= need

@@ -14,7 +14,7 @@ from typing import Any
 
 from autoprec._util import check_keys, check_schema, read_json, text_table, write_json
 from autoprec.runtime import calls
-from autoprec.runtime.calls import KINDS, Product
+from autoprec.runtime.calls import KERNEL_MULTIPLE, KINDS, Product
 
 __all__ = ["Layer", "LayerGraph", "METHODS"]
 
@@ -80,14 +80,16 @@ class Layer:
         """FLOPs of the matmuls alone (2*batch*M*K*N each)."""
         return sum(p.flops for p in self.matmuls)
 
-    def fp8_blockers(self) -> list[str]:
-        """Per matmul, why it would not run in FP8 in an fp8 region ("" where it would)."""
+    def fp8_blockers(self, multiple: int = KERNEL_MULTIPLE) -> list[str]:
+        """Per matmul, why it would not run in FP8 in an fp8 region ("" where it would);
+        ``multiple``: what the format's kernels need M, K, N multiples of (its
+        :func:`~autoprec.runtime.calls.shape_multiple`)."""
         names = self.calls or ("",) * len(self.matmuls)  # older records: the shape rule alone
         out = []
         for name, p in zip(names, self.matmuls):
             call = calls.from_name(name)
-            out.append(calls.fp8_blocker(call, p) if call is not None
-                       else calls.fp8_shape_supported(p.m, p.k, p.n)[1])
+            out.append(calls.fp8_blocker(call, p, multiple=multiple) if call is not None
+                       else calls.fp8_shape_supported(p.m, p.k, p.n, multiple)[1])
         return out
 
     def to_dict(self) -> dict:

@@ -59,6 +59,7 @@ from autoprec.costmodel import produced_elements
 from autoprec.formats import Format
 from autoprec.graph import Layer
 from autoprec.policy import Policy
+from autoprec.runtime.calls import shape_multiple
 
 __all__ = ["StepMemory", "MemoryModel", "measure_step_memory", "parse_size", "format_size"]
 
@@ -230,8 +231,8 @@ def _product_bytes(layer: Layer, fmt: Format, policy: Policy,
     copy, cast or are FP32 anyway)."""
     weighted = layer.kind in _WEIGHT_KINDS
     own, keeps_fp32 = 0, False
-    blockers = layer.fp8_blockers()
     num = fmt.numerics
+    blockers = layer.fp8_blockers(shape_multiple(num))
     torchao = fmt.is_fp8 and weighted and _torchao_runs(layer, fmt, policy)
     for i, p in enumerate(layer.matmuls):
         a, b = p.batch * p.m * p.k, p.batch * p.k * p.n

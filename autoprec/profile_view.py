@@ -140,13 +140,13 @@ def _recipe_summary(prof: Profile, fqn: str, fmt: Format) -> str:
     lp = prof.layer(fqn)
     verdict = lp.verdict(fmt)
     if verdict.rule in ("blocked", *CANNOT_WIN_RULES):
-        return f"{fmt.recipe} skipped ({verdict.why.removeprefix(fmt.label + ' ')})"
+        return f"{fmt.recipe or fmt.label} skipped ({verdict.why.removeprefix(fmt.label + ' ')})"
     t, t16 = lp.times.get(fmt), lp.times.get(Format.BF16)
     speed = (f"{t16.seconds / t.seconds:.2f}x bf16" if t is not None and t16 is not None
              and t.seconds > 0 else "speed ?")
     lc = prof.loss_change(fqn, fmt)
     loss = "non-finite" if math.isinf(lc) else f"loss {lc:+.3%}"
-    return f"{fmt.recipe} {speed}, {loss}"
+    return f"{fmt.recipe or fmt.label} {speed}, {loss}"
 
 
 def _or_inf(x: float) -> float:

@@ -42,10 +42,14 @@ import _common  # noqa: F401  (puts the repo root on sys.path)
 from _common import print_table
 
 from autoprec.costmodel import (
+    BLACKWELL_PUBLISHED,
     CALIBRATION,
+    DEVICES,
     LLAMA3_8B,
+    LLAMA3_8B_GB200,
     PUBLISHED,
     STEP_SPECS,
+    blackwell_rows,
     check_rows,
     memory_rows,
     price_training_memory,
@@ -211,6 +215,46 @@ def main() -> None:
     print(f"\nwhat a priced figure says: {calibration_line(TARGET)}")
     print("(no memory error in it: autoprec prints no priced memory for a target; its memory "
           "model, autoprec.memory, is calibrated by steps measured on the task's device)")
+    _blackwell()
+
+
+def _blackwell() -> None:
+    """The b200 (and b300) model against the published Blackwell figures."""
+    unscaled = dataclasses.replace(STEP_SPECS["b200"], time_scale=1.0)
+    bf16 = next(p for p in BLACKWELL_PUBLISHED if p.fitted and p.fmt == "bf16")
+    priced = sum(price_training_step(bf16.setup, "bf16", "b200", step=unscaled).values())
+    measured = bf16.setup.tokens / bf16.value
+    print(f"\n=== Blackwell ===\nfit: {bf16.where} bf16 step {measured:.4f} s "
+          f"({bf16.value:,.0f} tokens/s) / priced {priced:.4f} s = time_scale "
+          f"{measured / priced:.4f} (costmodel: {STEP_SPECS['b200'].time_scale}); "
+          f"scaled_efficiency b200 {dict(DEVICES['b200'].scaled_efficiency)}, b300 "
+          f"{dict(DEVICES['b300'].scaled_efficiency)}")
+    runs = {"bf16": ("bf16", 0, "bf16"), "mxfp8 (all Linear)": ("mxfp8", 0, "mxfp8"),
+            "nvfp4, last 5 blocks bf16": ("nvfp4", 5, "bf16"),
+            "nvfp4 (all Linear)": ("nvfp4", 0, "nvfp4")}
+    parts = {n: price_training_step(LLAMA3_8B_GB200, f, "b200", bf16_tail=t, output=o)
+             for n, (f, t, o) in runs.items()}
+    rows = [[k] + [f"{parts[n].get(k, 0.0) * 1e3:.1f}" for n in runs]
+            for k in dict.fromkeys(k for p in parts.values() for k in p)]
+    rows.append(["tokens/s per GPU"] + [f"{LLAMA3_8B_GB200.tokens / sum(parts[n].values()):,.0f}"
+                                        for n in runs])
+    print(f"\n{LLAMA3_8B_GB200.name}: priced milliseconds per step and GPU (b200 model)")
+    print_table(rows, ["part"] + list(runs))
+    found = blackwell_rows()
+    table = [[r.figure, r.where, _fmt(r.published, r.figure), _fmt(r.priced, r.figure),
+              f"{r.error:+.1%}", "fitted" if r.fitted else "held out"] for r in found]
+    print("\npublished Blackwell figures against the model's prices (error = priced / "
+          "published - 1):")
+    print_table(table, ["figure", "published in", "published", "priced", "error", "use"])
+    cal = CALIBRATION["b200"]
+    for name, kind, stated in (("step speed-ups", "step", cal.speedup_error),
+                               ("GEMM-only speed-ups", "linear", cal.linear_error)):
+        errs = [abs(r.error) for r in found if r.kind == kind and not r.fitted
+                and "speed-up" in r.figure]
+        ok = max(errs) <= stated < max(errs) + 0.005
+        print(f"  {name}: {len(errs)} held-out rows, max |error| {max(errs):.1%}; CALIBRATION "
+              f"states {stated:.1%}: {'matches' if ok else 'DOES NOT MATCH'}")
+    print(f"what a priced figure says: {calibration_line('b200')}")
 
 
 if __name__ == "__main__":

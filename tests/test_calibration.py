@@ -151,7 +151,7 @@ def test_the_calibration_line_names_the_measurements_and_the_error():
 
 
 def test_a_training_step_rejects_what_it_cannot_price_in_one_line():
-    with pytest.raises(ValueError, match="bf16 or an fp8 recipe, not fp32") as e:
+    with pytest.raises(ValueError, match=r"bf16 or a scaled format \(an fp8 recipe, mxfp8, nvfp4\), not fp32") as e:
         price_training_step(LLAMA3_8B, "fp32")
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="FP8 all-gather needs per-tensor scales.*fp8:rowwise"):

@@ -91,11 +91,12 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autoprec._util import floating
-from autoprec.formats import Format
+from autoprec.formats import Format, Gemm
 from autoprec.measure.numerics import Numerics, all_finite
 from autoprec.policy import Budget, LossScaling, Policy
 from autoprec.runtime import calls, rewrite
-from autoprec.runtime.fp8 import dequantize, quantize, rowwise_scale, tensorwise_scale
+from autoprec.runtime.fp8 import (dequantize, quantize, round_operand, rowwise_scale,
+                                  tensorwise_scale)
 
 __all__ = ["Estimate", "estimate_during_reference", "needs_exact"]
 
@@ -170,17 +171,23 @@ class Estimate:
 class _Rounding:
     """How a format's kernels round one parameter operand: a cast to ``dtype`` (``scaling``
     "none", autocast's), or FP8 with one scale per tensor or per row along ``dim`` (the
-    contracted dimension, in the parameter's own layout)."""
+    contracted dimension, in the parameter's own layout), or the blocks along ``dim`` of the
+    forward ``gemm``'s ``operand`` (MX, NVFP4: the kernel's own rounding)."""
 
     dtype: torch.dtype
     scaling: str = "none"
     dim: int = -1
+    gemm: Gemm | None = None
+    operand: int = 0
 
     def apply(self, w: torch.Tensor) -> torch.Tensor:
         """The FP32 values the kernel multiplies in place of ``w`` (no autograd)."""
         x = w.detach().to(torch.float32)
         if self.scaling == "none":
             return x.to(self.dtype).to(torch.float32)
+        if self.gemm is not None and self.gemm.block:
+            rounded = round_operand(x.movedim(self.dim, -1), self.gemm, self.operand)
+            return rounded.movedim(-1, self.dim)
         # the same scale, clamp and rounding as autoprec.runtime.fp8 (formats.register checks
         # that a tensor scale is exact and a row scale a power of two, as these compute)
         s = tensorwise_scale(x, self.dtype) if self.scaling == "tensor" \
@@ -203,10 +210,11 @@ def _rounding_of(fmt: Format, call: calls.Call, args: tuple, kwargs: dict,
     form = calls.matmul_form(call, args, kwargs) if num.is_fp8 else None
     if form is not None:
         p = calls.product_of(form[0].shape, form[1].shape)
-        if calls.fp8_shape_supported(p.m, p.k, p.n)[0]:
+        if calls.fp8_shape_supported(p.m, p.k, p.n, calls.shape_multiple(num))[0]:
             first = operand == call.multiplied[0]
             dim = -1 if first or call.name == "linear" else -2
-            return _Rounding(num.fwd.a if first else num.fwd.b, num.fwd.scaling, dim)
+            return _Rounding(num.fwd.a if first else num.fwd.b, num.fwd.scaling, dim,
+                             gemm=num.fwd, operand=0 if first else 1)
     return _Rounding(num.autocast)
 
 

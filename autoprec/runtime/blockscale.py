@@ -27,15 +27,21 @@ GEMM is then: quantize both operands along the contraction, dequantize in FP32, 
   multiplied by the reciprocal of the combined scale.
 
 Element rounding is round-to-nearest-even everywhere (torch's FP8 casts; :func:`to_e2m1` for
-FP4). ``tests/test_blockscale.py`` checks crafted blocks against these rules and against
-torchao's reference implementation, bit for bit.
+FP4), or for NVFP4's gradients in NVIDIA's recipe stochastic (``stochastic=True``: up with the
+probability of the distance to the lower grid point over the step, from a generator of this
+module's own, so the model's RNG stream is untouched). NVIDIA's recipe also passes the weight
+gradient GEMM's operands through a random Hadamard transform (:func:`hadamard_transform`: per
+16 values along the contraction, fixed random signs times the normalized 16-point Hadamard
+matrix; orthogonal, so it cancels in the product). ``tests/test_blockscale.py`` checks
+crafted blocks against these rules and against torchao's reference implementation, bit for
+bit.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["E2M1_GRID", "mx_quantize", "mx_dequantize",
+__all__ = ["E2M1_GRID", "mx_quantize", "mx_dequantize", "hadamard_transform",
            "nvfp4_tensor_scale", "nvfp4_quantize", "nvfp4_dequantize", "to_e2m1"]
 
 MX_BLOCK = 32
@@ -110,15 +116,32 @@ def mx_dequantize(scales: torch.Tensor, values: torch.Tensor, *,
     return (blocks * _pow2(scales).unsqueeze(-1)).reshape(values.shape)
 
 
-def to_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (FP32) rounded to E2M1's grid, ties to even, saturating at +-6; as FP32 values."""
+# one generator per device for stochastic rounding (seeded once: reproducible per process)
+_GENERATORS: dict[torch.device, torch.Generator] = {}
+_SR_SEED = 0x5EED
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    if device not in _GENERATORS:
+        _GENERATORS[device] = torch.Generator(device=device).manual_seed(_SR_SEED)
+    return _GENERATORS[device]
+
+
+def to_e2m1(x: torch.Tensor, *, stochastic: bool = False) -> torch.Tensor:
+    """``x`` (FP32) rounded to E2M1's grid, ties to even (or ``stochastic``ally), saturating
+    at +-6; as FP32 values."""
     grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=x.device)
-    mag = x.abs().clamp(max=E2M1_MAX)
+    mag = x.abs().clamp(max=E2M1_MAX).contiguous()
     upper = torch.bucketize(mag, grid).clamp(max=len(E2M1_GRID) - 1)  # first grid >= mag
     lower = (upper - 1).clamp(min=0)
     below, above = mag - grid[lower], grid[upper] - mag
-    tie_up = (below == above) & (upper % 2 == 0)  # the even code is the one kept on a tie
-    code = torch.where((above < below) | tie_up, upper, lower)
+    if stochastic:  # up with probability below / (below + above): unbiased
+        u = torch.rand(x.shape, generator=_generator(x.device), device=x.device)
+        step = (below + above).clamp(min=torch.finfo(torch.float32).tiny)
+        code = torch.where(u * step < below, upper, lower)
+    else:
+        tie_up = (below == above) & (upper % 2 == 0)  # the even code is kept on a tie
+        code = torch.where((above < below) | tie_up, upper, lower)
     out = grid[code]
     out = torch.where(torch.isnan(x), x, out)
     return torch.copysign(out, x)
@@ -131,10 +154,11 @@ def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
 
 
 def nvfp4_quantize(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, *,
-                   block: int = NVFP4_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+                   block: int = NVFP4_BLOCK,
+                   stochastic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4-quantize ``x`` along its last dimension: ``(scales, values)``, the E4M3 block
     scales (one per block of 16, relative to ``tensor_scale`` when one is given) and the E2M1
-    values as FP32 (the shape of ``x``)."""
+    values as FP32 (the shape of ``x``), rounded to nearest or ``stochastic``ally."""
     blocks = _blocks(x, block)
     block_scale = blocks.abs().amax(-1, keepdim=True) / E2M1_MAX
     if tensor_scale is not None:
@@ -143,7 +167,7 @@ def nvfp4_quantize(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, *,
     rcp = 1.0 / scales.float()
     if tensor_scale is not None:
         rcp = (1.0 / tensor_scale) / scales.float()
-    values = to_e2m1((blocks * rcp).clamp(-E2M1_MAX, E2M1_MAX))
+    values = to_e2m1((blocks * rcp).clamp(-E2M1_MAX, E2M1_MAX), stochastic=stochastic)
     return scales.squeeze(-1), values.reshape(x.shape)
 
 
@@ -155,3 +179,24 @@ def nvfp4_dequantize(scales: torch.Tensor, values: torch.Tensor,
     if tensor_scale is not None:
         scale = scale * tensor_scale
     return (_blocks(values, block) * scale).reshape(values.shape)
+
+
+# the transform's random signs, fixed (as Transformer Engine's are), one per position of a block
+_RHT_SIGNS = (1, -1, -1, 1, 1, 1, -1, 1, -1, -1, 1, -1, 1, 1, -1, -1)
+
+
+def _hadamard_matrix(device: torch.device) -> torch.Tensor:
+    """The 16 x 16 random Hadamard matrix ``diag(signs) @ H / 4`` (Sylvester's H): orthonormal."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < NVFP4_BLOCK:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    signs = torch.tensor(_RHT_SIGNS, dtype=torch.float32).unsqueeze(1)
+    return (signs * h / NVFP4_BLOCK ** 0.5).to(device)
+
+
+def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (FP32) with each block of 16 along its last dimension multiplied by the random
+    Hadamard matrix: applied to both operands along their contraction, it leaves the product
+    unchanged (up to rounding) and spreads a block's outlier over the block."""
+    blocks = _blocks(x, NVFP4_BLOCK)
+    return (blocks @ _hadamard_matrix(x.device)).reshape(x.shape)

@@ -46,6 +46,7 @@ __all__ = [
     "product_of",
     "matmul_form",
     "fp8_shape_supported",
+    "shape_multiple",
     "fp8_blocker",
     "layer_kind",
     "class_kind",
@@ -107,12 +108,23 @@ def product_of(a: Shape, b: Shape) -> Product:
     return Product(batch, a[-2], a[-1], b[-1])
 
 
-def fp8_shape_supported(m: int, k: int, n: int) -> tuple[bool, str]:
-    """Whether ``torch._scaled_mm`` can take an (M, K) x (K, N) product and its two backward
-    products; if not, the reason, for the profile and the policy."""
-    bad = [f"{name}={v}" for name, v in (("M", m), ("K", k), ("N", n)) if v % KERNEL_MULTIPLE]
+def shape_multiple(numerics) -> int:
+    """What M, K and N of a product must be multiples of in a scaled format: 16 for
+    ``torch._scaled_mm``, the block for block-scaled ones (32 for MX: each of M, K, N is the
+    contraction of one of the three GEMMs)."""
+    return max(KERNEL_MULTIPLE, numerics.block)
+
+
+def fp8_shape_supported(m: int, k: int, n: int,
+                        multiple: int = KERNEL_MULTIPLE) -> tuple[bool, str]:
+    """Whether the scaled kernels can take an (M, K) x (K, N) product and its two backward
+    products (each a multiple of ``multiple``, :func:`shape_multiple`); if not, the reason,
+    for the profile and the policy."""
+    bad = [f"{name}={v}" for name, v in (("M", m), ("K", k), ("N", n)) if v % multiple]
     if bad:
-        return False, (f"torch._scaled_mm needs M, K and N to be multiples of {KERNEL_MULTIPLE} "
+        kernel = "torch._scaled_mm needs" if multiple == KERNEL_MULTIPLE else \
+            "block-scaled GEMMs need"
+        return False, (f"{kernel} M, K and N to be multiples of {multiple} "
                        f"(forward, dgrad and wgrad); here {', '.join(bad)}: runs in bf16")
     return True, ""
 
@@ -330,9 +342,11 @@ def matmul_form(call: Call, args: Sequence[Any], kwargs: dict | None = None
     return a, b, bias
 
 
-def fp8_blocker(call: Call, product: Product | None = None, *, routable: bool = True) -> str:
+def fp8_blocker(call: Call, product: Product | None = None, *, routable: bool = True,
+                multiple: int = KERNEL_MULTIPLE) -> str:
     """Why a product of ``call`` does not run in FP8 inside an fp8 region ("" when it does).
-    ``routable=False``: the router declined the call's arguments (:func:`matmul_form`)."""
+    ``routable=False``: the router declined the call's arguments (:func:`matmul_form`);
+    ``multiple``: the format's :func:`shape_multiple`."""
     if call.name in ("conv", "conv_transpose"):
         return "convolution: PyTorch has no FP8 conv kernels, it runs bf16 in an fp8 region"
     if not call.fp8:
@@ -340,7 +354,7 @@ def fp8_blocker(call: Call, product: Product | None = None, *, routable: bool = 
     if not routable:
         return f"{call.name} with these arguments (1-D, out=, beta/alpha): runs bf16"
     if product is not None:
-        return fp8_shape_supported(product.m, product.k, product.n)[1]
+        return fp8_shape_supported(product.m, product.k, product.n, multiple)[1]
     return ""
 
 

@@ -6,6 +6,12 @@ same recipes (torchao's names), and ``tests/test_engines.py`` checks they agree 
 rounding. torchao brings its kernels, compile-fused casts and FSDP2 float8 all-gather on a
 GPU; where the device has no FP8 kernels it runs with ``emulate=True``.
 
+MXFP8 (``mxfp8``, ``mxfp8:gw_hp``) runs on torchao's ``MXFP8Linear`` with its recipe's
+settings (``MXFP8TrainingOpConfig.from_recipe``) only on a Blackwell GPU (compute capability
+10.0), where its kernels are; elsewhere the engine ``auto`` gives it to autoprec's emulation and
+the engine ``torchao`` is refused in one line. NVFP4 has no torchao recipe here (torchao's
+NVFP4 training is Triton-only, without an emulation): autoprec's emulation runs it.
+
 torchao swaps modules (``nn.Linear`` -> ``Float8Linear``, sharing the same weight and bias
 ``Parameter`` objects, so names, ``state_dict`` and optimizer state are unchanged); autoprec
 records each swap and puts the original module back on ``remove``. Nothing here imports
@@ -125,6 +131,14 @@ def engine_for(module: nn.Module, fmt: Format, engine: str) -> str:
         return "torchao" if fmt.numerics.torchao_recipe is not None else "autoprec"
     if engine == "autoprec" or not _takes(module, fmt):
         return "autoprec"
+    if fmt.numerics.is_block_scaled and not blackwell(_device_of(module)):
+        if engine == "torchao":
+            raise RuntimeError(
+                f"The policy asks for the torchao engine (fp8: {{engine: torchao}}) for {fmt}, "
+                "whose torchao kernels (MXFP8TrainingOpConfig) need a CUDA device of compute "
+                f"capability 10.0 (Blackwell); this layer is on {_device_of(module)}: set the "
+                f"engine to auto or autoprec, which emulate {fmt} exactly.")
+        return "autoprec"
     if is_sharded(module):
         # FSDP2 keeps a reference to the module that owns each sharded parameter and
         # all-gathers into it; a Float8Linear swapped in after fully_shard would multiply the
@@ -146,6 +160,40 @@ def engine_for(module: nn.Module, fmt: Format, engine: str) -> str:
                            "torchao is not installed: pip install 'autoprec[torchao]', or set "
                            "the engine to auto or autoprec.")
     return "autoprec"
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    return next((p.device for p in module.parameters()), torch.device("cpu"))
+
+
+def blackwell(device: torch.device) -> bool:
+    """Whether ``device`` has Blackwell's block-scaled tensor cores (CUDA compute capability
+    10.0 or newer), where torchao's MXFP8 kernels run."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index) >= (10, 0)
+
+
+def mxfp8_linear(linear: nn.Linear, fmt: Format, *, emulate: bool = False) -> nn.Module:
+    """torchao's ``MXFP8Linear`` for ``linear`` in ``fmt``'s recipe
+    (``MXFP8TrainingOpConfig.from_recipe``: its kernel preference, RCEIL scales, the weight
+    gradient in BF16 or not), sharing ``linear``'s parameters; ``emulate``: torchao's own
+    emulated kernels (any device, for tests)."""
+    with _quiet():
+        from torchao.prototype.moe_training.config import (MXFP8TrainingOpConfig,
+                                                           MXFP8TrainingRecipe)
+        from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+    config = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe(fmt.numerics.torchao_recipe))
+    with torch.device("meta"):
+        out = MXFP8Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                          kernel_preference=KernelPreference.EMULATED if emulate
+                          else config.kernel_preference,
+                          scale_calculation_mode=config.scale_calculation_mode,
+                          wgrad_with_hp=config.wgrad_with_hp)
+    out.weight, out.bias = linear.weight, linear.bias
+    return out
 
 
 def is_float8_linear(module: nn.Module) -> bool:
@@ -189,6 +237,12 @@ def swap_to_torchao(model: nn.Module, targets: dict[str, Format]) -> list[Swap]:
     modules = dict(model.named_modules())
     targets = {fqn: f for fqn, f in targets.items()
                if id(modules[fqn]) not in kept and not is_float8_linear(modules[fqn])}
+    for fqn in [f for f, fmt in targets.items() if fmt.numerics.is_block_scaled]:
+        parent, _, child = fqn.rpartition(".")
+        fmt = targets.pop(fqn)
+        swaps.append(Swap(model.get_submodule(parent), child, modules[fqn],
+                          mxfp8_linear(modules[fqn], fmt), fmt))
+        setattr(swaps[-1].parent, child, swaps[-1].replacement)
     if not targets:
         return swaps
     with _quiet():

@@ -1,11 +1,20 @@
-"""FP8 matmul with an explicit backward: real ``torch._scaled_mm`` on CUDA sm_89+, exact emulation elsewhere.
+"""Scaled low-precision matmul with an explicit backward: real ``torch._scaled_mm`` on CUDA sm_89+ for FP8, exact emulation elsewhere.
 
 The kernels read a format's :class:`~autoprec.formats.Numerics` (what each GEMM's operands are
 cast to and how they are scaled); :func:`check_kernels` says which numerics they compute. Two
-kernels: per-tensor scales on all three GEMMs, any FP8 dtype per operand (the quantized
-forward operands are saved and reused by dgrad and wgrad, the gradient quantized once), and
-per-row power-of-two scales in E4M3 with the weight-gradient GEMM in FP8 or BF16. The built-in
-recipes, with torchao's names (``Float8LinearConfig.from_recipe_name``):
+kernels:
+
+- per-tensor scales on all three GEMMs, any FP8 dtype per operand (the quantized forward
+  operands are saved and reused by dgrad and wgrad, the gradient quantized once);
+- per GEMM (:class:`_PerGemmMatmul`): the inputs are saved and each GEMM rounds its two
+  operands along its own contraction as its :class:`~autoprec.formats.Gemm` says: per-row
+  power-of-two scales in E4M3, a per-tensor FP8 scale, MX or NVFP4 blocks
+  (:mod:`autoprec.runtime.blockscale`, with NVFP4's Hadamard transform and stochastic
+  rounding of the gradient operand where the Gemm asks), or none (a BF16 or FP32 GEMM). Any
+  mix of these per GEMM is one format (:func:`autoprec.formats.per_gemm`). Block-scaled GEMMs
+  are emulated on every device (their real kernels are torchao's, ``engine=torchao``).
+
+The built-in FP8 recipes, with torchao's names (``Float8LinearConfig.from_recipe_name``):
 
 ``rowwise``: every operand, gradients included, in E4M3 with one scale per row along the
 contracted dimension (so each GEMM of forward, dgrad and wgrad re-quantizes its operands along
@@ -29,9 +38,9 @@ The emulation rounds exactly as the kernel does (quantize -> dequantize in FP32 
 matmul); it agrees with ``_scaled_mm`` up to accumulation order. It is for numerics only:
 it is slower than FP32, never faster.
 
-Shapes the kernel cannot take (any of M, K, N not a multiple of 16; M, K and N as
-:func:`autoprec.runtime.calls.product_of` reads them) run as a BF16 matmul instead, on every
-device, so that CPU emulation and GPU show the same numerics.
+Shapes the kernel cannot take (any of M, K, N not a multiple of 16, or of the format's block,
+32 for MX; M, K and N as :func:`autoprec.runtime.calls.product_of` reads them) run as a BF16
+matmul instead, on every device, so that CPU emulation and GPU show the same numerics.
 :func:`~autoprec.runtime.calls.fp8_shape_supported` gives the reason.
 """
 
@@ -39,11 +48,14 @@ from __future__ import annotations
 
 import torch
 
-from autoprec.formats import FP8_E4M3, Format, Gemm, Numerics, fp8_is_native
-from autoprec.runtime.calls import fp8_shape_supported, product_of
+from autoprec.formats import FP8_E4M3, FP8_E5M2, Format, Gemm, Numerics, fp8_is_native
+from autoprec.runtime import blockscale
+from autoprec.runtime.calls import fp8_shape_supported, product_of, shape_multiple
 
 __all__ = [
     "fp8_matmul",
+    "scaled_matmul",
+    "round_operand",
     "fp8_linear",
     "tensorwise_scale",
     "rowwise_scale",
@@ -192,9 +204,10 @@ class _FP8Matmul(torch.autograd.Function):
         return (*_input_grads(ctx, grad_out, grad_a, grad_b), None, None, None, None)
 
 
-class _FP8RowwiseMatmul(torch.autograd.Function):
-    """``a @ b (+ bias)`` with the rowwise recipes: each GEMM's operands quantized to E4M3 along
-    its own contracted dimension; ``gw_hp`` runs the weight-gradient GEMM in BF16.
+class _PerGemmMatmul(torch.autograd.Function):
+    """``a @ b (+ bias)`` with each GEMM's operands rounded along its own contraction as the
+    format's Gemm for it says (:func:`_gemm_product`): the rowwise recipes, the block-scaled
+    formats and any per-GEMM mix of them.
 
     The inputs are saved for backward as they came and cast to FP32 there again (the same
     casts, so the same bits): an FP32 copy would double what a 16-bit input keeps, and for an
@@ -203,14 +216,14 @@ class _FP8RowwiseMatmul(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, a, b, bias, native, gw_hp):
+    def forward(ctx, a, b, bias, native, numerics):
         with torch.autocast(a.device.type, enabled=False):
-            out = _rowwise_product(*_fp32_operands(a, b), native)
+            out = _gemm_product(*_fp32_operands(a, b), numerics.fwd, native)
             if bias is not None:
                 out = out + bias.to(torch.float32)
             out = out.to(torch.bfloat16)
         ctx.save_for_backward(a, b)
-        ctx.native, ctx.gw_hp = native, gw_hp
+        ctx.native, ctx.numerics = native, numerics
         ctx.shapes = (a.shape, b.shape, None if bias is None else bias.shape)
         ctx.dtypes = (a.dtype, b.dtype, None if bias is None else bias.dtype)
         return out
@@ -219,6 +232,7 @@ class _FP8RowwiseMatmul(torch.autograd.Function):
     def backward(ctx, grad_out):
         a, b = ctx.saved_tensors
         a_shape, b_shape, _ = ctx.shapes
+        num = ctx.numerics
         grad_a = grad_b = None
         with torch.autocast(grad_out.device.type, enabled=False):
             a32, b32 = _fp32_operands(a, b)
@@ -226,14 +240,13 @@ class _FP8RowwiseMatmul(torch.autograd.Function):
             if len(b_shape) == 2:  # leading dims of a fold into M, as in the forward
                 g, a32 = g.reshape(-1, g.shape[-1]), a32.reshape(-1, a32.shape[-1])
             if ctx.needs_input_grad[0]:  # dgrad: g @ b^T, contracted over N
-                grad_a = _rowwise_product(g, b32.transpose(-1, -2), ctx.native)
+                grad_a = _gemm_product(g, b32.transpose(-1, -2), num.dgrad, ctx.native,
+                                       grad_operand=0)
                 grad_a = grad_a.reshape(a_shape) if len(b_shape) == 2 else \
                     grad_a.sum_to_size(a_shape)
             if ctx.needs_input_grad[1]:  # wgrad: a^T @ g, contracted over M
-                at = a32.transpose(-1, -2)
-                grad_b = (torch.matmul(at.to(torch.bfloat16), g.to(torch.bfloat16)).float()
-                          if ctx.gw_hp else _rowwise_product(at, g, ctx.native))
-                grad_b = grad_b.sum_to_size(b_shape)
+                grad_b = _gemm_product(a32.transpose(-1, -2), g, num.wgrad, ctx.native,
+                                       grad_operand=1).sum_to_size(b_shape)
         return (*_input_grads(ctx, grad_out, grad_a, grad_b), None, None)
 
 
@@ -255,6 +268,50 @@ def _rowwise_product(a: torch.Tensor, b: torch.Tensor, native: bool) -> torch.Te
                out_dtype=torch.float32)
 
 
+def round_operand(x: torch.Tensor, gemm: Gemm, operand: int, *,
+                  stochastic: bool = False) -> torch.Tensor:
+    """The FP32 values a GEMM multiplies in place of its ``operand`` (0: first, 1: second)
+    ``x``, FP32 with the contraction along its last dimension (no autograd): ``x`` cast to the
+    Gemm's dtype, or quantized with its scaling and dequantized."""
+    dtype = gemm.a if operand == 0 else gemm.b
+    with torch.no_grad():
+        x = x.detach().to(torch.float32)
+        if gemm.scaling == "none":
+            return x.to(dtype).to(torch.float32)
+        if gemm.scaling in ("tensor", "row"):
+            s = tensorwise_scale(x, dtype) if gemm.scaling == "tensor" else \
+                rowwise_scale(x, dtype, -1)
+            return dequantize(quantize(x, s, dtype), s)
+        if gemm.scaling == "mx":
+            return blockscale.mx_dequantize(*blockscale.mx_quantize(x, dtype,
+                                                                    rounding=gemm.rounding))
+        ts = blockscale.nvfp4_tensor_scale(x).clamp(min=_AMAX_EPS)
+        scales, values = blockscale.nvfp4_quantize(x, ts, stochastic=stochastic)
+        return blockscale.nvfp4_dequantize(scales, values, ts)
+
+
+def _gemm_product(a: torch.Tensor, b: torch.Tensor, gemm: Gemm, native: bool, *,
+                  grad_operand: int | None = None) -> torch.Tensor:
+    """``a [..., M, K] @ b [..., K, N]`` in FP32 as ``gemm`` computes it: both operands rounded
+    along K (``b`` through its transpose), NVFP4's Hadamard transform first where the Gemm has
+    it, stochastic rounding for the gradient operand (``grad_operand``) where it has that. A
+    plain GEMM multiplies in its dtype; FP8 GEMMs run ``_scaled_mm`` where ``native``."""
+    if gemm.scaling == "none":
+        return torch.matmul(a.to(gemm.a), b.to(gemm.a)).float()
+    if gemm.scaling == "row":
+        return _rowwise_product(a, b, native)
+    if gemm.scaling == "tensor":
+        sa, sb = tensorwise_scale(a, gemm.a), tensorwise_scale(b, gemm.b)
+        return _mm(quantize(a, sa, gemm.a), sa, quantize(b, sb, gemm.b), sb, native=native,
+                   out_dtype=torch.float32)
+    bt = b.transpose(-1, -2)
+    if gemm.hadamard:
+        a, bt = blockscale.hadamard_transform(a), blockscale.hadamard_transform(bt)
+    ra = round_operand(a, gemm, 0, stochastic=gemm.stochastic and grad_operand == 0)
+    rb = round_operand(bt, gemm, 1, stochastic=gemm.stochastic and grad_operand == 1)
+    return torch.matmul(ra, rb.transpose(-1, -2))
+
+
 def _bf16_matmul(a, b, bias):
     with torch.autocast(a.device.type, enabled=False):
         out = torch.matmul(a.to(torch.bfloat16), b.to(torch.bfloat16))
@@ -263,48 +320,65 @@ def _bf16_matmul(a, b, bias):
         return out
 
 
+def _has_kernel(g: Gemm) -> bool:
+    """Whether :func:`_gemm_product` computes this GEMM."""
+    if g.scaling == "none":
+        return g.a is g.b and g.a in (torch.float32, torch.bfloat16)
+    if g.scaling == "row":
+        return g == Gemm(FP8_E4M3, FP8_E4M3, "row", pow2_scales=True)
+    return not g.pow2_scales and (g.scaling != "tensor" or {g.a, g.b} <= {FP8_E4M3, FP8_E5M2})
+
+
 def check_kernels(numerics: Numerics) -> None:
     """A ValueError unless this module's kernels compute ``numerics`` (see the module
-    docstring); :func:`autoprec.formats.register` calls it for every new FP8 format."""
+    docstring); :func:`autoprec.formats.register` calls it for every new scaled format."""
     fwd, dgrad, wgrad = numerics.fwd, numerics.dgrad, numerics.wgrad
-    if numerics.scaling == "tensor":
-        ok = (all(g.scaling == "tensor" and not g.pow2_scales for g in (fwd, dgrad, wgrad))
+    if numerics.saves_quantized:
+        ok = (not any(g.pow2_scales for g in (fwd, dgrad, wgrad))
               and dgrad.b == fwd.b and wgrad.a == fwd.a and dgrad.a == wgrad.b)
     else:
-        row = Gemm(FP8_E4M3, FP8_E4M3, "row", pow2_scales=True)
-        ok = fwd == row and dgrad == row and wgrad in (row, Gemm(torch.bfloat16, torch.bfloat16))
+        ok = all(_has_kernel(g) for g in (fwd, dgrad, wgrad))
     if not ok:
         raise ValueError(
-            f"autoprec's FP8 kernels do not compute {numerics.label}: they take per-tensor scales "
-            "on all three GEMMs (the forward operands reused by dgrad and wgrad, one dtype for "
-            "the gradient), or power-of-two row scales in E4M3 with the weight gradient in E4M3 "
-            "or BF16. Add a kernel in autoprec/runtime/fp8.py for these numerics.")
+            f"autoprec's scaled kernels do not compute {numerics.label}: they take per-tensor "
+            "scales on all three GEMMs (the forward operands reused by dgrad and wgrad, one "
+            "dtype for the gradient), or per GEMM power-of-two row scales in E4M3, MX or NVFP4 "
+            "blocks, or a BF16/FP32 GEMM. Add a kernel in autoprec/runtime/fp8.py for these "
+            "numerics.")
+
+
+def scaled_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  fmt: Format, native: bool | None = None) -> torch.Tensor:
+    """``a @ b + bias`` (``torch.matmul`` broadcasting, both operands at least 2-D) as the
+    scaled format ``fmt`` computes it (an FP8 recipe, MXFP8, NVFP4 or a per-GEMM mix; see the
+    module docstring). Returns BF16.
+
+    ``native=None`` picks ``torch._scaled_mm`` where the device has kernels for the format
+    and the emulation elsewhere; ``native=True`` forces the kernel for FP8 GEMMs (on CPU it
+    runs, slowly: useful to test the layout). Shapes the kernel cannot take compute in BF16,
+    on every device.
+    """
+    if a.dim() < 2 or b.dim() < 2:
+        raise ValueError(f"A scaled matmul needs operands of at least 2 dimensions, got "
+                         f"{tuple(a.shape)} and {tuple(b.shape)}; 1-D products stay in bf16.")
+    num = fmt.numerics
+    if not num.is_fp8:
+        raise ValueError(f"scaled_matmul computes scaled formats; {fmt} is not one.")
+    p = product_of(a.shape, b.shape)
+    if not fp8_shape_supported(p.m, p.k, p.n, shape_multiple(num))[0]:
+        return _bf16_matmul(a, b, bias)
+    if native is None:
+        native = fp8_is_native(a.device, fmt)
+    if num.saves_quantized:
+        return _FP8Matmul.apply(a, b, bias, native, num.fwd.a, num.fwd.b, num.dgrad.a)
+    return _PerGemmMatmul.apply(a, b, bias, native, num)
 
 
 def fp8_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
                native: bool | None = None, recipe: str = "tensorwise") -> torch.Tensor:
-    """``a @ b + bias`` (``torch.matmul`` broadcasting, both operands at least 2-D) in FP8
-    with ``recipe`` (tensorwise, rowwise, rowwise_with_gw_hp or a registered one; see the
-    module docstring).
-
-    ``native=None`` picks ``torch._scaled_mm`` where the device has kernels for the recipe and
-    the emulation elsewhere; ``native=True`` forces the kernel (on CPU it runs, slowly: useful
-    to test the layout). Shapes the kernel cannot take compute in BF16, on every device.
-    Returns BF16.
-    """
-    fmt = Format.fp8(recipe)
-    if a.dim() < 2 or b.dim() < 2:
-        raise ValueError(f"fp8_matmul needs operands of at least 2 dimensions, got "
-                         f"{tuple(a.shape)} and {tuple(b.shape)}; 1-D products stay in bf16.")
-    p = product_of(a.shape, b.shape)
-    if not fp8_shape_supported(p.m, p.k, p.n)[0]:
-        return _bf16_matmul(a, b, bias)
-    if native is None:
-        native = fp8_is_native(a.device, fmt)
-    num = fmt.numerics
-    if num.saves_quantized:
-        return _FP8Matmul.apply(a, b, bias, native, num.fwd.a, num.fwd.b, num.dgrad.a)
-    return _FP8RowwiseMatmul.apply(a, b, bias, native, not num.wgrad.is_fp8)
+    """``a @ b + bias`` in FP8 with ``recipe`` (tensorwise, rowwise, rowwise_with_gw_hp or a
+    registered one): :func:`scaled_matmul` of ``Format.fp8(recipe)``."""
+    return scaled_matmul(a, b, bias, fmt=Format.fp8(recipe), native=native)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

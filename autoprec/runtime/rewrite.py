@@ -22,7 +22,7 @@ What a region does, by format:
 - ``fp8``: as ``bf16``, and the matmul-like calls inside that the call registry
   (:mod:`autoprec.runtime.calls`) gives an FP8 route (``F.linear``, ``addmm``, ``mm``,
   ``matmul``, ``@``, ``bmm``) are routed by a ``TorchFunctionMode`` through
-  :func:`autoprec.runtime.fp8.fp8_matmul`. This reaches functional matmuls in attention and
+  :func:`autoprec.runtime.fp8.scaled_matmul`. This reaches functional matmuls in attention and
   HF's ``Conv1D`` (``torch.addmm``) as well as ``nn.Linear``. Convolutions, SDPA and
   ``baddbmm`` run in bf16 (PyTorch has no FP8 kernels for them).
 
@@ -65,7 +65,7 @@ from torch.utils._pytree import tree_map
 from autoprec.formats import Format, Support, supported_formats
 from autoprec.policy import Policy, PolicyError, load_policy
 from autoprec.runtime import calls, engines
-from autoprec.runtime.fp8 import fp8_matmul
+from autoprec.runtime.fp8 import scaled_matmul
 
 __all__ = [
     "apply",
@@ -116,7 +116,7 @@ class _FormatMode(TorchFunctionMode):
             call = calls.lookup(func)
             form = calls.matmul_form(call, args, kwargs) if call is not None else None
             if form is not None:
-                return fp8_matmul(*form, recipe=self.format.recipe)
+                return scaled_matmul(*form, fmt=self.format)
         return func(*args, **kwargs)
 
 

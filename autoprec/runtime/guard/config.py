@@ -78,7 +78,7 @@ class GuardConfig:
         # a bare "fp8" means every FP8 recipe
         formats = tuple(dict.fromkeys(
             g for f in self.formats
-            for g in ([h for h in Format if h.is_fp8]
+            for g in ([h for h in Format if h.recipe is not None]
                       if isinstance(f, str) and f.strip().lower() == "fp8"
                       else (Format.parse(f, where="in GuardConfig.formats"),))))
         if Format.FP32 in formats:
