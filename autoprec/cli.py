@@ -172,7 +172,8 @@ def _cmd_tune(args) -> int:
                           max_memory=args.max_memory, n_trials=args.n_trials,
                           timeout=args.timeout, target=args.target, seed=args.seed,
                           grouping=args.groups, sensitivity=args.sensitivity,
-                          couple=tuple(tuple(names) for names in args.couple))
+                          couple=tuple(tuple(names) for names in args.couple),
+                          per_gemm=args.per_gemm)
     study = StudyConfig(storage=args.storage, study_name=args.study, output=args.output)
     task = _load_task(args.task)
     result = tune(task, TuneConfig(search=search, study=study))
@@ -596,23 +597,41 @@ def _tune_parser(sub, common: dict) -> None:
                         "every layer below FORMAT (default bf16: the fp8 layers) computes in "
                         "FORMAT, e.g. 0.9 for the learning-rate decay; the training "
                         "integrations switch at that step")
+    p.add_argument("--per-gemm", action="store_true",
+                   help="also offer per-GEMM mixes of the scaled formats (forward in one, the "
+                        "backward GEMMs in a more precise one or bf16) that run natively on "
+                        "--target, priced per GEMM")
     p.add_argument("--validate-steps", type=_nonneg_int, default=0,
                    help="train this many steps to validate the winner; fall back along the "
                         "Pareto front if it fails")
     p.set_defaults(fn=_cmd_tune)
 
 
+def _format_arg(text: str) -> str:
+    """A --formats value: ``fp8`` or a format's spelling (argparse's one-line error else)."""
+    from autoprec.formats import Format
+
+    if text.strip().lower() != "fp8":
+        try:
+            Format.parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _common_options() -> dict[str, dict]:
     """The options several commands share: --formats, --target, --sensitivity."""
     from autoprec.costmodel import DEVICES
-    from autoprec.formats import fp8_recipes
+    from autoprec.formats import Format
     from autoprec.measure.sensitivity import SENSITIVITY_MODES
     from autoprec.tuning.config import default
 
-    formats = dict(nargs="+", default=["fp32", "bf16", "fp16", "fp8"],
-                   choices=["fp32", "bf16", "fp16", "fp8", *(f"fp8:{r}" for r in fp8_recipes())],
-                   help="formats to consider (default: all; fp8 means every FP8 recipe, "
-                        "fp8:<recipe> one of them)")
+    formats = dict(nargs="+", default=["fp32", "bf16", "fp16", "fp8"], type=_format_arg,
+                   metavar="FORMAT",
+                   help="formats to consider (default: fp32 bf16 fp16 fp8; fp8 means every FP8 "
+                        "recipe, fp8:<recipe> one of them; the others: "
+                        f"{', '.join(f.value for f in Format if f.recipe is None)}; "
+                        "fwd/dgrad/wgrad one GEMM's format each, e.g. nvfp4/mxfp8/mxfp8)")
     target = dict(default=None, choices=list(DEVICES),
                   help="price speed with the cost model of this device instead of measuring "
                        f"here: {', '.join(DEVICES)}")

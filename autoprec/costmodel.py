@@ -74,10 +74,12 @@ __all__ = [
 ]
 
 
-def kernel_class(fmt: Format) -> tuple[torch.dtype, tuple[int, int] | None]:
+def kernel_class(fmt: Format) -> tuple[Any, tuple[int, int] | None]:
     """What a device's matmul rate and support for ``fmt`` depend on: the dtype of its
-    forward operands and the CUDA capability its FP8 GEMMs need (None: no FP8 GEMMs)."""
-    return fmt.numerics.fwd.a, fmt.numerics.cuda_capability
+    forward operands (a scaled forward: its scaling and operand width, so E4M3 and E5M2
+    elements read alike) and the CUDA capability its scaled GEMMs need (None: none)."""
+    fwd = fmt.numerics.fwd
+    return (_gemm_key(fwd) if fwd.is_fp8 else fwd.a), fmt.numerics.cuda_capability
 
 
 class _PerFormat(dict):

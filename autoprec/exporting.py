@@ -54,9 +54,10 @@ import yaml
 from torch import nn
 
 from autoprec._util import atomic_write, escape_line
-from autoprec.formats import Format, Support, supported_formats
+from autoprec.formats import FP4_E2M1, Format, Support, supported_formats
 from autoprec.policy import Policy, PolicyError, load_policy
-from autoprec.runtime.calls import KERNEL_MULTIPLE, class_kind, layer_kind
+from autoprec.runtime.calls import class_kind, layer_kind, shape_multiple
+from autoprec.runtime.engines import blackwell
 
 __all__ = [
     "ExportError",
@@ -146,9 +147,25 @@ class TorchaoRecipe:
     fqns: tuple[str, ...] | None
     module_filter_fn: Callable[[nn.Module, str], bool] = field(compare=False, repr=False)
 
+    @property
+    def mx(self) -> bool:
+        """An MXFP8 recipe (torchao's ``MXFP8TrainingRecipe``), applied by ``quantize_``."""
+        return self.recipe.startswith("mxfp8")
+
     def config(self, *, emulate: bool = False):
         """torchao's ``Float8LinearConfig.from_recipe_name(recipe)`` (``emulate=True`` where the
-        device has no FP8 kernels)."""
+        device has no FP8 kernels), or for an MXFP8 recipe
+        ``MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe(recipe))`` (``emulate``:
+        torchao's emulated kernels, ``KernelPreference.EMULATED``)."""
+        if self.mx:
+            from torchao.prototype.moe_training.config import (MXFP8TrainingOpConfig,
+                                                               MXFP8TrainingRecipe)
+            from torchao.quantization.quantize_.common.kernel_preference import (
+                KernelPreference)
+
+            config = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe(self.recipe))
+            return replace(config, kernel_preference=KernelPreference.EMULATED) if emulate \
+                else config
         from torchao.float8 import Float8LinearConfig
 
         config = Float8LinearConfig.from_recipe_name(self.recipe)
@@ -167,13 +184,19 @@ class TorchaoExport(Exported):
         """Convert ``model`` in place as the export says (``emulate`` None: emulate the
         recipes this model's device has no kernels for, as ``apply`` does)."""
         from torchao.float8 import convert_to_float8_training
+        from torchao.quantization import quantize_
 
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         for r in self.recipes:
-            emu = emulate if emulate is not None else \
-                supported_formats(device)[_torchao_format(r.recipe)] is not Support.NATIVE
-            convert_to_float8_training(model, config=r.config(emulate=emu),
-                                       module_filter_fn=r.module_filter_fn)
+            fmt = _torchao_format(r.recipe)
+            native = blackwell(device) if r.mx else \
+                supported_formats(device)[fmt] is Support.NATIVE
+            config = r.config(emulate=emulate if emulate is not None else not native)
+            if r.mx:  # torchao's MXFP8 training config for nn.Linear goes through quantize_
+                quantize_(model, config, filter_fn=r.module_filter_fn)
+            else:
+                convert_to_float8_training(model, config=config,
+                                           module_filter_fn=r.module_filter_fn)
         return model
 
 
@@ -269,9 +292,11 @@ def _runs(module: nn.Module, kind: str, fmt: Format) -> Format:
     if not fmt.is_fp8 or kind == "attention":
         return fmt
     if kind == "linear":
-        # the FP8 kernels take K and N in multiples of 16; autoprec runs the rest in bf16
+        # the FP8 kernels take K and N in multiples of 16 (MX: 32); autoprec runs the rest in
+        # bf16
         weight = getattr(module, "weight", None)
-        ok = weight is not None and all(d % KERNEL_MULTIPLE == 0 for d in weight.shape)
+        ok = weight is not None and all(d % shape_multiple(fmt.numerics) == 0
+                                        for d in weight.shape)
         return fmt if ok else Format.BF16
     return Format.BF16  # PyTorch has no FP8 convolution: autoprec runs it in bf16
 
@@ -394,18 +419,32 @@ FP8_LAYERS = {{
 
 
 def convert(model, *, emulate=False):
-    """Swap the listed nn.Linear layers for torchao's Float8Linear, each with its recipe
-    (emulate=True where the device has no FP8 kernels)."""
+    """Swap the listed nn.Linear layers for torchao's Float8Linear, each with its recipe, or
+    give their weights torchao's MXFP8 training tensor (emulate=True where the device has no
+    kernels for the recipe: FP8 before sm_89, MXFP8 before sm_100)."""
     present = {{fqn for fqn, _ in model.named_modules()}}
     for recipe, names in FP8_LAYERS.items():
         missing = sorted(set(names) - present)
         if missing:
             raise ValueError(f"the model has no module {{missing[0]}}: this conversion was "
                              "exported for another model")
+        keep = frozenset(names)
+        if recipe.startswith("mxfp8"):  # torchao's MXFP8 training config, via quantize_
+            from torchao.prototype.moe_training.config import (
+                MXFP8TrainingOpConfig, MXFP8TrainingRecipe)
+            from torchao.quantization import quantize_
+            from torchao.quantization.quantize_.common.kernel_preference import (
+                KernelPreference)
+
+            config = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe(recipe))
+            if emulate:
+                config = dataclasses.replace(config,
+                                             kernel_preference=KernelPreference.EMULATED)
+            quantize_(model, config, filter_fn=lambda m, fqn, keep=keep: fqn in keep)
+            continue
         config = Float8LinearConfig.from_recipe_name(recipe)
         if emulate:
             config = dataclasses.replace(config, emulate=True)
-        keep = frozenset(names)
         convert_to_float8_training(
             model, config=config, module_filter_fn=lambda m, fqn, keep=keep: fqn in keep)
     return model
@@ -450,14 +489,19 @@ _MEGATRON_FIX = ("Megatron's precision file chooses bf16 or an FP8 recipe per Tr
 
 
 def _megatron_config(fmt: Format, what: str) -> str:
-    """The config name a format becomes; an error for an FP8 recipe Megatron does not have."""
+    """The config name a format becomes (``fp8_<recipe>``, ``fp4_nvfp4``); an error for a
+    scaled format Megatron does not have."""
     if fmt.is_fp8:
         if fmt.numerics.megatron_recipe is None:
             raise ExportError(
                 f"{what} is {fmt.label}: Megatron-Core's FP8 recipes are tensorwise, blockwise "
-                f"and mxfp8 and none computes {fmt.label} (Transformer Engine has no rowwise "
-                "recipe). Re-tune with --formats bf16 fp8:tensorwise to export to Megatron.")
-        return f"fp8_{fmt.numerics.megatron_recipe}"
+                f"and mxfp8, its FP4 recipe nvfp4, and none computes {fmt.label} (Transformer "
+                "Engine has no rowwise recipe; its precision file has no high-precision weight "
+                "gradient and no NVFP4 without the Hadamard transform and stochastic "
+                "rounding). Re-tune with --formats bf16 fp8:tensorwise mxfp8 nvfp4 to export to "
+                "Megatron.")
+        four = fmt.compute_dtype is FP4_E2M1
+        return f"{'fp4' if four else 'fp8'}_{fmt.numerics.megatron_recipe}"
     return "bf16"
 
 
@@ -465,11 +509,17 @@ def _megatron_configs(names) -> dict[str, dict]:
     out = {}
     for name in names:
         recipe: dict[str, Any] = {}
-        if name != "bf16":
-            # hybrid: E4M3 forward, E5M2 gradients (torchao's tensorwise); override the
-            # non-quantized context so the layer is FP8 even when the run has no --fp8
-            recipe = {"fp8_quantization_recipe": name.removeprefix("fp8_"),
-                      "fp8_format": "hybrid", "override_nonquantized_autocast": True}
+        kind, _, which = name.partition("_")
+        # override the non-quantized context so the layer is FP8 (FP4) even when the run has
+        # no --fp8 (--fp4)
+        if kind == "fp4":
+            recipe = {"fp4_quantization_recipe": which, "override_nonquantized_autocast": True}
+        elif kind == "fp8":
+            # hybrid: E4M3 forward, E5M2 gradients (torchao's tensorwise); MXFP8 is E4M3
+            # everywhere (Transformer Engine's MXFP8BlockScaling refuses E5M2)
+            recipe = {"fp8_quantization_recipe": which,
+                      "fp8_format": "e4m3" if which == "mxfp8" else "hybrid",
+                      "override_nonquantized_autocast": True}
         out[name] = {"transformer_engine_config_type": "TEQuantizationParams",
                      "training_recipe": recipe}
     return out

@@ -242,18 +242,18 @@ class Numerics:
         per-tensor scale is the same along either axis, so dgrad and wgrad reuse them; a
         row-scaled recipe saves its inputs and quantizes them again along each contraction
         (so does every format with a GEMM not tensor-scaled)."""
-        return all(g.scaling == "tensor" for g in self.gemms.values())
+        return self.fwd.scaling == self.dgrad.scaling == self.wgrad.scaling == "tensor"
 
     @property
     def is_block_scaled(self) -> bool:
         """Whether any GEMM has block scales (MX, NVFP4): Blackwell's formats."""
-        return any(g.block for g in self.gemms.values())
+        return bool(self.fwd.block or self.dgrad.block or self.wgrad.block)
 
     @property
     def block(self) -> int:
         """The largest block along a contraction (1 without block scales): each of M, K and N
         of a product must be a multiple of it (each is contracted by one of the GEMMs)."""
-        return max((g.block or 1 for g in self.gemms.values()), default=1)
+        return max([self.fwd.block or 1, self.dgrad.block or 1, self.wgrad.block or 1])
 
     @property
     def cuda_capability(self) -> tuple[int, int] | None:
@@ -348,7 +348,7 @@ class Format(str, metaclass=_FormatType):
                 return _SPELLINGS[text]
             if text.count("/") == 2:
                 return per_gemm(*text.split("/"), where=where)
-        valid = ", ".join(f.value for f in cls)
+        valid = ", ".join(f.value for f in cls if "/" not in f.value)  # not the mixes
         loc = f" {where}" if where else ""
         raise ValueError(f"Unknown format {value!r}{loc}; expected one of {valid} "
                          "(fp8 is fp8:tensorwise), or fwd/dgrad/wgrad of three of them.")

@@ -59,7 +59,8 @@ class Phase:
     from_step: int | None = None
     # Share of the run's steps done when it starts (0 < F < 1); or None with from_step.
     from_fraction: float | None = None
-    # Format -> format; the key "fp8" means every FP8 recipe (a recipe's own key wins).
+    # Format -> format; the key "fp8" means every scaled format, the FP8 recipes and the
+    # block-scaled ones (a format's own key wins).
     formats: Mapping[str, Format] = field(default_factory=dict)
     # Layer entries of this phase, over the mapped ones (patterns as in `layers`).
     layers: Mapping[str, Format] = field(default_factory=dict)

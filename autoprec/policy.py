@@ -702,7 +702,7 @@ class Policy:
     def _spell(self, fmt: Format) -> str:
         """How the file writes ``fmt``: ``fp8`` for the policy's default recipe, ``fp8:<recipe>``
         for the others, so the file reads back the same whatever its default recipe."""
-        if fmt.is_fp8:
+        if fmt.recipe is not None:
             return "fp8" if fmt.recipe == self.fp8_recipe else f"fp8:{fmt.recipe}"
         return fmt.value
 
@@ -965,13 +965,15 @@ def model_fingerprint(model: nn.Module) -> str:
 
 def _class_name(module: nn.Module) -> str:
     """The module's own class name: past the subclass ``fully_shard`` (FSDP2) makes of a module
-    it shards (``FSDPLinear``) and past torchao's ``Float8Linear`` (torchtitan's subclass of it
-    included), which is the ``Linear`` it replaced: sharding, or building the fp8 layers as
-    Float8Linear (torchtitan's converter), leaves the fingerprint as it was."""
+    it shards (``FSDPLinear``) and past torchao's ``Float8Linear``, ``MXFP8Linear`` and
+    ``NVFP4Linear`` (torchtitan's subclasses included), each the ``Linear`` it replaced:
+    sharding, or building the low-precision layers so (torchtitan's converters), leaves the
+    fingerprint as it was."""
     for cls in type(module).__mro__:
         if cls.__name__.startswith("FSDP") and cls.__module__.startswith("torch.distributed"):
             continue
-        if cls.__name__ == "Float8Linear" and cls.__module__.startswith(("torchao.", "torchtitan.")):
+        if cls.__name__ in ("Float8Linear", "MXFP8Linear", "NVFP4Linear") and \
+                cls.__module__.startswith(("torchao.", "torchtitan.")):
             continue
         return cls.__name__
     return type(module).__name__

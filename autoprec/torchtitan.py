@@ -13,7 +13,10 @@ The one command (``pip install 'autoprec[torchtitan]'``)::
 - **FP8 Linears, in torchtitan's own config tree.** :class:`PolicyConverter` (a torchtitan
   ``ModelConfigConverter``) replaces each ``Linear.Config`` the policy puts in an FP8 recipe by
   torchtitan's ``Float8Linear.Config`` carrying that layer's torchao recipe, before the model
-  is built, so torchtitan's compile, FSDP2 and tensor parallelism treat them as their own.
+  is built, so torchtitan's compile, FSDP2 and tensor parallelism treat them as their own. On
+  a Blackwell GPU an ``mxfp8`` layer becomes torchtitan's ``MXFP8Linear.Config`` and an
+  ``nvfp4`` one its ``NVFP4Linear.Config``; elsewhere (and for ``mxfp8:gw_hp``,
+  ``nvfp4:plain``) the regions below compute them.
   Every other field of the layer's config is kept. Names are matched as the policy matches
   them (exact fqns and its globs), never by substring: torchtitan's own ``filter_fqns``
   matches ``layers.1`` inside ``layers.10``.
@@ -55,7 +58,8 @@ from torch import nn
 from autoprec.formats import Format
 from autoprec.policy import Policy, PolicyError, load_policy
 from autoprec.runtime import apply
-from autoprec.runtime.engines import float8_linear_config, torchao_available, torchao_takes
+from autoprec.runtime.engines import (blackwell, float8_linear_config, torchao_available,
+                                      torchao_takes)
 from autoprec.task import Task
 
 torchao_available()  # imports torchao (before torchtitan does) without its CUDA-less noise
@@ -64,7 +68,11 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(f"autoprec.torchtitan needs torchtitan ({e}): pip install "
                       "'autoprec[torchtitan]'") from e
-from torchtitan.components.quantization import Float8Linear  # noqa: E402
+from torchtitan.components.quantization import (  # noqa: E402
+    Float8Linear,
+    MXFP8Linear,
+    NVFP4Linear,
+)
 from torchtitan.models.common.linear import Linear  # noqa: E402
 from torchtitan.protocols.model import ModelConfigConverter  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
@@ -91,20 +99,41 @@ def _load(policy: Policy | str | os.PathLike) -> Policy:
     return policy
 
 
+# NVFP4Linear's Triton kernels need every GEMM dimension a multiple of 128
+_NVFP4_MULTIPLE = 128
+
+
+def _titan_builds(fmt: Format, config) -> bool:
+    """Whether torchtitan has a Linear that computes ``fmt`` for this ``Linear.Config``: a
+    torchao FP8 recipe (Float8Linear, features multiples of 16); on a Blackwell GPU, mxfp8
+    (MXFP8Linear: torchao's defaults, RCEIL, no high-precision weight gradient) and nvfp4
+    (NVFP4Linear: the Hadamard transform and stochastic rounding, features multiples of 128).
+    Elsewhere autoprec's regions emulate the block-scaled formats (and on Blackwell
+    ``mxfp8:gw_hp``, which MXFP8Linear.Config cannot say, runs on torchao's MXFP8Linear
+    through ``apply``)."""
+    if not fmt.numerics.is_block_scaled:
+        return torchao_takes(fmt, linear=True, in_features=config.in_features,
+                             out_features=config.out_features)
+    if not blackwell(torch.device("cuda")):
+        return False
+    if fmt is Format.MXFP8:
+        return MXFP8Linear is not None and torchao_takes(
+            fmt, linear=True, in_features=config.in_features, out_features=config.out_features)
+    return fmt is Format.NVFP4 and NVFP4Linear is not None and not (
+        config.in_features % _NVFP4_MULTIPLE or config.out_features % _NVFP4_MULTIPLE)
+
+
 def fp8_linears(policy: Policy, model_config) -> dict[str, Format]:
-    """fqn -> FP8 format of each ``Linear.Config`` in torchtitan's ``model_config`` tree that
-    the policy puts in an FP8 recipe torchao runs (features multiples of 16, as torchao's own
-    filter asks): the layers :class:`PolicyConverter` builds as ``Float8Linear``. A policy
-    whose engine is ``autoprec`` gets none (its own FP8 matmul runs them all)."""
+    """fqn -> scaled format of each ``Linear.Config`` in torchtitan's ``model_config`` tree
+    that the policy puts in a format torchtitan has a Linear for (:func:`_titan_builds`): the
+    layers :class:`PolicyConverter` builds as ``Float8Linear`` (``MXFP8Linear``,
+    ``NVFP4Linear``). A policy whose engine is ``autoprec`` gets none (its own kernels run
+    them all)."""
     if policy.fp8_engine == "autoprec":
         return {}
-    found = {}
-    for fqn, config, _, _ in model_config.traverse(Linear.Config):
-        fmt = policy.format_for(fqn)
-        if torchao_takes(fmt, linear=True, in_features=config.in_features,
-                         out_features=config.out_features):
-            found[fqn] = fmt
-    return found
+    return {fqn: policy.format_for(fqn)
+            for fqn, config, _, _ in model_config.traverse(Linear.Config)
+            if _titan_builds(policy.format_for(fqn), config)}
 
 
 def _convert(model_config, policy: Policy):
@@ -120,7 +149,8 @@ def _convert(model_config, policy: Policy):
     model_config = copy.deepcopy(model_config)  # the caller's tree is left as it was
     # emulated where the machine the trainer runs on has no FP8 kernels for the recipe
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    recipes = {fmt: float8_linear_config(fmt, device) for fmt in set(targets.values())}
+    recipes = {fmt: float8_linear_config(fmt, device) for fmt in set(targets.values())
+               if not fmt.numerics.is_block_scaled}
     if any(fmt.numerics.torchao_recipe == "rowwise" for fmt in recipes):
         # what torchtitan's own float8 converter sets for rowwise (pytorch/pytorch#150859)
         import torch._inductor.config as inductor
@@ -132,7 +162,12 @@ def _convert(model_config, policy: Policy):
             continue
         kept = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
                 if f.name != "_torchao_config"}
-        new = Float8Linear.Config(**kept, _torchao_config=recipes[fmt])
+        if fmt is Format.MXFP8:
+            new = MXFP8Linear.Config(**kept)
+        elif fmt is Format.NVFP4:
+            new = NVFP4Linear.Config(**kept)
+        else:
+            new = Float8Linear.Config(**kept, _torchao_config=recipes[fmt])
         if parent is None:
             model_config = new
         elif isinstance(parent, list):

@@ -39,10 +39,11 @@ import torch
 from torch import nn
 
 from autoprec.formats import Format, Support, supported_formats
-from autoprec.runtime.calls import KERNEL_MULTIPLE
+from autoprec.runtime.calls import shape_multiple
 
 __all__ = ["Swap", "torchao_available", "torchao_takes", "torchao_runs", "engine_for",
            "swap_to_torchao", "restore", "keeping_sharded_swaps", "is_float8_linear",
+           "computes_own", "blackwell", "mxfp8_linear",
            "float8_linear_config"]
 
 # Inside keeping_sharded_swaps(): id(Float8Linear) -> its Swap, for the swaps restore() left in
@@ -89,12 +90,14 @@ def _quiet():
 def torchao_takes(fmt: Format, *, linear: bool, in_features: int, out_features: int) -> bool:
     """The one rule of which layers torchao's float8 training computes: an ``nn.Linear``
     (``linear``) in an FP8 format torchao has a recipe for (``Numerics.torchao_recipe``) whose
-    in and out features are multiples of 16. The FP8 kernel cannot take other widths; torchao's
-    own filter skips them too, and autoprec runs them in bf16. Whether torchao *does* run the
+    in and out features are multiples of 16 (MX: 32). The FP8 kernel cannot take other
+    widths; torchao's own filter skips them too, and autoprec runs them in bf16. Whether
+    torchao *does* run the
     layer also depends on the policy's engine and the machine: :func:`torchao_runs`,
     :func:`engine_for`."""
+    multiple = shape_multiple(fmt.numerics)
     return (linear and fmt.numerics.torchao_recipe is not None
-            and not in_features % KERNEL_MULTIPLE and not out_features % KERNEL_MULTIPLE)
+            and not in_features % multiple and not out_features % multiple)
 
 
 def torchao_runs(fmt: Format, *, linear: bool, in_features: int, out_features: int,
@@ -125,10 +128,10 @@ def engine_for(module: nn.Module, fmt: Format, engine: str) -> str:
         # recipe only in that recipe; any other format runs it as nn.Linear (swap_to_torchao)
         return "torchao" if fmt is kept.format and engine != "autoprec" else "autoprec"
     if is_float8_linear(module):
-        # built as torchao's Float8Linear before apply (torchtitan's converter, or the user's
-        # convert_to_float8_training): it computes its own FP8 recipe; in any other format
-        # it runs as nn.Linear (swap_to_torchao)
-        return "torchao" if fmt.numerics.torchao_recipe is not None else "autoprec"
+        # built as torchao's Float8Linear (MXFP8Linear, NVFP4Linear) before apply (torchtitan's
+        # converters, or the user's convert_to_float8_training): it computes its own format;
+        # in any other it runs as nn.Linear (swap_to_torchao)
+        return "torchao" if computes_own(module, fmt) else "autoprec"
     if engine == "autoprec" or not _takes(module, fmt):
         return "autoprec"
     if fmt.numerics.is_block_scaled and not blackwell(_device_of(module)):
@@ -196,11 +199,31 @@ def mxfp8_linear(linear: nn.Linear, fmt: Format, *, emulate: bool = False) -> nn
     return out
 
 
+_LOWP_LINEARS = ("Float8Linear", "MXFP8Linear", "NVFP4Linear")
+
+
+def _torchao_class(module: nn.Module) -> str | None:
+    return next((cls.__name__ for cls in type(module).__mro__
+                 if cls.__name__ in _LOWP_LINEARS and cls.__module__.startswith("torchao.")), None)
+
+
 def is_float8_linear(module: nn.Module) -> bool:
-    """Whether ``module`` is torchao's ``Float8Linear`` (or a subclass: torchtitan's, the one
-    ``fully_shard`` makes), without importing torchao."""
-    return any(cls.__name__ == "Float8Linear" and cls.__module__.startswith("torchao.")
-               for cls in type(module).__mro__)
+    """Whether ``module`` is one of torchao's low-precision Linears, ``Float8Linear``,
+    ``MXFP8Linear`` or ``NVFP4Linear`` (or a subclass: torchtitan's, the one ``fully_shard``
+    makes), without importing torchao."""
+    return _torchao_class(module) is not None
+
+
+def computes_own(module: nn.Module, fmt: Format) -> bool:
+    """Whether such a module (:func:`is_float8_linear`) computes ``fmt`` itself: a Float8Linear
+    a torchao FP8 recipe, an MXFP8Linear MXFP8, an NVFP4Linear (torchtitan's: its Hadamard
+    transform and stochastic rounding) nvfp4."""
+    name, num = _torchao_class(module), fmt.numerics
+    if name == "Float8Linear":
+        return num.torchao_recipe is not None and not num.is_block_scaled
+    if name == "MXFP8Linear":
+        return num.torchao_recipe is not None and num.is_block_scaled
+    return name == "NVFP4Linear" and fmt is Format.NVFP4
 
 
 def is_sharded(module: nn.Module) -> bool:
@@ -237,7 +260,8 @@ def swap_to_torchao(model: nn.Module, targets: dict[str, Format]) -> list[Swap]:
     modules = dict(model.named_modules())
     targets = {fqn: f for fqn, f in targets.items()
                if id(modules[fqn]) not in kept and not is_float8_linear(modules[fqn])}
-    for fqn in [f for f, fmt in targets.items() if fmt.numerics.is_block_scaled]:
+    for fqn in [f for f, fmt in targets.items() if fmt.numerics.is_block_scaled
+                and id(modules[f]) not in kept and not is_float8_linear(modules[f])]:
         parent, _, child = fqn.rpartition(".")
         fmt = targets.pop(fqn)
         swaps.append(Swap(model.get_submodule(parent), child, modules[fqn],

@@ -14,12 +14,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from autoprec.formats import FORMAT_ORDER, Format, expand_formats
+from autoprec.formats import FORMAT_ORDER, Format, Support, expand_formats, per_gemm
 from autoprec.measure.sensitivity import check_sensitivity_mode
 from autoprec.policy import Budget
 from autoprec.pricing import CostSource
 
-__all__ = ["TuneConfig", "SearchConfig", "StudyConfig", "TimingConfig", "Grouping", "TunePaths"]
+__all__ = ["TuneConfig", "SearchConfig", "StudyConfig", "TimingConfig", "Grouping", "TunePaths",
+           "per_gemm_candidates"]
 
 
 class Grouping(str, enum.Enum):
@@ -88,8 +89,11 @@ class SearchConfig:
     number of trials, and how the profile measures sensitivity."""
 
     # Formats the search may use; fp32 is always added (the reference and the fallback). A
-    # bare "fp8" means every FP8 recipe; "fp8:rowwise" (etc.) names one.
-    formats: tuple[Format, ...] = FORMAT_ORDER
+    # bare "fp8" means every FP8 recipe; "fp8:rowwise" (etc.) names one. The default leaves
+    # out the block-scaled formats (mxfp8, nvfp4): they run natively on Blackwell only, and a
+    # tune for one names them (``formats=(..., "mxfp8", "nvfp4")``).
+    formats: tuple[Format, ...] = tuple(f for f in FORMAT_ORDER
+                                        if not f.numerics.is_block_scaled)
     # How far the winner may move training from FP32.
     budget: Budget = field(default_factory=Budget)
     # Peak training-step memory the winner may need, in bytes, as autoprec.memory predicts it
@@ -115,6 +119,9 @@ class SearchConfig:
     # How the profile gets each layer x format's sensitivity: "auto" (first-order estimates,
     # those near the budget or doubtful measured exactly), "fast" or "exact".
     sensitivity: str = "auto"
+    # Also offer per-GEMM mixes of the scaled formats (per_gemm_candidates): a forward in one,
+    # both backward GEMMs in a more precise one or bf16; needs a cost-model target.
+    per_gemm: bool = False
 
     def __post_init__(self):
         self._check_formats()
@@ -146,6 +153,14 @@ class SearchConfig:
                              f"{self.milp_budgets!r}.")
         # an unknown target fails here, before any work; a known one in the cost model's spelling
         object.__setattr__(self, "target", CostSource.of(self.target).key)
+        if self.per_gemm:
+            if self.target is None:
+                raise ValueError("per_gemm (--per-gemm) needs a cost-model target (--target "
+                                 "b200, ...): it offers the mixes whose GEMMs all run natively "
+                                 "there, priced per GEMM.")
+            mixes = per_gemm_candidates(self.formats, self.target)
+            object.__setattr__(self, "formats", tuple(f for f in Format
+                                                      if f in {*self.formats, *mixes}))
 
     def _check_formats(self) -> None:
         fmts = expand_formats(self.formats, where="in TuneConfig.formats")
@@ -158,6 +173,25 @@ class SearchConfig:
                              "reference every policy is compared with, always included; add "
                              "at least one of bf16, fp16, fp8.")
         object.__setattr__(self, "formats", tuple(fmts))
+
+
+def per_gemm_candidates(formats, target: str) -> tuple[Format, ...]:
+    """The per-GEMM mixes of ``formats`` worth a search on ``target``: the forward in one
+    scaled format and both backward GEMMs in another that gives up less precision
+    (:attr:`~autoprec.formats.Numerics.precision_rank`), or in bf16 (Transformer Engine's
+    ``backward_override="high_precision"``), each part running natively on the target (an
+    emulated GEMM cannot pay). Registered with :func:`autoprec.formats.per_gemm`."""
+    from autoprec.costmodel import resolve_target
+
+    _, spec = resolve_target(target)
+    scaled = [f for f in formats if f.is_fp8 and "/" not in f.value
+              and spec.support[f] is Support.NATIVE]
+    out = []
+    for fwd in scaled:
+        for back in (*scaled, Format.BF16):
+            if back is not fwd and back.numerics.precision_rank < fwd.numerics.precision_rank:
+                out.append(per_gemm(fwd, back, back))
+    return tuple(f for f in dict.fromkeys(out) if f not in formats)
 
 
 @dataclass(frozen=True)

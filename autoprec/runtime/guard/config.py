@@ -75,10 +75,10 @@ class GuardConfig:
                 f"GuardConfig.patience must be an integer >= 2, got {self.patience!r}: a "
                 "layer's first failing step makes it a suspect, and only the next one checks "
                 "whether its inputs were already non-finite (the fault upstream, not its own).")
-        # a bare "fp8" means every FP8 recipe
+        # a bare "fp8" means every scaled format: the FP8 recipes, mxfp8 and nvfp4
         formats = tuple(dict.fromkeys(
             g for f in self.formats
-            for g in ([h for h in Format if h.recipe is not None]
+            for g in ([h for h in Format if h.is_fp8]
                       if isinstance(f, str) and f.strip().lower() == "fp8"
                       else (Format.parse(f, where="in GuardConfig.formats"),))))
         if Format.FP32 in formats:
