@@ -91,6 +91,11 @@ class _PerFormat(dict):
             for named, value in list(self.items()):
                 if kernel_class(named) == kernel_class(fmt):
                     return value
+            # a per-GEMM mix: its forward's rate; the least support of its GEMMs
+            values = [self.for_gemm(g) for g in fmt.numerics.gemms.values()]
+            if all(isinstance(v, Support) for v in values):
+                return min(values, key=_SUPPORT_ORDER.index)
+            return values[0]
         raise KeyError(fmt)
 
     def has(self, fmt: Format) -> bool:
@@ -110,6 +115,9 @@ class _PerFormat(dict):
             if _gemm_key(named.numerics.fwd) == _gemm_key(gemm):
                 return value
         raise KeyError(gemm)
+
+
+_SUPPORT_ORDER = (Support.UNSUPPORTED, Support.EMULATED, Support.NATIVE)
 
 
 def _gemm_key(gemm: Gemm) -> tuple[str, float]:

@@ -2,6 +2,7 @@
 Llama-3-8B's layer shapes, as the field's tools decide it and as autoprec's tune decides it.
 
     python benchmarks/bench_peers.py [--layers 3] [--trials 24] [--steps 60] [--seeds 3]
+    python benchmarks/bench_peers.py --target b200
 
 The model: HF Llama, hidden 4096, SwiGLU 14336, 32 heads, 8 KV heads of 128 (Llama-3-8B's
 layers), ``--layers`` of them (3: the fewest for which Megatron's rule puts any layer in FP8;
@@ -18,6 +19,19 @@ by emulation. The policies:
 - Megatron first/last BF16: the first and the last transformer layer (and the output layer) in
   BF16, every other nn.Linear FP8 tensorwise (``--first-last-layers-bf16``);
 - autoprec: ``tune(target=...)`` on this model: a format and recipe per layer (role).
+
+With ``--target b200`` (Blackwell: MXFP8 and NVFP4 run natively there) the rules are the
+field's Blackwell ones, and autoprec tunes over bf16, the FP8 recipes, mxfp8 (and its BF16
+weight gradient), nvfp4 and their per-GEMM mixes (``per_gemm``):
+
+- bf16; every nn.Linear in mxfp8 (torchtitan's MXFP8 converter with no fqns, the output layer
+  included); every nn.Linear in nvfp4;
+- torchtitan's NVFP4 rule (``llama3_8b_first_85_pct_layers_nvfp4``): nvfp4 but the last
+  ceil(15%) of the blocks and the output layer in bf16;
+- NeMo-RL's selective MXFP8: the first 2 and the last 4 blocks (and the output) in bf16 (on
+  fewer than 7 blocks that is every block: the rule as written);
+- the Llama4-Scout MXFP8 run's rule: ``output``, ``attention.wk`` and ``attention.wv`` in bf16
+  (its ``router.gate`` has no dense counterpart), every other Linear mxfp8.
 
 Speed: the cost model's step time of the searched layers (their matmuls, the FP8 casts and the
 casts on the graph's edges), as BF16 time / policy time. A model, not a measurement: it has no
@@ -50,6 +64,8 @@ import torch
 from _common import device_line, print_table
 
 from autoprec import Policy, apply
+from autoprec.costmodel import DEVICES
+from autoprec.formats import Format, Support
 from autoprec.pricing import calibration_error, calibration_line, priced_tie
 from autoprec.tuning import TuneConfig, tune
 from examples.data import byte_batches
@@ -84,6 +100,30 @@ def peer_policies(n_layer: int, widths: dict) -> dict[str, Policy]:
     return peers
 
 
+def blackwell_policies(n_layer: int, widths: dict) -> dict[str, Policy]:
+    """The field's Blackwell rules on this model (see the module docstring)."""
+    linears = _linears(n_layer, widths)
+
+    def only(fmt: str, names) -> Policy:
+        return Policy(default="bf16", layers={f: fmt for f in names})
+
+    def blocks(indices) -> tuple[str, ...]:
+        return tuple(f"model.layers.{i}." for i in indices)
+
+    tail = blocks(range(n_layer - math.ceil(0.15 * n_layer), n_layer))
+    nemo = blocks([*range(min(2, n_layer)), *range(max(0, n_layer - 4), n_layer)])
+    body = [f for f in linears if f != "lm_head"]
+    return {"bf16": Policy(default="bf16"),
+            "mxfp8 (all Linear)": only("mxfp8", linears),
+            "nvfp4 (all Linear)": only("nvfp4", linears),
+            "torchtitan nvfp4, last 15% bf16": only("nvfp4", [f for f in body
+                                                             if not f.startswith(tail)]),
+            "NeMo-RL mxfp8, first 2/last 4 bf16": only("mxfp8", [f for f in body
+                                                                if not f.startswith(nemo)]),
+            "Llama4-Scout mxfp8 (wk, wv, output bf16)": only(
+                "mxfp8", [f for f in body if not f.endswith(("k_proj", "v_proj"))])}
+
+
 def price(prof, policies: dict[str, Policy], target: str) -> dict[str, float]:
     """Cost-model seconds of the searched layers under each policy."""
     fqns = [lp.fqn for lp in prof.layers]
@@ -92,6 +132,7 @@ def price(prof, policies: dict[str, Policy], target: str) -> dict[str, float]:
 
 
 def fp8_share(prof, policy: Policy) -> float:
+    """The share of the searched layers' FLOPs in a scaled format (FP8, MXFP8, NVFP4)."""
     total = sum(lp.layer.flops for lp in prof.layers)
     return sum(lp.layer.flops for lp in prof.layers
                if policy.format_for(lp.fqn).is_fp8) / max(total, 1)
@@ -159,11 +200,15 @@ def main() -> None:
     widths = {k: v // 8 for k, v in LLAMA3_8B.items()} if args.quick else dict(LLAMA3_8B)
     task = gpu_task(n_layer=args.layers, seq_len=512 if args.quick else 4096, **widths)
     out = tempfile.mkdtemp(prefix="bench-peers-") + "/policy.yaml"
-    res = tune(task, TuneConfig(formats=("fp32", "bf16", "fp8"), target=args.target,
+    blackwell = DEVICES[args.target].support[Format.NVFP4] is Support.NATIVE
+    formats = ("fp32", "bf16", "fp8", "mxfp8", "mxfp8:gw_hp", "nvfp4") if blackwell \
+        else ("fp32", "bf16", "fp8")
+    res = tune(task, TuneConfig(formats=formats, target=args.target, per_gemm=blackwell,
                                 n_trials=args.trials, output=out))
     tune_s = time.perf_counter() - t0
     prof = res.profile
-    policies = {**peer_policies(args.layers, widths), "autoprec (tuned)": res.policy}
+    peers = blackwell_policies if blackwell else peer_policies
+    policies = {**peers(args.layers, widths), "autoprec (tuned)": res.policy}
     print(f"\ntune for {args.target}: {tune_s:.0f} s, {len(res.trials)} trials; policy:")
     print(res.policy.to_yaml())
 
@@ -190,7 +235,7 @@ def main() -> None:
     print(f"\nLlama, {args.layers} layers of {shape}; {args.target} cost model at "
           f"8x{task.shape_batch['input_ids'].shape[1]} tokens; losses: width {args.loss_width}, "
           f"{args.steps} steps, held-out")
-    print_table(rows, ["policy", "fp8 FLOPs", f"priced speed vs bf16 ({args.target})",
+    print_table(rows, ["policy", "scaled FLOPs", f"priced speed vs bf16 ({args.target})",
                        "autoprec vs it (priced)", "loss", "vs bf16", "within bf16 noise"])
     print(f"bf16 run-to-run noise (max - min of {args.seeds} batch orders): {noise:.4f} "
           f"(losses {', '.join(f'{x:.4f}' for x in bf16_runs)}); loss runs {loss_s:.0f} s")

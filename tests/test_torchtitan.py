@@ -445,3 +445,37 @@ def test_fp16_layers_are_refused_torchtitan_scales_no_loss():
     with pytest.raises(PolicyError, match="torchtitan's trainer scales no loss") as e:
         policy_spec(model_registry("debugmodel"), POLICY.with_layers({"lm_head": "fp16"}))
     assert "--formats fp32 bf16 fp8" in str(e.value) and "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------------- Blackwell formats
+def test_blackwell_formats_become_torchtitans_mxfp8_and_nvfp4_linears_only_on_blackwell(
+        monkeypatch):
+    """On a Blackwell GPU an mxfp8 Linear is torchtitan's MXFP8Linear.Config and an nvfp4 one
+    its NVFP4Linear.Config (the recipes they compute); mxfp8:gw_hp and nvfp4:plain, which they
+    cannot say, and every block format off Blackwell stay Linear.Config for autoprec's
+    regions (emulated here)."""
+    from torchtitan.components.quantization import MXFP8Linear, NVFP4Linear
+
+    import autoprec.torchtitan as titan
+
+    policy = Policy(default="bf16", layers={"layers.0.feed_forward.w1": "mxfp8",
+                                            "layers.0.feed_forward.w3": "mxfp8:gw_hp",
+                                            "layers.1.feed_forward.*": "nvfp4",
+                                            "layers.2.feed_forward.w1": "nvfp4:plain"})
+    here = {fqn: type(c) for fqn, c, _, _ in
+            policy_spec(model_registry("debugmodel"), policy).model.traverse(Linear.Config)}
+    assert set(here.values()) == {Linear.Config}
+    monkeypatch.setattr(titan, "blackwell", lambda device: True)
+    spec = model_registry("debugmodel")
+    built = {fqn: type(c) for fqn, c, _, _ in policy_spec(spec, policy).model.traverse(
+        Linear.Config)}
+    assert built["layers.0.feed_forward.w1"] is MXFP8Linear.Config
+    assert built["layers.0.feed_forward.w3"] is Linear.Config
+    sizes = {fqn: (c.in_features, c.out_features)
+             for fqn, c, _, _ in spec.model.traverse(Linear.Config)}
+    for name in ("w1", "w2", "w3"):  # NVFP4's kernels take multiples of 128 only
+        fqn = f"layers.1.feed_forward.{name}"
+        fits = not (sizes[fqn][0] % 128 or sizes[fqn][1] % 128)
+        assert built[fqn] is (NVFP4Linear.Config if fits else Linear.Config), fqn
+    assert built["layers.2.feed_forward.w1"] is Linear.Config
+    assert NVFP4Linear.Config in built.values()

@@ -178,7 +178,8 @@ class SearchConfig:
 def per_gemm_candidates(formats, target: str) -> tuple[Format, ...]:
     """The per-GEMM mixes of ``formats`` worth a search on ``target``: the forward in one
     scaled format and both backward GEMMs in another that gives up less precision
-    (:attr:`~autoprec.formats.Numerics.precision_rank`), or in bf16 (Transformer Engine's
+    (:attr:`~autoprec.formats.Numerics.precision_rank`) and is itself one scheme (no
+    high-precision GEMM of its own), or in bf16 (Transformer Engine's
     ``backward_override="high_precision"``), each part running natively on the target (an
     emulated GEMM cannot pay). Registered with :func:`autoprec.formats.per_gemm`."""
     from autoprec.costmodel import resolve_target
@@ -189,7 +190,8 @@ def per_gemm_candidates(formats, target: str) -> tuple[Format, ...]:
     out = []
     for fwd in scaled:
         for back in (*scaled, Format.BF16):
-            if back is not fwd and back.numerics.precision_rank < fwd.numerics.precision_rank:
+            if back is not fwd and not back.numerics.high_precision and \
+                    back.numerics.precision_rank < fwd.numerics.precision_rank:
                 out.append(per_gemm(fwd, back, back))
     return tuple(f for f in dict.fromkeys(out) if f not in formats)
 
