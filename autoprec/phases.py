@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from autoprec._util import MAX_INT, brief
-from autoprec.formats import Format
+from autoprec.formats import FP4_E2M1, Format
 
 __all__ = ["Phase", "parse_phases", "phase_starts", "phase_index", "FINAL_FORMATS", "final_phase"]
 
@@ -239,5 +239,6 @@ def final_phase(fraction: float, target: Format | str, used: set[Format]) -> Pha
 
 
 def _mantissa(fmt: Format) -> int:
-    """Mantissa bits of a format's forward GEMM operands (FP8's E4M3: 3)."""
-    return {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}.get(fmt.compute_dtype, 3)
+    """Mantissa bits of a format's forward GEMM operands (FP8's E4M3: 3, FP4's E2M1: 1)."""
+    return {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7,
+            FP4_E2M1: 1}.get(fmt.compute_dtype, 3)

@@ -182,6 +182,9 @@ def _parse():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--sensitivity", default="auto", choices=("auto", "fast", "exact"),
+                    help="the tune's sensitivity mode (fast: first-order estimates only; the "
+                         "loss runs below judge the result either way)")
     ap.add_argument("--quick", action="store_true",
                     help="a check of this script: the tuned model 1/8 as wide, priced at 8x512 "
                          "tokens, few trials and steps; its figures mean nothing")
@@ -204,7 +207,7 @@ def main() -> None:
     formats = ("fp32", "bf16", "fp8", "mxfp8", "mxfp8:gw_hp", "nvfp4") if blackwell \
         else ("fp32", "bf16", "fp8")
     res = tune(task, TuneConfig(formats=formats, target=args.target, per_gemm=blackwell,
-                                n_trials=args.trials, output=out))
+                                n_trials=args.trials, output=out, sensitivity=args.sensitivity))
     tune_s = time.perf_counter() - t0
     prof = res.profile
     peers = blackwell_policies if blackwell else peer_policies

@@ -32,6 +32,7 @@ from autoprec.costmodel import (
 from autoprec.exporting import ExportError, export
 from autoprec.formats import (
     BLOCK_FORMATS,
+    FORMAT_ORDER,
     FP4_E2M1,
     FP8_E4M3,
     FP8_E5M2,
@@ -52,6 +53,15 @@ from autoprec.tuning import TuneConfig
 from autoprec.tuning.config import per_gemm_candidates
 
 MX, NV = Format.MXFP8, Format.NVFP4
+
+
+@pytest.fixture(autouse=True)
+def _builtins_only_after():
+    """The per-GEMM mixes a test registers are taken out after it: the rest of the suite sees
+    the built-ins only (tests/test_format_registry.py checks the registry's order)."""
+    yield
+    for fmt in [f for f in Format if f not in FORMAT_ORDER]:
+        unregister(fmt)
 
 
 def _rule(x: torch.Tensor, gemm: Gemm) -> torch.Tensor:

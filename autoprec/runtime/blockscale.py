@@ -129,20 +129,20 @@ def _generator(device: torch.device) -> torch.Generator:
 
 def to_e2m1(x: torch.Tensor, *, stochastic: bool = False) -> torch.Tensor:
     """``x`` (FP32) rounded to E2M1's grid, ties to even (or ``stochastic``ally), saturating
-    at +-6; as FP32 values."""
-    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=x.device)
-    mag = x.abs().clamp(max=E2M1_MAX).contiguous()
-    upper = torch.bucketize(mag, grid).clamp(max=len(E2M1_GRID) - 1)  # first grid >= mag
-    lower = (upper - 1).clamp(min=0)
-    below, above = mag - grid[lower], grid[upper] - mag
-    if stochastic:  # up with probability below / (below + above): unbiased
+    at +-6; as FP32 values.
+
+    The grid's spacing is 0.5 below 2, 1 below 4 and 2 up to 6, so a magnitude rounds to its
+    spacing's multiples: ``torch.round`` rounds half to even, and an even multiple is an even
+    code (the codes count the grid points in order), so ties go to the even code as the spec
+    says; a value rounding up to the next binade (1.75 -> 2, 3.5 -> 4) lands on its first
+    point, the same in either spacing."""
+    mag = x.abs().clamp(max=E2M1_MAX)
+    step = torch.where(mag < 2.0, 0.5, torch.where(mag < 4.0, 1.0, 2.0))
+    if stochastic:  # up with probability (mag - lower) / step: unbiased
         u = torch.rand(x.shape, generator=_generator(x.device), device=x.device)
-        step = (below + above).clamp(min=torch.finfo(torch.float32).tiny)
-        code = torch.where(u * step < below, upper, lower)
+        out = (torch.floor(mag / step) + (u < torch.frac(mag / step)).float()) * step
     else:
-        tie_up = (below == above) & (upper % 2 == 0)  # the even code is kept on a tie
-        code = torch.where((above < below) | tie_up, upper, lower)
-    out = grid[code]
+        out = torch.round(mag / step) * step
     out = torch.where(torch.isnan(x), x, out)
     return torch.copysign(out, x)
 
