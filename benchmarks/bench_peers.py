@@ -182,6 +182,9 @@ def _parse():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--formats", nargs="+", default=None,
+                    help="the tune's formats (default: fp32 bf16 fp8, and on a Blackwell "
+                         "target also mxfp8 mxfp8:gw_hp nvfp4, with their per-GEMM mixes)")
     ap.add_argument("--sensitivity", default="auto", choices=("auto", "fast", "exact"),
                     help="the tune's sensitivity mode (fast: first-order estimates only; the "
                          "loss runs below judge the result either way)")
@@ -204,7 +207,8 @@ def main() -> None:
     task = gpu_task(n_layer=args.layers, seq_len=512 if args.quick else 4096, **widths)
     out = tempfile.mkdtemp(prefix="bench-peers-") + "/policy.yaml"
     blackwell = DEVICES[args.target].support[Format.NVFP4] is Support.NATIVE
-    formats = ("fp32", "bf16", "fp8", "mxfp8", "mxfp8:gw_hp", "nvfp4") if blackwell \
+    formats = tuple(args.formats) if args.formats else \
+        ("fp32", "bf16", "fp8", "mxfp8", "mxfp8:gw_hp", "nvfp4") if blackwell \
         else ("fp32", "bf16", "fp8")
     res = tune(task, TuneConfig(formats=formats, target=args.target, per_gemm=blackwell,
                                 n_trials=args.trials, output=out, sensitivity=args.sensitivity))
