@@ -57,7 +57,7 @@ from autoprec._util import atomic_write, escape_line
 from autoprec.formats import FP4_E2M1, Format, Support, supported_formats
 from autoprec.policy import Policy, PolicyError, load_policy
 from autoprec.runtime.calls import class_kind, layer_kind, shape_multiple
-from autoprec.runtime.engines import blackwell
+from autoprec.runtime.engines import blackwell, mxfp8_config
 
 __all__ = [
     "ExportError",
@@ -150,7 +150,7 @@ class TorchaoRecipe:
     @property
     def mx(self) -> bool:
         """An MXFP8 recipe (torchao's ``MXFP8TrainingRecipe``), applied by ``quantize_``."""
-        return self.recipe.startswith("mxfp8")
+        return _torchao_format(self.recipe).numerics.is_block_scaled
 
     def config(self, *, emulate: bool = False):
         """torchao's ``Float8LinearConfig.from_recipe_name(recipe)`` (``emulate=True`` where the
@@ -158,14 +158,7 @@ class TorchaoRecipe:
         ``MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe(recipe))`` (``emulate``:
         torchao's emulated kernels, ``KernelPreference.EMULATED``)."""
         if self.mx:
-            from torchao.prototype.moe_training.config import (MXFP8TrainingOpConfig,
-                                                               MXFP8TrainingRecipe)
-            from torchao.quantization.quantize_.common.kernel_preference import (
-                KernelPreference)
-
-            config = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe(self.recipe))
-            return replace(config, kernel_preference=KernelPreference.EMULATED) if emulate \
-                else config
+            return mxfp8_config(self.recipe, emulate=emulate)
         from torchao.float8 import Float8LinearConfig
 
         config = Float8LinearConfig.from_recipe_name(self.recipe)

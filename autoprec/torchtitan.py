@@ -131,9 +131,12 @@ def fp8_linears(policy: Policy, model_config) -> dict[str, Format]:
     them all)."""
     if policy.fp8_engine == "autoprec":
         return {}
-    return {fqn: policy.format_for(fqn)
-            for fqn, config, _, _ in model_config.traverse(Linear.Config)
-            if _titan_builds(policy.format_for(fqn), config)}
+    found = {}
+    for fqn, config, _, _ in model_config.traverse(Linear.Config):
+        fmt = policy.format_for(fqn)
+        if _titan_builds(fmt, config):
+            found[fqn] = fmt
+    return found
 
 
 def _convert(model_config, policy: Policy):

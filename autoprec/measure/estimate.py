@@ -95,8 +95,7 @@ from autoprec.formats import Format, Gemm
 from autoprec.measure.numerics import Numerics, all_finite
 from autoprec.policy import Budget, LossScaling, Policy
 from autoprec.runtime import calls, rewrite
-from autoprec.runtime.fp8 import (dequantize, quantize, round_operand, rowwise_scale,
-                                  tensorwise_scale)
+from autoprec.runtime.fp8 import round_operand
 
 __all__ = ["Estimate", "estimate_during_reference", "needs_exact"]
 
@@ -169,13 +168,12 @@ class Estimate:
 # ------------------------------------------------------------------------------ rounding
 @dataclass(frozen=True)
 class _Rounding:
-    """How a format's kernels round one parameter operand: a cast to ``dtype`` (``scaling``
-    "none", autocast's), or FP8 with one scale per tensor or per row along ``dim`` (the
-    contracted dimension, in the parameter's own layout), or the blocks along ``dim`` of the
-    forward ``gemm``'s ``operand`` (MX, NVFP4: the kernel's own rounding)."""
+    """How a format's kernels round one parameter operand: a cast to ``dtype`` (autocast's),
+    or, for the ``operand`` of a scaled forward ``gemm``, that GEMM's own rounding along
+    ``dim`` (the contracted dimension, in the parameter's own layout: one scale per tensor or
+    per row, MX or NVFP4 blocks)."""
 
     dtype: torch.dtype
-    scaling: str = "none"
     dim: int = -1
     gemm: Gemm | None = None
     operand: int = 0
@@ -183,16 +181,11 @@ class _Rounding:
     def apply(self, w: torch.Tensor) -> torch.Tensor:
         """The FP32 values the kernel multiplies in place of ``w`` (no autograd)."""
         x = w.detach().to(torch.float32)
-        if self.scaling == "none":
+        if self.gemm is None:
             return x.to(self.dtype).to(torch.float32)
-        if self.gemm is not None and self.gemm.block:
-            rounded = round_operand(x.movedim(self.dim, -1), self.gemm, self.operand)
-            return rounded.movedim(-1, self.dim)
-        # the same scale, clamp and rounding as autoprec.runtime.fp8 (formats.register checks
-        # that a tensor scale is exact and a row scale a power of two, as these compute)
-        s = tensorwise_scale(x, self.dtype) if self.scaling == "tensor" \
-            else rowwise_scale(x, self.dtype, self.dim)
-        return dequantize(quantize(x, s, self.dtype), s)
+        # the scaled kernels' own rounding (autoprec.runtime.fp8.round_operand), contraction last
+        rounded = round_operand(x.movedim(self.dim, -1), self.gemm, self.operand)
+        return rounded.movedim(-1, self.dim)
 
     def error_sq(self, w: torch.Tensor) -> torch.Tensor:
         return (self.apply(w) - w.detach().to(torch.float32)).square()
@@ -213,8 +206,8 @@ def _rounding_of(fmt: Format, call: calls.Call, args: tuple, kwargs: dict,
         if calls.fp8_shape_supported(p.m, p.k, p.n, calls.shape_multiple(num))[0]:
             first = operand == call.multiplied[0]
             dim = -1 if first or call.name == "linear" else -2
-            return _Rounding(num.fwd.a if first else num.fwd.b, num.fwd.scaling, dim,
-                             gemm=num.fwd, operand=0 if first else 1)
+            return _Rounding(num.fwd.a if first else num.fwd.b, dim, gemm=num.fwd,
+                             operand=0 if first else 1)
     return _Rounding(num.autocast)
 
 

@@ -43,7 +43,7 @@ from autoprec.runtime.calls import shape_multiple
 
 __all__ = ["Swap", "torchao_available", "torchao_takes", "torchao_runs", "engine_for",
            "swap_to_torchao", "restore", "keeping_sharded_swaps", "is_float8_linear",
-           "computes_own", "blackwell", "mxfp8_linear",
+           "computes_own", "blackwell", "mxfp8_config", "mxfp8_linear",
            "float8_linear_config"]
 
 # Inside keeping_sharded_swaps(): id(Float8Linear) -> its Swap, for the swaps restore() left in
@@ -178,21 +178,29 @@ def blackwell(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(index) >= (10, 0)
 
 
-def mxfp8_linear(linear: nn.Linear, fmt: Format, *, emulate: bool = False) -> nn.Module:
-    """torchao's ``MXFP8Linear`` for ``linear`` in ``fmt``'s recipe
-    (``MXFP8TrainingOpConfig.from_recipe``: its kernel preference, RCEIL scales, the weight
-    gradient in BF16 or not), sharing ``linear``'s parameters; ``emulate``: torchao's own
-    emulated kernels (any device, for tests)."""
+def mxfp8_config(recipe: str, *, emulate: bool = False):
+    """torchao's MXFP8 training config for ``nn.Linear`` of ``recipe`` (torchao's name,
+    ``MXFP8TrainingOpConfig.from_recipe``); ``emulate``: torchao's own emulated kernels
+    (``KernelPreference.EMULATED``, any device)."""
     with _quiet():
         from torchao.prototype.moe_training.config import (MXFP8TrainingOpConfig,
                                                            MXFP8TrainingRecipe)
-        from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
         from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
-    config = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe(fmt.numerics.torchao_recipe))
+    config = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe(recipe))
+    return dataclasses.replace(config, kernel_preference=KernelPreference.EMULATED) \
+        if emulate else config
+
+
+def mxfp8_linear(linear: nn.Linear, fmt: Format, *, emulate: bool = False) -> nn.Module:
+    """torchao's ``MXFP8Linear`` for ``linear`` in ``fmt``'s recipe (:func:`mxfp8_config`: its
+    kernel preference, RCEIL scales, the weight gradient in BF16 or not), sharing ``linear``'s
+    parameters; ``emulate``: torchao's own emulated kernels (any device, for tests)."""
+    with _quiet():
+        from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+    config = mxfp8_config(fmt.numerics.torchao_recipe, emulate=emulate)
     with torch.device("meta"):
         out = MXFP8Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                          kernel_preference=KernelPreference.EMULATED if emulate
-                          else config.kernel_preference,
+                          kernel_preference=config.kernel_preference,
                           scale_calculation_mode=config.scale_calculation_mode,
                           wgrad_with_hp=config.wgrad_with_hp)
     out.weight, out.bias = linear.weight, linear.bias
@@ -260,8 +268,7 @@ def swap_to_torchao(model: nn.Module, targets: dict[str, Format]) -> list[Swap]:
     modules = dict(model.named_modules())
     targets = {fqn: f for fqn, f in targets.items()
                if id(modules[fqn]) not in kept and not is_float8_linear(modules[fqn])}
-    for fqn in [f for f, fmt in targets.items() if fmt.numerics.is_block_scaled
-                and id(modules[f]) not in kept and not is_float8_linear(modules[f])]:
+    for fqn in [f for f, fmt in targets.items() if fmt.numerics.is_block_scaled]:
         parent, _, child = fqn.rpartition(".")
         fmt = targets.pop(fqn)
         swaps.append(Swap(model.get_submodule(parent), child, modules[fqn],
