@@ -91,6 +91,8 @@ class _PerFormat(dict):
             for named, value in list(self.items()):
                 if kernel_class(named) == kernel_class(fmt):
                     return value
+            if not fmt.is_fp8:  # a plain format is named or missing (no GEMM to look up)
+                raise KeyError(fmt)
             # a per-GEMM mix: its forward's rate; the least support of its GEMMs
             values = [self.for_gemm(g) for g in fmt.numerics.gemms.values()]
             if all(isinstance(v, Support) for v in values):
