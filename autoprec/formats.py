@@ -54,6 +54,7 @@ object) whose class iterates over the registered formats, built-ins first.
 from __future__ import annotations
 
 import enum
+import functools
 import platform
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -82,6 +83,7 @@ __all__ = [
     "device_name",
     "CpuFeatures",
     "cpu_features",
+    "slow_16bit_dtypes",
 ]
 
 # torch's names for the two FP8 encodings of "FP8 Formats for Deep Learning"
@@ -698,3 +700,20 @@ def cpu_features() -> CpuFeatures:
         name=device_name("cpu"), capability=torch.backends.cpu.get_cpu_capability(),
         bf16_dot=bool(flags & {"avx512_bf16", "amx_bf16", "bf16"}),
         fp16_dot=bool(flags & {"avx512_fp16", "amx_fp16", "fphp", "asimdhp"}))
+
+
+@functools.cache
+def _host_features() -> CpuFeatures:
+    return cpu_features()
+
+
+def slow_16bit_dtypes(device: torch.device | str = "cpu") -> frozenset[torch.dtype]:
+    """The 16-bit dtypes ``device`` has no matmul units for: on a CPU, BF16 without BF16
+    dot-product instructions (a Zen 3 runs a BF16 matmul ~120x slower than FP32) and FP16
+    without FP16 ones; none on a GPU. Their GEMMs are worth emulating in FP32 where only their
+    numerics count (:func:`autoprec.runtime.fp8.emulating`: the same values)."""
+    if torch.device(device).type != "cpu":
+        return frozenset()
+    host = _host_features()
+    return frozenset(d for d, fast in ((torch.bfloat16, host.bf16_dot),
+                                       (torch.float16, host.fp16_dot)) if not fast)

@@ -65,8 +65,9 @@ from _common import device_line, print_table
 
 from autoprec import Policy, apply
 from autoprec.costmodel import DEVICES
-from autoprec.formats import Format, Support
+from autoprec.formats import Format, Support, slow_16bit_dtypes
 from autoprec.pricing import calibration_error, calibration_line, priced_tie
+from autoprec.runtime.fp8 import emulating
 from autoprec.tuning import TuneConfig, tune
 from examples.data import byte_batches
 from examples.llama_bytes import LLAMA3_8B, gpu_task, make_model
@@ -159,15 +160,18 @@ def train_loss(policy: Policy, args, seed: int) -> float:
         # by layer name: the narrow model is another model (its fingerprint differs)
         apply(model, dataclasses.replace(policy, fingerprint=None))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    for batch in byte_batches(args.steps, args.batch, args.seq, seed=100 + seed):
-        model(**batch).loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    model.eval()
-    with torch.no_grad():
-        losses = [model(**b).loss.item() for b in
-                  byte_batches(4, args.batch, args.seq, seed=10_000, skip=3_000_000)]
+    # only the losses count here: 16-bit GEMMs this CPU has no units for run as FP32
+    # emulation, the same values (a Zen 3 runs BF16 matmuls ~120x slower than FP32)
+    with emulating(slow_16bit_dtypes("cpu")):
+        for batch in byte_batches(args.steps, args.batch, args.seq, seed=100 + seed):
+            model(**batch).loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        model.eval()
+        with torch.no_grad():
+            losses = [model(**b).loss.item() for b in
+                      byte_batches(4, args.batch, args.seq, seed=10_000, skip=3_000_000)]
     return sum(losses) / len(losses)
 
 

@@ -95,7 +95,7 @@ from autoprec.formats import Format, Gemm
 from autoprec.measure.numerics import Numerics, all_finite
 from autoprec.policy import Budget, LossScaling, Policy
 from autoprec.runtime import calls, rewrite
-from autoprec.runtime.fp8 import round_operand
+from autoprec.runtime.fp8 import emulating, round_operand
 
 __all__ = ["Estimate", "estimate_during_reference", "needs_exact"]
 
@@ -487,7 +487,8 @@ class _Estimator:
                 warnings.filterwarnings("ignore", message=r".*can only emulate.*")
                 rewrite.apply(model, policy, strict=False)
             try:
-                run = self._run(watch, call, fmt, g_out)
+                with emulating(self.numerics.emulated):  # 16-bit GEMMs the host lacks units for
+                    run = self._run(watch, call, fmt, g_out)
             finally:
                 rewrite.remove(model)
             wonly = self._weights_only(watch, call, fmt, g_out, ref)

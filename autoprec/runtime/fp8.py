@@ -42,9 +42,20 @@ Shapes the kernel cannot take (any of M, K, N not a multiple of 16, or of the fo
 32 for MX; M, K and N as :func:`autoprec.runtime.calls.product_of` reads them) run as a BF16
 matmul instead, on every device, so that CPU emulation and GPU show the same numerics.
 :func:`~autoprec.runtime.calls.fp8_shape_supported` gives the reason.
+
+16-bit GEMMs (a BF16 or FP16 GEMM of a per-GEMM format, those fallbacks, and inside
+:func:`emulating` every matmul of a bf16 or fp16 region: :func:`plain_matmul`) compute as a GPU
+does: operands rounded to 16 bits, products accumulated in FP32, the result rounded once. Where
+the host has no matmul units for the dtype (a CPU without BF16 dot-product instructions runs a
+BF16 matmul ~120x slower than FP32) :func:`emulating` has them computed as FP32 matmuls of the
+rounded operands: the same values up to accumulation order, at FP32's speed. For numerics only:
+a timing must see the host's own kernels.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 
@@ -55,6 +66,9 @@ from autoprec.runtime.calls import fp8_shape_supported, product_of, shape_multip
 __all__ = [
     "fp8_matmul",
     "scaled_matmul",
+    "plain_matmul",
+    "emulating",
+    "emulated_dtypes",
     "round_operand",
     "fp8_linear",
     "tensorwise_scale",
@@ -67,6 +81,50 @@ __all__ = [
 # Lower bound on amax: an all-zero tensor would otherwise give an infinite scale
 # (the failure fixed in pytorch/ao#3356 by the same kind of bound).
 _AMAX_EPS = 1e-12
+
+# The 16-bit dtypes whose GEMMs compute as FP32 matmuls of rounded operands (see `emulating`).
+_EMULATED: frozenset[torch.dtype] = frozenset()
+
+
+def emulated_dtypes() -> frozenset[torch.dtype]:
+    """The 16-bit dtypes whose GEMMs this thread's code computes by FP32 emulation now."""
+    return _EMULATED
+
+
+@contextlib.contextmanager
+def emulating(dtypes) -> Iterator[None]:
+    """Within: 16-bit GEMMs in ``dtypes`` (``torch.bfloat16``, ``torch.float16``) compute as
+    FP32 matmuls of operands rounded to the dtype, the result rounded to it (a GPU's numerics:
+    FP32 accumulation, one rounding), and the matmuls of bf16 and fp16 regions
+    (:mod:`autoprec.runtime.rewrite`) route through :func:`plain_matmul` to do so. For hosts
+    without 16-bit matmul units (:func:`autoprec.formats.slow_16bit_dtypes`); numerics only.
+    A backward run after the block keeps the forward's choice."""
+    global _EMULATED
+    bad = [d for d in dtypes if d not in (torch.bfloat16, torch.float16)]
+    if bad:
+        raise ValueError(f"Only 16-bit GEMMs (torch.bfloat16, torch.float16) can be emulated "
+                         f"in FP32; got {bad}.")
+    prev, _EMULATED = _EMULATED, frozenset(dtypes)
+    try:
+        yield
+    finally:
+        _EMULATED = prev
+
+
+def _plain_product(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b (+ bias)`` as a GEMM in ``dtype`` computes it, returned in ``dtype``: operands
+    and bias cast to ``dtype``, FP32 accumulation, the bias added before the one rounding (a
+    linear's epilogue); by FP32 arithmetic on the rounded operands where ``dtype`` is
+    emulated. A bias goes with a 2-D ``b`` (a linear, an addmm)."""
+    if dtype in _EMULATED:
+        out = torch.matmul(a.to(dtype).to(torch.float32), b.to(dtype).to(torch.float32))
+        if bias is not None:
+            out = out + bias.to(dtype).to(torch.float32)
+        return out.to(dtype)
+    if bias is not None:
+        return torch.nn.functional.linear(a.to(dtype), b.to(dtype).t(), bias.to(dtype))
+    return torch.matmul(a.to(dtype), b.to(dtype))
 
 
 def tensorwise_scale(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
@@ -138,13 +196,15 @@ def _per_matrix(scale: torch.Tensor, shape: torch.Size, n: int) -> list[torch.Te
     return list(scale.expand(*shape[:-2], *scale.shape[-2:]).reshape(n, *scale.shape[-2:]))
 
 
-def _input_grads(ctx, grad_out: torch.Tensor, grad_a, grad_b) -> tuple:
-    """(grad_a, grad_b, grad_bias) in the dtypes of the forward's inputs."""
+def _input_grads(ctx, grad_out: torch.Tensor, grad_a, grad_b,
+                 bias_sum: torch.dtype = torch.float32) -> tuple:
+    """(grad_a, grad_b, grad_bias) in the dtypes of the forward's inputs; the bias gradient
+    summed in FP32 and rounded to ``bias_sum`` (a 16-bit layer's: autocast's bias is cast)."""
     _, _, bias_shape = ctx.shapes
     a_dtype, b_dtype, bias_dtype = ctx.dtypes
     grad_bias = None
     if bias_shape is not None and ctx.needs_input_grad[2]:
-        grad_bias = grad_out.to(torch.float32).sum_to_size(bias_shape).to(bias_dtype)
+        grad_bias = grad_out.to(torch.float32).sum_to_size(bias_shape).to(bias_sum).to(bias_dtype)
     return (None if grad_a is None else grad_a.to(a_dtype),
             None if grad_b is None else grad_b.to(b_dtype), grad_bias)
 
@@ -218,12 +278,15 @@ class _PerGemmMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, bias, native, numerics):
         with torch.autocast(a.device.type, enabled=False):
-            out = _gemm_product(*_fp32_operands(a, b), numerics.fwd, native)
-            if bias is not None:
-                out = out + bias.to(torch.float32)
-            out = out.to(torch.bfloat16)
+            if numerics.is_fp8:
+                out = _gemm_product(*_fp32_operands(a, b), numerics.fwd, native)
+                if bias is not None:
+                    out = out + bias.to(torch.float32)
+            else:  # a 16-bit layer (plain_matmul): the bias in the GEMM, as autocast's linear
+                out = _plain_product(*_fp32_operands(a, b), numerics.fwd.a, bias)
+            out = out.to(numerics.output)
         ctx.save_for_backward(a, b)
-        ctx.native, ctx.numerics = native, numerics
+        ctx.native, ctx.numerics, ctx.emulated = native, numerics, _EMULATED
         ctx.shapes = (a.shape, b.shape, None if bias is None else bias.shape)
         ctx.dtypes = (a.dtype, b.dtype, None if bias is None else bias.dtype)
         return out
@@ -234,7 +297,7 @@ class _PerGemmMatmul(torch.autograd.Function):
         a_shape, b_shape, _ = ctx.shapes
         num = ctx.numerics
         grad_a = grad_b = None
-        with torch.autocast(grad_out.device.type, enabled=False):
+        with torch.autocast(grad_out.device.type, enabled=False), emulating(ctx.emulated):
             a32, b32 = _fp32_operands(a, b)
             g = grad_out.to(torch.float32)
             if len(b_shape) == 2:  # leading dims of a fold into M, as in the forward
@@ -247,7 +310,8 @@ class _PerGemmMatmul(torch.autograd.Function):
             if ctx.needs_input_grad[1]:  # wgrad: a^T @ g, contracted over M
                 grad_b = _gemm_product(a32.transpose(-1, -2), g, num.wgrad, ctx.native,
                                        grad_operand=1).sum_to_size(b_shape)
-        return (*_input_grads(ctx, grad_out, grad_a, grad_b), None, None)
+        bias_sum = torch.float32 if num.is_fp8 else num.output
+        return (*_input_grads(ctx, grad_out, grad_a, grad_b, bias_sum), None, None)
 
 
 def _fp32_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,7 +361,7 @@ def _gemm_product(a: torch.Tensor, b: torch.Tensor, gemm: Gemm, native: bool, *,
     it, stochastic rounding for the gradient operand (``grad_operand``) where it has that. A
     plain GEMM multiplies in its dtype; FP8 GEMMs run ``_scaled_mm`` where ``native``."""
     if gemm.scaling == "none":
-        return torch.matmul(a.to(gemm.a), b.to(gemm.a)).float()
+        return _plain_product(a, b, gemm.a).float()
     if gemm.scaling == "row":
         return _rowwise_product(a, b, native)
     if gemm.scaling == "tensor":
@@ -314,7 +378,7 @@ def _gemm_product(a: torch.Tensor, b: torch.Tensor, gemm: Gemm, native: bool, *,
 
 def _bf16_matmul(a, b, bias):
     with torch.autocast(a.device.type, enabled=False):
-        out = torch.matmul(a.to(torch.bfloat16), b.to(torch.bfloat16))
+        out = _plain_product(a, b, torch.bfloat16)
         if bias is not None:
             out = out + bias.to(torch.bfloat16)
         return out
@@ -372,6 +436,18 @@ def scaled_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = 
     if num.saves_quantized:
         return _FP8Matmul.apply(a, b, bias, native, num.fwd.a, num.fwd.b, num.dgrad.a)
     return _PerGemmMatmul.apply(a, b, bias, native, num)
+
+
+def plain_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 fmt: Format) -> torch.Tensor:
+    """``a @ b + bias`` (both operands at least 2-D) as autocast computes it in ``fmt``'s
+    16-bit dtype (bf16, fp16): operands and bias rounded, FP32 accumulation, the result and the
+    gradients rounded to the dtype, each GEMM by FP32 emulation where :func:`emulating` says.
+    The router of a bf16 or fp16 region inside :func:`emulating`."""
+    num = fmt.numerics
+    if num.is_fp8 or num.autocast is None:
+        raise ValueError(f"plain_matmul computes bf16 and fp16 GEMMs; {fmt} is not one.")
+    return _PerGemmMatmul.apply(a, b, bias, False, num)
 
 
 def fp8_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -18,7 +18,10 @@ What a region does, by format:
 - ``fp32``: ``torch.autocast(enabled=False)``, floating inputs upcast to FP32.
 - ``bf16`` / ``fp16``: ``torch.autocast(dtype=...)``; autocast's per-op rules decide which ops
   run low (matmul, conv, linear) and which stay FP32 (norms, softmax, losses). Embedding
-  lookups and norms therefore compute exactly as under plain ``torch.autocast``.
+  lookups and norms therefore compute exactly as under plain ``torch.autocast``. Inside
+  :func:`autoprec.runtime.fp8.emulating` (the measurements, on a CPU without 16-bit matmul
+  units) the region's matmul-like calls are routed as in an fp8 region, to an FP32 emulation
+  of the same 16-bit GEMM.
 - ``fp8``: as ``bf16``, and the matmul-like calls inside that the call registry
   (:mod:`autoprec.runtime.calls`) gives an FP8 route (``F.linear``, ``addmm``, ``mm``,
   ``matmul``, ``@``, ``bmm``) are routed by a ``TorchFunctionMode`` through
@@ -65,7 +68,7 @@ from torch.utils._pytree import tree_map
 from autoprec.formats import Format, Support, supported_formats
 from autoprec.policy import Policy, PolicyError, load_policy
 from autoprec.runtime import calls, engines
-from autoprec.runtime.fp8 import scaled_matmul
+from autoprec.runtime.fp8 import emulated_dtypes, plain_matmul, scaled_matmul
 
 __all__ = [
     "apply",
@@ -97,8 +100,10 @@ class _FormatMode(TorchFunctionMode):
     """A region's format on torch's function-mode stack, where dynamo traces it (a push onto a
     Python list inside a checkpointed block is a side effect dynamo refuses: a graph break).
     In an fp8 region of autoprec's engine (``routes``) it sends the matmul-like calls that the
-    registry gives an FP8 route through the FP8 autograd function; everything else, and every
-    call in any other format, runs as it is (autocast decides the dtype).
+    registry gives an FP8 route through the FP8 autograd function, and in a bf16 or fp16 region
+    inside :func:`autoprec.runtime.fp8.emulating` through :func:`~autoprec.runtime.fp8.
+    plain_matmul` (FP32 emulation of the 16-bit GEMM); everything else, and every call in any
+    other format, runs as it is (autocast decides the dtype).
 
     At most one is on the stack: a region replaces the enclosing region's mode for its extent
     (:func:`_enter_mode`), so the innermost region decides alone; a mode nested under another
@@ -115,9 +120,18 @@ class _FormatMode(TorchFunctionMode):
         if self.routes:
             call = calls.lookup(func)
             form = calls.matmul_form(call, args, kwargs) if call is not None else None
-            if form is not None:
-                return scaled_matmul(*form, fmt=self.format)
+            if form is not None and _autocast_on(form[0].device.type):
+                if self.format.is_fp8:
+                    return scaled_matmul(*form, fmt=self.format)
+                return plain_matmul(*form, fmt=self.format)
         return func(*args, **kwargs)
+
+
+def _autocast_on(device_type: str) -> bool:
+    """Whether the region's autocast is in force here: code inside that turns it off (HF
+    Llama's rotary embedding computes its frequencies so) asked for FP32, not the region's
+    kernels. A device type without autocast (``meta``) counts as on."""
+    return not _has_autocast(device_type) or torch.is_autocast_enabled(device_type)
 
 
 def _innermost_mode() -> tuple[int, _FormatMode] | None:
@@ -300,6 +314,9 @@ class Region:
         region = _autocast(_device_type(args, kwargs, self.module),
                            Format.FP32 if torchao else fmt)
         own, routes = (Format.BF16 if torchao else fmt), fmt.is_fp8 and not torchao
+        compiling = torch.compiler.is_compiling()
+        if not (routes or torchao or compiling) and fmt.autocast_dtype in emulated_dtypes():
+            routes = True  # 16-bit GEMMs by FP32 emulation (fp8.emulating): numerics only
         found = _innermost_mode()
         # The format travels in a mode where the router has to see the calls anyway (an fp8
         # region, a region inside one) and under torch.compile (traced away: free at run
@@ -307,7 +324,6 @@ class Region:
         # Elsewhere a mode would cost a Python call per op in eager mode (a measurable share of
         # a small model's step): the per-thread stack carries it, always outside every format
         # mode.
-        compiling = torch.compiler.is_compiling()
         in_mode = routes or found is not None or compiling
         if in_mode:
             popped = _unchecked(_enter_mode, _FormatMode(own, routes), found)
