@@ -8,6 +8,13 @@ beats fp32; without them (Zen 3's AVX2, Intel AVX512 parts before Cooper Lake) i
 
 fp16 is timed at half the size (it runs ~200x slower than fp32 on CPUs without FP16
 units, and its ratio is reported for that size, with fp32 timed again at it).
+
+Then what a host without 16-bit units costs the measurements (autoprec.measure.numerics: one
+forward + backward of an HF Llama, ``--llama-layers`` of width ``--llama-width`` on 2 x 64
+tokens, compared with its FP32 reference): under an all-bf16 and an all-fp16 policy on
+autocast's kernels and by the FP32 emulation of the same GEMMs (runtime.fp8.emulating, what the
+measurements use where the host lacks the units), each against the all-fp32 measurement timed
+in the same rounds.
 """
 
 from __future__ import annotations
@@ -17,7 +24,11 @@ import argparse
 import torch
 
 from _common import device_line, interleaved, print_table, ratio_cell
-from autoprec.formats import cpu_features
+from autoprec import Policy
+from autoprec.formats import Format, cpu_features
+from autoprec.measure.numerics import Numerics, prepare_for_measurement
+from examples.data import byte_batches
+from examples.llama_bytes import make_model
 
 
 def _matmul(n: int, dtype: torch.dtype):
@@ -31,6 +42,8 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llama-layers", type=int, default=2)
+    ap.add_argument("--llama-width", type=int, default=512)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(device_line())
@@ -47,6 +60,33 @@ def main() -> None:
     rows.append([f"{small}^3", "fp16", f"{half.seconds('fp32') * 1e3:.2f}",
                  f"{half.seconds('fp16') * 1e3:.1f}", ratio_cell(half.ratio("fp16", "fp32"))])
     print_table(rows, ["matmul", "format", "fp32 ms", "format ms", "time / fp32 [95%]"])
+    _measurements(args)
+
+
+def _measurements(args) -> None:
+    w = args.llama_width
+    torch.manual_seed(0)
+    model = prepare_for_measurement(make_model(args.llama_layers, hidden=w,
+                                               intermediate=w * 7 // 2, heads=w // 64,
+                                               kv_heads=max(w // 256, 1), seq_len=64))
+    num = Numerics(model, byte_batches(1, 2, 64, seed=1), lambda m, b: m(**b).loss)
+    num.reference()
+
+    def measure(fmt: Format, emulated: bool):
+        def run():
+            num.emulated = frozenset({fmt.autocast_dtype}) if emulated else frozenset()
+            return num.compare(Policy(default=fmt))
+        return run
+
+    fns = {"fp32": measure(Format.FP32, False)}
+    for fmt in (Format.BF16, Format.FP16):
+        fns[f"{fmt} (autocast's kernels)"] = measure(fmt, False)
+        fns[f"{fmt} (FP32 emulation)"] = measure(fmt, True)
+    res = interleaved(fns, warmup=1, rounds=args.rounds, repeats=1)
+    print(f"\nmeasuring a Llama of {args.llama_layers} layers x {w} on 2x64 tokens "
+          "(Numerics.compare: forward + backward against FP32)")
+    print_table([[name, f"{res.seconds(name) * 1e3:.0f}", ratio_cell(res.ratio(name, "fp32"))]
+                 for name in fns], ["policy", "ms", "time / fp32 [95%]"])
 
 
 if __name__ == "__main__":
