@@ -10,8 +10,10 @@
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import signal
@@ -792,10 +794,25 @@ def _closed_stdout() -> int:
     return 141
 
 
+def _interrupt_again(hook, unraisable) -> None:
+    """``sys.unraisablehook`` of the console script: a Ctrl-C that lands in a destructor or a
+    GC callback (a weakref's, while the tune's own handling is not installed: starting up,
+    writing the policy) is swallowed by Python with an "Exception ignored" traceback, and the
+    command goes on. Delivered to the main thread again instead, without the traceback, from
+    another thread a moment later (raised inside the hook, it would be swallowed again)."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):
+        timer = threading.Timer(0.05, _thread.interrupt_main)
+        timer.daemon = True
+        timer.start()
+        return
+    hook(unraisable)
+
+
 def run() -> None:
     """The console script: :func:`main`, then exit at once. Everything is written and flushed
     by then; skipping the interpreter's shutdown means no thread or connection pool left by a
     library can keep the process alive, and a Ctrl-C cannot land in a finalizer."""
+    sys.unraisablehook = functools.partial(_interrupt_again, sys.unraisablehook)
     code = main()
     try:
         sys.stdout.flush()
