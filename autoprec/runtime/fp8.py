@@ -87,7 +87,8 @@ _EMULATED: frozenset[torch.dtype] = frozenset()
 
 
 def emulated_dtypes() -> frozenset[torch.dtype]:
-    """The 16-bit dtypes whose GEMMs this thread's code computes by FP32 emulation now."""
+    """The 16-bit dtypes whose GEMMs compute by FP32 emulation now (process-wide: the
+    measurements run in one thread)."""
     return _EMULATED
 
 

@@ -129,8 +129,8 @@ class _FormatMode(TorchFunctionMode):
 
 def _autocast_on(device_type: str) -> bool:
     """Whether the region's autocast is in force here: code inside that turns it off (HF
-    Llama's rotary embedding computes its frequencies so) asked for FP32, not the region's
-    kernels. A device type without autocast (``meta``) counts as on."""
+    Llama's rotary embedding did for its frequencies, up to transformers 4.4x) asked for FP32,
+    not the region's kernels. A device type without autocast (``meta``) counts as on."""
     return not _has_autocast(device_type) or torch.is_autocast_enabled(device_type)
 
 
