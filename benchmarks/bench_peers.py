@@ -192,6 +192,10 @@ def _parse():
     ap.add_argument("--sensitivity", default="auto", choices=("auto", "fast", "exact"),
                     help="the tune's sensitivity mode (fast: first-order estimates only; the "
                          "loss runs below judge the result either way)")
+    ap.add_argument("--calib-batches", type=int, default=4,
+                    help="calibration batches (2 x 64 tokens each) the tune measures numerics on; "
+                         "their FP32 gradients are kept, 2.6 GB each at full width: 2 fit "
+                         "beside other work in 24 GB, 4 may not")
     ap.add_argument("--quick", action="store_true",
                     help="a check of this script: the tuned model 1/8 as wide, priced at 8x512 "
                          "tokens, few trials and steps; its figures mean nothing")
@@ -208,7 +212,8 @@ def main() -> None:
     print(device_line(), flush=True)
     t0 = time.perf_counter()
     widths = {k: v // 8 for k, v in LLAMA3_8B.items()} if args.quick else dict(LLAMA3_8B)
-    task = gpu_task(n_layer=args.layers, seq_len=512 if args.quick else 4096, **widths)
+    task = gpu_task(n_layer=args.layers, seq_len=512 if args.quick else 4096,
+                    calib_batches=args.calib_batches, **widths)
     out = tempfile.mkdtemp(prefix="bench-peers-") + "/policy.yaml"
     blackwell = DEVICES[args.target].support[Format.NVFP4] is Support.NATIVE
     formats = tuple(args.formats) if args.formats else \

@@ -35,14 +35,15 @@ def make_model(n_layer: int = 2, hidden: int = 4096, intermediate: int = 14336, 
 
 
 def gpu_task(n_layer: int = 4, batch_size: int = 8, seq_len: int = 4096, calib_len: int = 64,
-             **shape) -> autoprec.Task:
-    """Numerics measured here on 2 x ``calib_len`` tokens; layers priced at the production
-    batch (``batch_size`` x ``seq_len``). ``shape`` overrides LLAMA3_8B's widths."""
+             calib_batches: int = 4, **shape) -> autoprec.Task:
+    """Numerics measured here on ``calib_batches`` batches of 2 x ``calib_len`` tokens; layers
+    priced at the production batch (``batch_size`` x ``seq_len``). ``shape`` overrides
+    LLAMA3_8B's widths."""
     widths = {**LLAMA3_8B, **shape}
     name = "llama-{n}x{hidden}-bytes-gpu".format(n=n_layer, **widths)
     return autoprec.Task(
         model=lambda: make_model(n_layer, seq_len=seq_len, **widths),
-        batches=byte_batches(4, 2, calib_len, seed=1),
+        batches=byte_batches(calib_batches, 2, calib_len, seed=1),
         shape_batch=byte_batches(1, batch_size, seq_len, seed=2)[0],
         name=name,
         train_batches=lambda n, seed: byte_batches(n, 2, calib_len, seed=seed),
