@@ -313,10 +313,8 @@ class Region:
             args, kwargs = tree_map(_upcast, args), tree_map(_upcast, kwargs)
         region = _autocast(_device_type(args, kwargs, self.module),
                            Format.FP32 if torchao else fmt)
-        own, routes = (Format.BF16 if torchao else fmt), fmt.is_fp8 and not torchao
         compiling = torch.compiler.is_compiling()
-        if not (routes or torchao or compiling) and fmt.autocast_dtype in emulated_dtypes():
-            routes = True  # 16-bit GEMMs by FP32 emulation (fp8.emulating): numerics only
+        own, routes = (Format.BF16 if torchao else fmt), _routes(fmt, torchao, compiling)
         found = _innermost_mode()
         # The format travels in a mode where the router has to see the calls anyway (an fp8
         # region, a region inside one) and under torch.compile (traced away: free at run
@@ -360,6 +358,15 @@ class Region:
     def __repr__(self):
         engine = " (torchao)" if self.engine == "torchao" else ""
         return f"<autoprec region {self.format.value}{engine} around {self.fqn or 'root'}>"
+
+
+def _routes(fmt: Format, torchao: bool, compiling: bool) -> bool:
+    """Whether a region's mode routes its matmul-like calls: an fp8 region of autoprec's
+    engine, and a bf16/fp16 one whose GEMMs are emulated in FP32 (fp8.emulating: the
+    measurements, in eager mode)."""
+    if torchao:
+        return False
+    return fmt.is_fp8 or (not compiling and fmt.autocast_dtype in emulated_dtypes())
 
 
 def _explain_low_weights(region: Region, error: RuntimeError) -> None:
