@@ -378,8 +378,12 @@ def _gemm_product(a: torch.Tensor, b: torch.Tensor, gemm: Gemm, native: bool, *,
 
 
 def _bf16_matmul(a, b, bias):
+    """The product in BF16 (a shape the scaled kernels cannot take); inside
+    :func:`emulating`, the emulated bf16 region's own kernel, so that the two agree exactly."""
+    if torch.bfloat16 in _EMULATED:
+        return plain_matmul(a, b, bias, fmt=Format.BF16)
     with torch.autocast(a.device.type, enabled=False):
-        out = _plain_product(a, b, torch.bfloat16)
+        out = torch.matmul(a.to(torch.bfloat16), b.to(torch.bfloat16))
         if bias is not None:
             out = out + bias.to(torch.bfloat16)
         return out
