@@ -10,6 +10,11 @@ the bytes allocated at each instant, plus the bytes live when the step began (pa
 optimizer state, counted from their storages, since the trace sees only what is allocated
 while it runs). The step is split into two phases at a ``record_function`` marker: forward +
 backward (activations) and the optimizer step (gradients, state and its temporaries).
+On a host without 16-bit matmul units (:func:`autoprec.formats.slow_16bit_dtypes`: a Zen 3
+takes minutes per BF16 step at a Llama-3-8B layer's width) the step's 16-bit GEMMs are emulated
+in FP32 (:func:`autoprec.runtime.fp8.emulating`), which keeps for backward the 16-bit copies
+autocast's kernels keep; only the emulation's FP32 temporaries, one GEMM's at a time, differ
+(``benchmarks/bench_memory.py`` measures the gap against the kernels).
 
 **Predicted** (:class:`MemoryModel`): what a search can afford to ask of every trial.
 A pure formula over the captured layers cannot see everything a step allocates (the
@@ -134,10 +139,18 @@ def _live_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
 
 def measure_step_memory(model: nn.Module, batch: Any, policy: Policy,
                         loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-                        make_optimizer: Callable[[Any], torch.optim.Optimizer]) -> StepMemory:
+                        make_optimizer: Callable[[Any], torch.optim.Optimizer], *,
+                        emulate: bool | None = None) -> StepMemory:
     """The peak memory of one training step of ``model`` (a private copy; its weights stay put:
-    learning rate 0) on ``batch`` under ``policy``; see the module docstring."""
+    learning rate 0) on ``batch`` under ``policy``; see the module docstring.
+
+    ``emulate``: compute the 16-bit GEMMs the device has no units for
+    (:func:`autoprec.formats.slow_16bit_dtypes`) by FP32 emulation, which saves the bytes
+    autocast's kernels save (a Zen 3 takes minutes per full-width BF16 step otherwise);
+    None: where the device lacks them."""
+    from autoprec.formats import slow_16bit_dtypes
     from autoprec.runtime import rewrite
+    from autoprec.runtime.fp8 import emulating
     from autoprec.task import optimizer_step
 
     optimizer = make_optimizer(model.parameters())
@@ -147,13 +160,16 @@ def measure_step_memory(model: nn.Module, batch: Any, policy: Policy,
     device = next(model.parameters()).device
     if policy.uses(Format.FP16):
         scaler = policy.grad_scaler(device)
+    slow = frozenset((torch.bfloat16, torch.float16)) if emulate else \
+        slow_16bit_dtypes(device) if emulate is None else frozenset()
     rewrite.apply(model, policy, strict=False)
     try:
-        # the first step creates the optimizer's state, which every later step keeps
-        optimizer_step(loss_fn(model, batch), optimizer, scaler)
-        if device.type == "cuda":
-            return _cuda_step(model, batch, loss_fn, optimizer, scaler, device)
-        return _traced_step(model, batch, loss_fn, optimizer, scaler)
+        with emulating(slow):
+            # the first step creates the optimizer's state, which every later step keeps
+            optimizer_step(loss_fn(model, batch), optimizer, scaler)
+            if device.type == "cuda":
+                return _cuda_step(model, batch, loss_fn, optimizer, scaler, device)
+            return _traced_step(model, batch, loss_fn, optimizer, scaler)
     finally:
         rewrite.remove(model)
 

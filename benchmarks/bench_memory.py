@@ -6,8 +6,17 @@ the allocator's ``max_memory_allocated``, elsewhere the peak of a ``torch.profil
 trace. Models: the README's GPT-2 task (examples/gpt2_bytes.py:task, 4 x 256, batch 16 x 128)
 and a Llama with examples/llama_bytes.py's architecture at a width this machine trains
 (``--llama-hidden``; the 8B widths need a GPU's memory). Memory, not time: no interleaving.
+The measured column is always the step on autocast's own 16-bit kernels; the predictor
+calibrates as a tune does (by FP32 emulation of the 16-bit GEMMs where the host has no units
+for them, autoprec.formats.slow_16bit_dtypes).
+
+Then the emulation's bytes against the kernels' (``--emulation-widths``): the same Llama's
+step under 16-bit policies, traced once on autocast's kernels and once with their GEMMs
+emulated in FP32 (runtime.fp8.emulating, which saves the 16-bit copies autocast saves), as
+emulated / native. Each step is traced twice: a trace is deterministic, and the two must agree.
 
     python benchmarks/bench_memory.py [--llama-hidden 256] [--skip-llama]
+                                      [--emulation-widths 256 512]
 """
 
 from __future__ import annotations
@@ -60,7 +69,8 @@ def rows_for(task: autoprec.Task, policies: dict[str, Policy]) -> list[list[str]
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*can only emulate.*")
             measured = measure_step_memory(copy.deepcopy(model), task.example_batch(), policy,
-                                           task.loss_fn or default_loss, task.make_optimizer)
+                                           task.loss_fn or default_loss, task.make_optimizer,
+                                           emulate=False)
         predicted = mm.predict(policy)
         rows.append([task.name, name, format_size(predicted), format_size(measured.peak),
                      f"{predicted / measured.peak:.3f}",
@@ -69,10 +79,45 @@ def rows_for(task: autoprec.Task, policies: dict[str, Policy]) -> list[list[str]
     return rows
 
 
+EMULATED = {"bf16": Policy(default="bf16"), "fp16": Policy(default="fp16"),
+            "mlp fp8, rest bf16": Policy(default="bf16", layers={"model.layers.*.mlp.*": "fp8"}),
+            "attention fp32, rest bf16": Policy(default="bf16",
+                                                layers={"model.layers.*.self_attn": "fp32"})}
+
+
+def emulation_rows(hidden: int) -> list[list[str]]:
+    """Per 16-bit policy: the traced step on autocast's kernels and under FP32 emulation."""
+    task = llama_task(hidden)
+    model = prepare_for_measurement(task.build_model())
+    rows = []
+    for name, policy in EMULATED.items():
+        peaks = {}
+        for emulate in (False, True):
+            traces = []
+            for _ in range(2):
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message=".*can only emulate.*")
+                    step = measure_step_memory(copy.deepcopy(model), task.example_batch(),
+                                               policy, default_loss, task.make_optimizer,
+                                               emulate=emulate)
+                traces.append(step.peak)
+            if traces[0] != traces[1]:
+                raise SystemExit(f"{task.name} {name}: two traces of one step differ "
+                                 f"({traces}): the measurement is not deterministic here")
+            peaks[emulate] = traces[0]
+        rows.append([task.name, name, format_size(peaks[False]), format_size(peaks[True]),
+                     f"{peaks[True] / peaks[False]:.3f}"])
+        print(f"  {task.name} {name}: emulated / native {peaks[True] / peaks[False]:.3f}",
+              flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-hidden", type=int, default=256)
     ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument("--emulation-widths", type=int, nargs="*", default=[256, 512],
+                    help="Llama widths for the emulated-vs-native table (none: skip it)")
     args = ap.parse_args()
     print(device_line())
     rows = rows_for(gpt2_bytes.task(), POLICIES["gpt2"])
@@ -81,7 +126,14 @@ def main() -> None:
     print_table(rows, ["task", "policy", "predicted peak", "measured peak", "ratio", ""])
     worst = max(abs(float(r[4]) - 1) for r in rows)
     print(f"largest error: {worst:.1%} (measured: "
-          f"{'max_memory_allocated' if torch.cuda.is_available() else 'torch.profiler trace'})")
+          f"{'max_memory_allocated' if torch.cuda.is_available() else 'torch.profiler trace'} "
+          "of the step on autocast's kernels)")
+    if args.emulation_widths:
+        print("\nthe step's peak with its 16-bit GEMMs emulated in FP32, against autocast's kernels:")
+        rows = [r for w in args.emulation_widths for r in emulation_rows(w)]
+        print_table(rows, ["task", "policy", "native peak", "emulated peak", "emulated / native"])
+        spread = [float(r[4]) for r in rows]
+        print(f"emulated / native: {min(spread):.3f} to {max(spread):.3f}")
 
 
 if __name__ == "__main__":

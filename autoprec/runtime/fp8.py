@@ -274,22 +274,31 @@ class _PerGemmMatmul(torch.autograd.Function):
     casts, so the same bits): an FP32 copy would double what a 16-bit input keeps, and for an
     FP32 input ``.to(float32)`` is the input itself, an alias of a forward input that dynamo
     failed to capture (InternalTorchDynamoError tracing a model under the runtime guard).
+    A plain 16-bit layer (:func:`plain_matmul`, all three GEMMs in one 16-bit dtype) saves
+    its operands cast to that dtype instead, as autocast's kernel does (the same bits: the
+    casts round once, and rounding again changes nothing), so that a step measured under
+    :func:`emulating` keeps the bytes a native one keeps (:mod:`autoprec.memory`).
     """
 
     @staticmethod
     def forward(ctx, a, b, bias, native, numerics):
+        a_in, b_in = a, b
+        low = _plain_dtype(numerics)
         with torch.autocast(a.device.type, enabled=False):
             if numerics.is_fp8:
-                out = _gemm_product(*_fp32_operands(a, b), numerics.fwd, native)
+                out = _gemm_product(*_operands(a, b), numerics.fwd, native)
                 if bias is not None:
                     out = out + bias.to(torch.float32)
             else:  # a 16-bit layer (plain_matmul): the bias in the GEMM, as autocast's linear
-                out = _plain_product(*_fp32_operands(a, b), numerics.fwd.a, bias)
+                if low is not None:  # saved as autocast's kernel saves them
+                    a, b = a.detach().to(low), b.detach().to(low)
+                out = _plain_product(*_operands(a, b, low or torch.float32),
+                                     numerics.fwd.a, bias)
             out = out.to(numerics.output)
         ctx.save_for_backward(a, b)
         ctx.native, ctx.numerics, ctx.emulated = native, numerics, _EMULATED
-        ctx.shapes = (a.shape, b.shape, None if bias is None else bias.shape)
-        ctx.dtypes = (a.dtype, b.dtype, None if bias is None else bias.dtype)
+        ctx.shapes = (a_in.shape, b_in.shape, None if bias is None else bias.shape)
+        ctx.dtypes = (a_in.dtype, b_in.dtype, None if bias is None else bias.dtype)
         return out
 
     @staticmethod
@@ -298,27 +307,47 @@ class _PerGemmMatmul(torch.autograd.Function):
         a_shape, b_shape, _ = ctx.shapes
         num = ctx.numerics
         grad_a = grad_b = None
+        # a plain layer multiplies in its dtype (its operands are saved in it, the gradients
+        # stay in it: no FP32 copies beside what autocast's kernel keeps)
+        low = _plain_dtype(num)
+        work = low or torch.float32
+
+        def product(x, y, gemm, grad_operand):
+            if low is not None:
+                return _plain_product(x, y, low)
+            return _gemm_product(x, y, gemm, ctx.native, grad_operand=grad_operand)
+
         with torch.autocast(grad_out.device.type, enabled=False), emulating(ctx.emulated):
-            a32, b32 = _fp32_operands(a, b)
-            g = grad_out.to(torch.float32)
+            a32, b32 = _operands(a, b, work)
+            g = grad_out.to(work)
             if len(b_shape) == 2:  # leading dims of a fold into M, as in the forward
                 g, a32 = g.reshape(-1, g.shape[-1]), a32.reshape(-1, a32.shape[-1])
             if ctx.needs_input_grad[0]:  # dgrad: g @ b^T, contracted over N
-                grad_a = _gemm_product(g, b32.transpose(-1, -2), num.dgrad, ctx.native,
-                                       grad_operand=0)
+                grad_a = product(g, b32.transpose(-1, -2), num.dgrad, 0)
                 grad_a = grad_a.reshape(a_shape) if len(b_shape) == 2 else \
                     grad_a.sum_to_size(a_shape)
             if ctx.needs_input_grad[1]:  # wgrad: a^T @ g, contracted over M
-                grad_b = _gemm_product(a32.transpose(-1, -2), g, num.wgrad, ctx.native,
-                                       grad_operand=1).sum_to_size(b_shape)
+                grad_b = product(a32.transpose(-1, -2), g, num.wgrad, 1).sum_to_size(b_shape)
         bias_sum = torch.float32 if num.is_fp8 else num.output
         return (*_input_grads(ctx, grad_out, grad_a, grad_b, bias_sum), None, None)
 
 
-def _fp32_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``a`` and ``b`` in FP32, batch dimensions broadcast to each other when ``b`` is batched
-    (forward and backward build them alike, so both quantize the same values)."""
-    a32, b32 = a.detach().to(torch.float32), b.detach().to(torch.float32)
+def _plain_dtype(numerics: Numerics) -> torch.dtype | None:
+    """The 16-bit dtype of a plain layer's three GEMMs (bf16, fp16), None for any other
+    numerics (a scaled format, a per-GEMM mix)."""
+    gemms = (numerics.fwd, numerics.dgrad, numerics.wgrad)
+    dtype = numerics.fwd.a
+    if dtype in (torch.bfloat16, torch.float16) and all(
+            g.scaling == "none" and g.a is dtype and g.b is dtype for g in gemms):
+        return dtype
+    return None
+
+
+def _operands(a: torch.Tensor, b: torch.Tensor,
+              dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` and ``b`` in ``dtype``, batch dimensions broadcast to each other when ``b`` is
+    batched (forward and backward build them alike, so both quantize the same values)."""
+    a32, b32 = a.detach().to(dtype), b.detach().to(dtype)
     if b.dim() > 2:
         batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
         a32, b32 = a32.expand(*batch, *a.shape[-2:]), b32.expand(*batch, *b.shape[-2:])
