@@ -2,7 +2,7 @@
 Llama-3-8B's layer shapes, as the field's tools decide it and as autoprec's tune decides it.
 
     python benchmarks/bench_peers.py [--layers 3] [--trials 24] [--steps 60] [--seeds 3]
-    python benchmarks/bench_peers.py --target b200
+    python benchmarks/bench_peers.py --target b200 [--max-grad-error 1.0]
 
 The model: HF Llama, hidden 4096, SwiGLU 14336, 32 heads, 8 KV heads of 128 (Llama-3-8B's
 layers), ``--layers`` of them (3: the fewest for which Megatron's rule puts any layer in FP8;
@@ -192,6 +192,9 @@ def _parse():
     ap.add_argument("--sensitivity", default="auto", choices=("auto", "fast", "exact"),
                     help="the tune's sensitivity mode (fast: first-order estimates only; the "
                          "loss runs below judge the result either way)")
+    ap.add_argument("--max-grad-error", type=float, default=None,
+                    help="the tune's gradient-error budget (default: autoprec's, 0.25); raise it "
+                         "to let the search take formats whose gradients move more, as NVFP4's")
     ap.add_argument("--calib-batches", type=int, default=4,
                     help="calibration batches (2 x 64 tokens each) the tune measures numerics on; "
                          "each unit of the profile keeps their FP32 gradients, 2.6 GB a batch at "
@@ -219,8 +222,11 @@ def main() -> None:
     formats = tuple(args.formats) if args.formats else \
         ("fp32", "bf16", "fp8", "mxfp8", "mxfp8:gw_hp", "nvfp4") if blackwell \
         else ("fp32", "bf16", "fp8")
-    res = tune(task, TuneConfig(formats=formats, target=args.target, per_gemm=blackwell,
-                                n_trials=args.trials, output=out, sensitivity=args.sensitivity))
+    config = TuneConfig(formats=formats, target=args.target, per_gemm=blackwell,
+                        n_trials=args.trials, output=out, sensitivity=args.sensitivity)
+    if args.max_grad_error is not None:
+        config = config.replace(max_grad_error=args.max_grad_error)
+    res = tune(task, config)
     tune_s = time.perf_counter() - t0
     prof = res.profile
     peers = blackwell_policies if blackwell else peer_policies
