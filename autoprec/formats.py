@@ -584,10 +584,12 @@ BLOCK_FORMATS: tuple[Format, ...] = tuple(f for f in FORMAT_ORDER
 
 def expand_formats(values, *, where: str = "") -> tuple[Format, ...]:
     """The formats named by ``values``, in registration order (FORMAT_ORDER first), without
-    repeats; a bare ``fp8`` means every FP8 recipe (``fp8:tensorwise`` alone is written so)."""
+    repeats; a bare ``fp8`` means every FP8 recipe (``fp8:tensorwise`` alone is written so).
+    A :class:`Format` is itself (``Format.FP8`` is tensorwise, though it is the string "fp8"),
+    so expanding formats already expanded changes nothing."""
     wanted: set[Format] = set()
     for v in values:
-        if isinstance(v, str) and v.strip().lower() == "fp8":
+        if isinstance(v, str) and not isinstance(v, Format) and v.strip().lower() == "fp8":
             wanted.update(f for f in Format if f.recipe is not None)
         else:
             wanted.add(Format.parse(v, where=where))

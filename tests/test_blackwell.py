@@ -421,3 +421,17 @@ def test_a_tune_for_b200_chooses_among_the_block_formats(tmp_path):
     res.policy.save(tmp_path / "p.yaml")
     back = autoprec.load_policy(tmp_path / "p.yaml")
     assert back.formats_used() == used
+
+
+def test_replace_keeps_the_formats_it_was_given():
+    """``fp8:tensorwise`` is stored as Format.FP8, which is also the string "fp8": replace()
+    rebuilt the config from it and widened it to every FP8 recipe (and their per-GEMM mixes),
+    so bench_peers --max-grad-error searched formats it was not given."""
+    config = TuneConfig(formats=("fp32", "bf16", "fp8:tensorwise", "mxfp8", "nvfp4"),
+                        target="b200", per_gemm=True)
+    assert Format.FP8_ROWWISE not in config.formats
+    changed = config.replace(max_grad_error=1.0)
+    assert changed.formats == config.formats
+    assert changed.budget.max_grad_error == 1.0
+    # the bare name still means every recipe
+    assert Format.FP8_ROWWISE in TuneConfig(formats=("bf16", "fp8")).formats
