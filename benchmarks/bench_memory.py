@@ -61,21 +61,28 @@ def llama_task(hidden: int) -> autoprec.Task:
         batches=byte_batches(2, 8, 128, seed=1), name=f"llama-2x{hidden}-bytes")
 
 
+def step_peak(task: autoprec.Task, model: torch.nn.Module, policy: Policy,
+              emulate: bool) -> int:
+    """The traced peak of one training step of a copy of ``model`` on the task's first batch,
+    its 16-bit GEMMs on autocast's kernels or ``emulate``d in FP32."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*can only emulate.*")
+        return measure_step_memory(copy.deepcopy(model), task.example_batch(), policy,
+                                   task.loss_fn or default_loss, task.make_optimizer,
+                                   emulate=emulate).peak
+
+
 def rows_for(task: autoprec.Task, policies: dict[str, Policy]) -> list[list[str]]:
     mm = memory_model(task)
     model = prepare_for_measurement(task.build_model())
     rows = []
     for name, policy in policies.items():
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*can only emulate.*")
-            measured = measure_step_memory(copy.deepcopy(model), task.example_batch(), policy,
-                                           task.loss_fn or default_loss, task.make_optimizer,
-                                           emulate=False)
+        measured = step_peak(task, model, policy, emulate=False)
         predicted = mm.predict(policy)
-        rows.append([task.name, name, format_size(predicted), format_size(measured.peak),
-                     f"{predicted / measured.peak:.3f}",
+        rows.append([task.name, name, format_size(predicted), format_size(measured),
+                     f"{predicted / measured:.3f}",
                      "(calibration)" if name in ("fp32", "bf16") else ""])
-        print(f"  {task.name} {name}: {predicted / measured.peak:.3f}", flush=True)
+        print(f"  {task.name} {name}: {predicted / measured:.3f}", flush=True)
     return rows
 
 
@@ -93,14 +100,7 @@ def emulation_rows(hidden: int) -> list[list[str]]:
     for name, policy in EMULATED.items():
         peaks = {}
         for emulate in (False, True):
-            traces = []
-            for _ in range(2):
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message=".*can only emulate.*")
-                    step = measure_step_memory(copy.deepcopy(model), task.example_batch(),
-                                               policy, default_loss, task.make_optimizer,
-                                               emulate=emulate)
-                traces.append(step.peak)
+            traces = [step_peak(task, model, policy, emulate) for _ in range(2)]
             if traces[0] != traces[1]:
                 raise SystemExit(f"{task.name} {name}: two traces of one step differ "
                                  f"({traces}): the measurement is not deterministic here")
