@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import json
 import math
 import os
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -31,6 +33,9 @@ __all__ = [
     "device_of",
     "model_state",
     "atomic_write",
+    "atomic_write_all",
+    "not_a_file",
+    "refuse_non_file",
     "write_json",
     "read_json",
     "read_bounded",
@@ -40,6 +45,11 @@ __all__ = [
     "ProgressBar",
     "log",
     "brief",
+    "shown",
+    "terminal_safe",
+    "EscapingStream",
+    "quoted",
+    "escape_line",
     "number",
     "MAX_INT",
 ]
@@ -162,6 +172,66 @@ def _umask() -> int:
     return mask
 
 
+def not_a_file(path: str | os.PathLike) -> str | None:
+    """Why ``path`` may not be an output: ``"a character device"``, ``"a link to a FIFO"``, ...
+    when something other than a regular file (or a link to one) is there; None when nothing is
+    there, a regular file is, or a link to a regular file or to nothing (a link is replaced,
+    never followed). autoprec writes every output as a regular file replaced atomically: it
+    never writes into a device, a pipe or a socket, nor replaces one with a file (``-o
+    /dev/null`` as root would replace the system's /dev/null; ``-o`` a link into ``/proc``
+    would write wherever that descriptor leads)."""
+    path = os.fspath(path)
+    try:
+        st = os.lstat(path)
+    except OSError:  # nothing there, or a path the OS refuses: the write says which, in one line
+        return None
+    link = stat.S_ISLNK(st.st_mode)
+    if link:
+        system = _system_link(path)
+        if system is not None:
+            return f"a link into {system}"
+        try:
+            st = os.stat(path)
+        except OSError:  # a dangling link (or a loop): replaced like any planted link
+            return None
+    if stat.S_ISREG(st.st_mode):
+        return None
+    kind = next((name for test, name in _NOT_FILES if test(st.st_mode)), "not a regular file")
+    return f"a link to {kind}" if link else kind
+
+
+def _system_link(path: str) -> str | None:
+    """``/proc`` or ``/dev`` when a hop of the link chain at ``path`` leads there: such links
+    (``/dev/stdout``, ``/proc/self/fd/1``) name descriptors and devices, not files, whatever
+    the descriptor happens to be open on."""
+    path = os.path.abspath(path)
+    for _ in range(40):  # the kernel's own limit on a chain of links
+        for root in ("/proc", "/dev"):
+            if path == root or path.startswith(root + "/"):
+                return root
+        try:
+            target = os.readlink(path)
+        except OSError:
+            return None
+        path = os.path.normpath(os.path.join(os.path.dirname(path), target))
+    return None
+
+
+_NOT_FILES = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+              (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+              (stat.S_ISSOCK, "a socket"))
+
+
+def refuse_non_file(path: str | os.PathLike, what: str | None = None) -> None:
+    """A one-line ValueError when ``path`` may not be an output (:func:`not_a_file`), naming
+    it as ``what`` (default: the path), escaped."""
+    kind = not_a_file(path)
+    if kind is not None:
+        raise ValueError(f"{what or shown(os.fspath(path))} is {kind}, not a file: autoprec "
+                         "writes its outputs as regular files (replaced atomically) and never "
+                         "writes into or replaces a device, pipe or socket. Give a file path.")
+
+
 def atomic_write(path: str | os.PathLike, data: str | bytes) -> str:
     """Write ``data`` (text as UTF-8, or bytes) to ``path`` so that a reader, a crash or a full
     disk never leaves half a file: into a new temporary file in the same folder, created
@@ -169,44 +239,120 @@ def atomic_write(path: str | os.PathLike, data: str | bytes) -> str:
     be cannot redirect the write), synced, then renamed over ``path``. A symlink at ``path``
     itself is replaced, never followed. Creates the parent folder. Returns the path.
 
-    An OSError (disk full, read-only, no permission, a path under a regular file) becomes a
+    A device, pipe or socket at ``path`` (or a link to one: ``/dev/stdout``, a link into
+    ``/proc``) is refused (:func:`refuse_non_file`): neither written into nor replaced. An
+    OSError (disk full, read-only, no permission, a path under a regular file) becomes a
     one-line ValueError naming the path; whatever was at ``path`` before is left unchanged."""
-    path = os.fspath(path)
-    payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
-    parent = os.path.dirname(path)
-    existed = os.path.lexists(path)
-    tmp = None
+    return atomic_write_all([(path, data)])[0]
+
+
+def atomic_write_all(items: Sequence[tuple[str | os.PathLike, str | bytes]]) -> list[str]:
+    """Write every ``(path, data)`` of ``items``, or none of them: first each into a new
+    temporary file in its own folder as :func:`atomic_write` writes one (created exclusively,
+    the same permissions, synced), then, once all are written, each renamed over its path.
+    A write that fails (a full disk, an unwritable folder) removes every temporary, so
+    nothing was written and whatever was at each path is unchanged. A rename that fails after
+    others succeeded puts back what those replaced (kept as a hard link until the end) or
+    removes what they created. Errors are atomic_write's one-line ValueErrors naming the
+    path; a device, pipe or socket at a path is refused before anything is written. Returns
+    the paths."""
+    items = [(os.fspath(p), d.encode("utf-8") if isinstance(d, str) else bytes(d))
+             for p, d in items]
+    if len({os.path.abspath(p) for p, _ in items}) < len(items):
+        raise ValueError(f"Cannot write {', '.join(shown(p) for p, _ in items)}: a path is "
+                         "named twice, and one file cannot hold two outputs; give each its own.")
+    existed = any(os.path.lexists(p) for p, _ in items)
+    temps: dict[str, str] = {}
+    backups: dict[str, str | None] = {}  # path -> a link to what was there ("": none kept)
+    done: list[str] = []
     try:
-        if parent:
-            os.makedirs(parent, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
-                                   dir=parent or ".")
-        try:
-            # mkstemp makes the file 0600; what we write (policies, tables) is meant to be read
-            os.fchmod(fd, 0o644 & ~_umask())
-            view = memoryview(payload)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        tmp = None
-    except OSError as e:
-        before = ("the file there is unchanged" if existed else "nothing was written")
-        fix = _WRITE_FIXES.get(e.errno, "pick another path")
-        raise ValueError(f"Cannot write {path}: {e.strerror or e} ({before}); {fix}.") from None
+        for path, _ in items:
+            refuse_non_file(path)
+        for path, payload in items:
+            temps[path] = _temporary(path, payload)
+        for path, _ in items[:-1]:  # what a rename replaced before a later one fails
+            backups[path] = _backup(path)
+        for path, _ in items:
+            refuse_non_file(path)  # again: what is there now is what the rename replaces
+            os.replace(temps[path], path)
+            del temps[path]
+            done.append(path)
+    except BaseException as e:
+        lost = _roll_back(done, backups)
+        if not isinstance(e, OSError):
+            raise
+        before = (f"{', '.join(map(shown, lost))} already replaced, the rest unchanged"
+                  if lost else "the file there is unchanged" if existed and len(items) == 1
+                  else "nothing was written" + ("; the files there are unchanged"
+                                                if existed else ""))
+        raise ValueError(f"Cannot write {shown(path)}: {e.strerror or e} ({before}); "
+                         f"{_WRITE_FIXES.get(e.errno, 'pick another path')}.") from None
     finally:
-        if tmp is not None:
+        for leftover in [*temps.values(), *(b for b in backups.values() if b)]:
             with contextlib.suppress(OSError):
-                os.remove(tmp)
-    with contextlib.suppress(OSError):  # the rename itself survives a crash once this is done
-        dir_fd = os.open(parent or ".", os.O_RDONLY)
+                os.remove(leftover)
+    for parent in dict.fromkeys(os.path.dirname(p) or "." for p, _ in items):
+        with contextlib.suppress(OSError):  # the renames survive a crash once this is done
+            dir_fd = os.open(parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+    return [p for p, _ in items]
+
+
+def _temporary(path: str, payload: bytes) -> str:
+    """A new temporary file beside ``path`` holding ``payload``, as atomic_write makes one."""
+    parent = os.path.dirname(path)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                               dir=parent or ".")
+    try:
+        # mkstemp makes the file 0600; what we write (policies, tables) is meant to be read
+        os.fchmod(fd, 0o644 & ~_umask())
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    os.close(fd)
+    return tmp
+
+
+def _backup(path: str) -> str | None:
+    """A hard link to what is at ``path`` (the link itself for a symlink), to put it back if
+    a later rename fails; None when nothing is there, "" when no link could be made."""
+    if not os.path.lexists(path):
+        return None
+    folder, name = os.path.split(path)
+    backup = os.path.join(folder, f".{name}.{os.urandom(8).hex()}.old")
+    try:
+        os.link(path, backup, follow_symlinks=False)  # fails rather than replace a file there
+    except (OSError, NotImplementedError):  # no hard links there: nothing to put back
+        return ""
+    return backup
+
+
+def _roll_back(done: list[str], backups: Mapping[str, str | None]) -> list[str]:
+    """Undo the renames of ``done``; the paths that could not be put back."""
+    lost = []
+    for path in reversed(done):
+        backup = backups.get(path)
         try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    return path
+            if backup is None:
+                os.remove(path)
+            elif backup:
+                os.replace(backup, path)
+            else:
+                lost.append(path)
+        except OSError:
+            lost.append(path)
+    return lost
 
 
 def unwritable_folder(path: str | os.PathLike) -> tuple[str, str] | None:
@@ -233,6 +379,55 @@ def escape_line(text: str) -> str:
                    for c in str(text))
 
 
+def shown(value: Any, limit: int = 120) -> str:
+    """``value`` as it may appear on a terminal, in a log or in an error message, when it came
+    from a file, a study, a model or a user: at most ``limit`` characters of it (the rest
+    counted, not shown), every character that is not printable written as its escape
+    (:func:`escape_line`: ESC, CR, newlines, bidi overrides, zero-width and other control or
+    format characters). The one function such text goes through: a field cannot move the
+    cursor, rewrite a line already printed, start a line of its own or fill the screen."""
+    text = str(value)
+    extra = len(text) - limit
+    if extra > 0:
+        return f"{escape_line(text[:limit])}... ({extra} more characters)"
+    return escape_line(text)
+
+
+def terminal_safe(text: str) -> str:
+    """What a terminal stream may pass on of ``text``: line feeds, tabs and carriage returns
+    as they are (a progress bar redraws its line with one), every other character that is
+    not printable escaped (:func:`escape_line`). The console script's stdout and stderr go
+    through it (:class:`EscapingStream`), a second line of defence behind :func:`shown`:
+    whatever a field or a library's message holds, no escape sequence reaches the terminal."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c in "\n\t\r" else escape_line(c) for c in text)
+
+
+class EscapingStream:
+    """A text stream that writes through :func:`terminal_safe` to ``raw``, and is ``raw`` in
+    everything else (its encoding, ``isatty()``, ``fileno()``, ``flush()``)."""
+
+    def __init__(self, raw: Any):
+        self.raw = raw
+
+    def write(self, text: str) -> int:
+        self.raw.write(terminal_safe(text))
+        return len(text)
+
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.raw, name)
+
+
+def quoted(value: Any, limit: int = 120) -> str:
+    """``value`` quoted for an error message (``'...'``), bounded and escaped (:func:`shown`)."""
+    return f"'{shown(value, limit)}'"
+
+
 def write_json(path: str | os.PathLike, data: Any) -> str:
     return atomic_write(path, json.dumps(data, indent=1, allow_nan=False) + "\n")
 
@@ -241,72 +436,139 @@ def write_json(path: str | os.PathLike, data: Any) -> str:
 # model is a few MiB, its nesting depth under 10), far below what exhausts memory or the stack.
 MAX_JSON_BYTES = 64 * 2 ** 20
 MAX_JSON_DEPTH = 64
+# ... and on its values (each list, object, number or string; counted as its commas and
+# brackets before parsing, which over-counts those inside strings): a profile holds ~125 per
+# layer, so 4M is a 30,000-layer model, while 64 MiB of tiny objects is ~20M and takes
+# json seconds and gigabytes to build.
+MAX_JSON_VALUES = 4_000_000
 
 
 def read_bounded(path: str | os.PathLike, limit: int, what: str) -> bytes:
     """The bytes of the file at ``path``, refusing one larger than ``limit`` (checked before it
     is read, and again while reading, for a file that grows or does not say its size)."""
     path = os.fspath(path)
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+    # without blocking: a FIFO with no writer would block open() forever; then only a regular
+    # file is read (a FIFO, device or socket given as a policy, profile or guard state is not)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with open(fd, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+            raise ValueError(f"{shown(path, 160)} is not a regular file (a FIFO, device or "
+                             f"socket); give the {what} file itself.")
+        size = os.fstat(fd).st_size
         if size > limit:
-            raise ValueError(f"{path} is {size / 2 ** 20:.1f} MiB; a {what} file may be at most "
-                             f"{limit / 2 ** 20:g} MiB. Is it the right file?")
+            raise ValueError(f"{shown(path, 160)} is {size / 2 ** 20:.1f} MiB; a {what} file may "
+                             f"be at most {limit / 2 ** 20:g} MiB. Is it the right file?")
         raw = f.read(limit + 1)
     if len(raw) > limit:
-        raise ValueError(f"{path} is larger than {limit / 2 ** 20:g} MiB, the most a {what} file "
-                         "may be. Is it the right file?")
+        raise ValueError(f"{shown(path, 160)} is larger than {limit / 2 ** 20:g} MiB, the most a "
+                         f"{what} file may be. Is it the right file?")
     return raw
 
 
+# What JSON holds that is not a list or an object: skipped by their exact type, the cheapest
+# test there is (a file may hold tens of millions of them).
+_JSON_LEAVES = (str, int, float, bool, type(None))
+
+
 def json_depth(value: Any) -> int:
-    """How deeply lists and dicts nest in ``value`` (0 for a scalar), without recursion."""
-    depth, stack = 0, [(value, 1)]
-    while stack:
-        item, level = stack.pop()
-        if isinstance(item, Mapping):
-            children = item.values()
-        elif isinstance(item, (list, tuple)):
-            children = item
-        else:
-            continue
-        depth = max(depth, level)
-        stack.extend((child, level + 1) for child in children)
-    return depth
+    """How deeply lists and dicts nest in ``value`` (0 for a scalar), without recursion: one
+    level at a time, each a list of the containers found in the one above (no per-item tuples:
+    a state of a million four-number lists takes a fraction of a second)."""
+    depth, level = 0, [value]
+    while True:
+        level = [x for x in level if type(x) not in _JSON_LEAVES
+                 and isinstance(x, (dict, list, tuple, Mapping))]
+        if not level:
+            return depth
+        depth += 1
+        children: list[Any] = []
+        for item in level:
+            kind = type(item)
+            if kind is list or kind is tuple:
+                children.extend(item)
+            else:
+                children.extend(item.values())
+        level = children
+
+
+class _DuplicateKey(Exception):
+    """A JSON object names a key twice (``key``)."""
+
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object as a dict, refusing a key it names twice (``json`` keeps the last)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
+    return out
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """The cyclic garbage collector off for a block that builds many objects and no cycles."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def read_json(path: str | os.PathLike, what: str, *, max_bytes: int = MAX_JSON_BYTES,
               max_depth: int = MAX_JSON_DEPTH) -> Any:
     """Parse a JSON file; a missing, unreadable, malformed, oversized (``max_bytes``) or too
-    deeply nested (``max_depth``) file is a one-line ValueError naming it."""
+    deeply nested (``max_depth``) file, or one with an object that names a key twice (``json``
+    would keep the last silently), is a one-line ValueError naming it."""
     path = os.fspath(path)
+    name = shown(path, 160)
     try:
         raw = read_bounded(path, max_bytes, what)
     except FileNotFoundError:
-        raise ValueError(f"{what} file {path} does not exist.") from None
+        raise ValueError(f"{what} file {name} does not exist.") from None
     except IsADirectoryError:
-        raise ValueError(f"{path} is a directory, not a {what} file.") from None
+        raise ValueError(f"{name} is a directory, not a {what} file.") from None
     except PermissionError:
-        raise ValueError(f"{path} cannot be read (permission denied); it should be a {what} "
+        raise ValueError(f"{name} cannot be read (permission denied); it should be a {what} "
                          "file you may read.") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not a {what} file: byte {e.start} is not UTF-8 text.") from None
+        raise ValueError(f"{name} is not a {what} file: byte {e.start} is not UTF-8 text.") from None
     fix = "Delete it and run the command that writes it again."
+    values = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
+    if values > MAX_JSON_VALUES:
+        raise ValueError(f"{name} is not a {what} file autoprec would write: it holds about "
+                         f"{values:,} values, more than the {MAX_JSON_VALUES:,} a {what} of a "
+                         f"30,000-layer model holds. {fix}")
     try:
-        data = json.loads(text)
+        with _no_gc():  # millions of new objects: the collector would walk them over and over
+            data = json.loads(text, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as e:
+        raise ValueError(f"{name} is not a valid {what} file: an object names the key "
+                         f"{quoted(e.key, 60)} twice. {fix}") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not a valid {what} file: {e.msg} at line {e.lineno}. "
+        raise ValueError(f"{name} is not a valid {what} file: {e.msg} at line {e.lineno}. "
                          f"{fix}") from None
     except RecursionError:  # the decoder recurses per nesting level (and stops cleanly)
-        raise ValueError(f"{path} is not a {what} file: its lists or objects nest deeper than "
+        raise ValueError(f"{name} is not a {what} file: its lists or objects nest deeper than "
                          f"{max_depth} levels. {fix}") from None
     except ValueError as e:  # e.g. an integer of more than 4300 digits
-        raise ValueError(f"{path} is not a valid {what} file: {' '.join(str(e).split())}. "
-                         f"{fix}") from None
+        raise ValueError(f"{name} is not a valid {what} file: {shown(' '.join(str(e).split()), 200)}"
+                         f". {fix}") from None
     if json_depth(data) > max_depth:
-        raise ValueError(f"{path} is not a {what} file: its lists or objects nest deeper than "
+        raise ValueError(f"{name} is not a {what} file: its lists or objects nest deeper than "
                          f"{max_depth} levels. {fix}")
     return data
 
@@ -319,8 +581,9 @@ def check_keys(data: Any, what: str, *, known: Sequence[str],
     unknown = [k for k in data if k not in known]
     missing = [k for k in required if k not in data]
     problems = []
-    if unknown:
-        problems.append(f"unknown key(s) {', '.join(map(repr, unknown))}")
+    if unknown:  # a file's keys: three of them, each bounded, and how many more
+        more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+        problems.append(f"unknown key(s) {', '.join(quoted(k, 60) for k in unknown[:3])}{more}")
     if missing:
         problems.append(f"missing key(s) {', '.join(map(repr, missing))}")
     if problems:
@@ -362,7 +625,7 @@ def text_table(header: Sequence[str], rows: Sequence[Sequence[Any]], *,
 
 def brief(value: Any) -> str:
     """A value for an error message: its type and a short repr."""
-    text = repr(value)
+    text = escape_line(repr(value)[:200])
     return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
@@ -403,7 +666,7 @@ class ProgressBar:
             step = max(1, total // 10)
             if done < total and done % step:
                 return
-            tail = f" ({elapsed:.0f} s)" if done >= total else f" {label}"
+            tail = f" ({elapsed:.0f} s)" if done >= total else f" {shown(label)}"
             out.write(f"{self.title}: {done}/{total}{tail}\n")
             out.flush()
             return
@@ -411,7 +674,7 @@ class ProgressBar:
         eta = elapsed / done * (total - done) if done else math.nan
         eta_s = f" eta {eta:4.0f}s" if math.isfinite(eta) else ""
         out.write(f"\r{self.title} [{'#' * filled}{'-' * (self.width - filled)}] "
-                  f"{done}/{total}{eta_s} {label[:48]:<48}")
+                  f"{done}/{total}{eta_s} {shown(label, 48)[:48]:<48}")
         if done >= total:
             out.write(f"\r{self.title}: {total} done in {elapsed:.1f}s{' ' * 60}\n")
         out.flush()

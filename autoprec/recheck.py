@@ -24,12 +24,24 @@ reference pass plus work local to each layer: :mod:`autoprec.measure.estimate`, 
 Each layer is measured alone against the all-FP32 reference, as the profile measures it, so a
 verdict is about that layer's own error (not the policy's total, which validation judges).
 
+A policy with phases (:mod:`autoprec.phases`) is checked in every phase: each layer is measured
+once in each distinct format it computes in over the phases (and in each phase's candidates),
+and each row says the phases it belongs to (``RecheckRow.phases``; the report's ``phase``
+column). Demotions apply where they were found and hold in every phase:
+:meth:`RecheckResult.amended_policy` keeps the phases, and in each the demoted layer computes in
+the safer of the phase's format and its demoted one (as the runtime guard keeps a demotion
+across phase switches), written so that no later phase's ``formats`` or ``layers`` puts it
+back into a less precise format. A promotion applies in the phases where it was found. In
+training, :class:`Rechecker` checks the phase in force only.
+
 The budget is the one the policy was tuned under (its provenance, ``tuned.budget``), else
 :class:`~autoprec.policy.Budget`'s default.
 
 ``autoprec recheck TASK --policy P --checkpoint C -o REPORT.yaml`` runs it on a checkpoint
 (:func:`load_checkpoint`: a ``.safetensors`` file, a torch ``.pt``/``.bin`` state dict or a
-training checkpoint holding one under ``"model"``, an HF checkpoint folder); the functions
+training checkpoint holding one under ``"model"``, an HF checkpoint folder); with ``--amended
+POLICY_OUT`` it writes the report and the amended policy both or neither
+(:func:`autoprec._util.atomic_write_all`: a failed second write leaves no first). The functions
 :func:`add_parser` and :func:`run` are its subcommand. In training, :class:`Rechecker` runs it
 every N steps on the current batch and hands the demotions to the runtime guard
 (``Guard.request_demotion``), which applies them at its next ``step()`` on every rank together.
@@ -50,23 +62,23 @@ import dataclasses
 import logging
 import math
 import os
-import pickle
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from autoprec._util import brief, device_of, encode_float, move_to, read_json, text_table
+from autoprec._util import brief, device_of, encode_float, move_to, quoted, shown, text_table
+from autoprec.checkpoint import load_checkpoint, read_state_dict
 from autoprec.formats import Format
 from autoprec.measure.sensitivity import LayerSensitivity, measure_sensitivity
 from autoprec.policy import Budget, Policy
 from autoprec.runtime import calls, rewrite
 from autoprec.runtime.attribution import CallAttribution
 from autoprec.runtime.guard import get_guard
-from autoprec.runtime.guard.demote import amend
+from autoprec.runtime.guard.demote import amend_phases, safer
 from autoprec.task import Task, default_loss
 
 __all__ = [
@@ -90,16 +102,6 @@ PROMOTE_SHARE = 0.5
 # The verdicts of a row: a low-precision layer keeps its format or is to be demoted; a
 # higher-precision layer measured in a lower format may be promoted to it, or stays.
 VERDICTS = ("keep", "demote", "may promote", "stay")
-# A checkpoint file may be at most this many times the model's weights (AdamW's two moments
-# and the weights make 3x), plus CHECKPOINT_SLACK: anything larger is another model's.
-CHECKPOINT_FACTOR = 5
-CHECKPOINT_SLACK = 64 * 2 ** 20
-# Keys of a training checkpoint that hold the model's state dict, tried in this order.
-STATE_DICT_KEYS = ("model", "state_dict", "model_state_dict", "module")
-# What wrappers put in front of (or inside) parameter names: torch.compile, DDP/DataParallel.
-WRAPPER_COMPONENTS = ("_orig_mod", "module")
-# How many names an error lists before "and N more".
-_SHOWN = 3
 # Rechecker.state_dict: its layout version, and the requests it keeps (the newest).
 _STATE_VERSION = 1
 _MAX_KEPT = 64
@@ -133,9 +135,13 @@ class RecheckRow:
     # one of VERDICTS, and why, in words
     verdict: str
     reason: str
+    # the phases of the policy in which the layer computes in ``format`` (0: the first; a
+    # policy without phases has only that one)
+    phases: tuple[int, ...] = (0,)
 
     def to_dict(self) -> dict[str, Any]:
         return {"fqn": self.fqn, "format": self.format.value, "measured": self.measured.value,
+                "phases": list(self.phases),
                 "loss_change": encode_float(self.loss_change),
                 "grad_error": encode_float(self.grad_error),
                 "sqnr_db": encode_float(self.sqnr_db), "overflow": encode_float(self.overflow),
@@ -161,19 +167,18 @@ class RecheckResult:
 
     @property
     def demote(self) -> dict[str, Format]:
-        """fqn -> the format to demote it to (one step safer than the policy's)."""
-        return {r.fqn: r.format.demoted() for r in self.rows if r.verdict == "demote"}
+        """fqn -> the format to demote it to: one step safer than the policy's (with phases,
+        the safest such step over the phases' formats it was found to break the budget in)."""
+        out: dict[str, Format] = {}
+        for r in self.rows:
+            if r.verdict == "demote":
+                out[r.fqn] = safer(out.get(r.fqn, r.format.demoted()), r.format.demoted())
+        return out
 
     @property
     def promote(self) -> dict[str, Format]:
         """fqn -> the lowest-precision candidate well inside the budget (only listed)."""
-        best: dict[str, Format] = {}
-        for r in self.rows:
-            if r.verdict == "may promote" and (
-                    r.fqn not in best or r.measured.numerics.precision_rank
-                    > best[r.fqn].numerics.precision_rank):
-                best[r.fqn] = r.measured
-        return best
+        return _lowest(r for r in self.rows if r.verdict == "may promote")
 
     def reason(self, fqn: str) -> str:
         """Why ``fqn`` is to be demoted (or may be promoted), as the report says it."""
@@ -181,57 +186,105 @@ class RecheckResult:
         for r in self.rows:
             if r.fqn == fqn and (r.verdict == "demote" or r.measured is target):
                 return r.reason
-        raise KeyError(f"{fqn} is neither to demote nor to promote in this re-check.")
+        raise KeyError(f"{shown(fqn)} is neither to demote nor to promote in this re-check.")
 
     def amended_policy(self, *, promote: bool = False) -> Policy:
         """The policy with the demotions written in (and the promotions, with ``promote``),
         each changing only that layer's own computation, and the re-check in its
-        provenance (``tuned.recheck``)."""
-        changes = dict(self.demote)
+        provenance (``tuned.recheck``). A policy with phases keeps them: a promotion applies
+        in the phases it was found in; a demotion holds in every phase, the layer computing
+        in the safer of the phase's format and its demoted one (as the runtime guard keeps a
+        demotion across phase switches), so no later phase's ``formats`` or ``layers`` puts
+        it back into a less precise format."""
+        phases = range(len(self.policy.phases) + 1)
+        wanted: list[dict[str, Format]] = [{} for _ in phases]
         if promote:
-            changes.update(self.promote)
-        updates: dict[str, Format] = {}
-        for fqn, fmt in changes.items():
-            updates.update(amend(self.policy, fqn, fmt, self.layers))
+            for i in phases:
+                wanted[i].update(_lowest(r for r in self.rows
+                                         if r.verdict == "may promote" and i in r.phases))
+        for i in phases:
+            flat = self.policy.phase(i)
+            for fqn, fmt in self.demote.items():
+                wanted[i][fqn] = safer(wanted[i].get(fqn, flat.format_for(fqn)), fmt)
+        amended = amend_phases(self.policy, wanted, self.layers)
         tuned = dict(self.policy.tuned or {})
         tuned["recheck"] = {"demoted": {f: v.value for f, v in self.demote.items()},
                             "promoted": {f: v.value for f, v in self.promote.items()}
                             if promote else {},
                             "listed_promotions": {f: v.value for f, v in self.promote.items()},
                             "step": self.step, "source": self.source}
-        return self.policy.with_layers(updates, tuned=tuned)
+        return dataclasses.replace(amended, tuned=tuned)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (the CLI's YAML report); non-finite numbers as "inf"/"nan" strings."""
         return {"autoprec_recheck": 1, "source": self.source, "policy": self.policy.source,
-                "step": self.step, "budget": self.budget.to_dict(),
+                "phases": self._phases(), "step": self.step, "budget": self.budget.to_dict(),
                 "promote_share": PROMOTE_SHARE, "n_batches": self.n_batches,
                 "seconds": round(self.seconds, 3),
                 "demote": {f: v.value for f, v in self.demote.items()},
                 "promote": {f: v.value for f, v in self.promote.items()},
                 "rows": [r.to_dict() for r in self.rows]}
 
+    def _phases(self) -> list[str]:
+        """Each phase of the policy, where it starts (the first: from step 0)."""
+        return ["from step 0"] + [p.describe() for p in self.policy.phases]
+
     def format(self) -> str:
-        """A text table of every row, then the decisions, for the CLI."""
-        rows = [[r.fqn, r.format.label, r.measured.label, _pct(r.loss_change),
-                 _num(r.grad_error, ".3f"), _num(r.sqnr_db, ".1f"), _pct(r.overflow, ".2f"),
-                 r.verdict] for r in self.rows]
-        lines = [text_table(["layer", "policy", "measured", "loss change", "grad error",
-                             "SQNR dB", "overflow", "verdict"], rows, right=(3, 4, 5, 6))]
+        """A text table of every row, then the decisions, for the CLI. Every name from a file
+        (layers, the policy's path, its phases' names) is shown bounded and escaped."""
+        phased = bool(self.policy.phases)
+        rows = [[shown(r.fqn), *([_which(r.phases)] if phased else []), r.format.label,
+                 r.measured.label, _pct(r.loss_change), _num(r.grad_error, ".3f"),
+                 _num(r.sqnr_db, ".1f"), _pct(r.overflow, ".2f"), r.verdict] for r in self.rows]
+        head = ["layer", *(["phase"] if phased else []), "policy", "measured", "loss change",
+                "grad error", "SQNR dB", "overflow", "verdict"]
+        right = tuple(i + phased for i in (3, 4, 5, 6))
+        lines = [text_table(head, rows, right=right)]
+        lines.append("")
+        if phased:
+            source = f" {shown(self.policy.source)}" if self.policy.source else ""
+            lines.append(f"the policy{source} has {len(self.policy.phases) + 1} phases, each "
+                         "checked: " + "; ".join(f"{i} {shown(d)}"
+                                                 for i, d in enumerate(self._phases())))
         b = self.budget
         grad = "no limit" if b.max_grad_error is None else f"{b.max_grad_error:g}"
-        lines.append(f"\nbudget: loss change {b.max_loss_increase:.2%}, gradient error {grad}; "
+        lines.append(f"budget: loss change {b.max_loss_increase:.2%}, gradient error {grad}; "
                      f"'may promote' below {PROMOTE_SHARE:g}x of each; {self.n_batches} "
                      f"batch(es), {self.seconds:.1f} s")
         for fqn, fmt in self.demote.items():
-            lines.append(f"demote {fqn}: {self.policy.format_for(fqn)} -> {fmt} "
-                         f"({self.reason(fqn)})")
+            # the row that decided the format (with phases, the one demoted furthest)
+            row = next(r for r in self.rows if r.fqn == fqn and r.verdict == "demote"
+                       and r.format.demoted() is fmt)
+            where = f"; found in {_phases_text(row.phases)}, kept in every phase" if phased \
+                else ""
+            lines.append(f"demote {shown(fqn)}: {row.format} -> {fmt} ({row.reason}{where})")
         for fqn, fmt in self.promote.items():
-            lines.append(f"may promote {fqn}: {self.policy.format_for(fqn)} -> {fmt} "
-                         f"({self.reason(fqn)}; applied only on request)")
+            row = next(r for r in self.rows if r.fqn == fqn and r.measured is fmt
+                       and r.verdict == "may promote")
+            where = f"; in {_phases_text(row.phases)}" if phased else ""
+            lines.append(f"may promote {shown(fqn)}: {row.format} -> {fmt} ({row.reason}"
+                         f"{where}; applied only on request)")
         if not self.demote and not self.promote:
             lines.append("nothing to demote or promote")
         return "\n".join(lines)
+
+
+def _lowest(rows: Iterable[RecheckRow]) -> dict[str, Format]:
+    """fqn -> the lowest-precision format measured among ``rows``."""
+    best: dict[str, Format] = {}
+    for r in rows:
+        if r.fqn not in best or (r.measured.numerics.precision_rank
+                                 > best[r.fqn].numerics.precision_rank):
+            best[r.fqn] = r.measured
+    return best
+
+
+def _which(phases: Sequence[int]) -> str:
+    return ",".join(map(str, phases))
+
+
+def _phases_text(phases: Sequence[int]) -> str:
+    return f"phase{'s' if len(phases) > 1 else ''} {', '.join(map(str, phases))}"
 
 
 def _num(value: float, spec: str) -> str:
@@ -279,13 +332,14 @@ def judge(sens: LayerSensitivity, budget: Budget, *, candidate: bool) -> tuple[s
                            f"gradient error {grad:.3f})")
 
 
-def _row(fqn: str, fmt: Format, sens: LayerSensitivity, budget: Budget) -> RecheckRow:
+def _row(fqn: str, fmt: Format, sens: LayerSensitivity, budget: Budget,
+         phases: tuple[int, ...] = (0,)) -> RecheckRow:
     verdict, reason = judge(sens, budget, candidate=sens.format is not fmt)
     over = max(sens.act_overflow or 0.0, sens.grad_overflow or 0.0)
     return RecheckRow(fqn=fqn, format=fmt, measured=sens.format,
                       loss_change=sens.loss_rel_change, grad_error=sens.grad_rel_error,
                       sqnr_db=sens.output_sqnr_db, overflow=over, finite=sens.finite,
-                      verdict=verdict, reason=reason)
+                      verdict=verdict, reason=reason, phases=phases)
 
 
 # ------------------------------------------------------------------------------ measuring
@@ -300,8 +354,9 @@ def recheck(model: nn.Module, policy: Policy, batches: Sequence[Any], *,
     ``model``: the module (a policy may be applied, a guard attached, torch.compile or DDP
     around it); it is not modified (a private copy is measured). ``budget``: default the
     policy's tuned budget, else ``Budget()``. ``loss_fn(model, batch)``: default the output's
-    ``.loss``. ``formats``: the lower formats higher-precision layers are measured in (default
-    the low-precision formats the policy gives the model's computing layers).
+    ``.loss``. ``formats``: the lower formats higher-precision layers are measured in (default,
+    in each phase of the policy, the low-precision formats that phase gives the model's
+    computing layers).
     ``progress(done, total, label)`` as :func:`~autoprec.measure.measure_sensitivity`'s."""
     return _recheck_copy(_private_copy(model), policy, list(batches), budget=budget,
                          loss_fn=loss_fn, formats=formats, progress=progress)
@@ -320,33 +375,49 @@ def _recheck_copy(private: nn.Module, policy: Policy, batches: list, *, budget=N
     layers = list(layers) if layers is not None else computing_layers(
         private, batches[0], loss_fn or default_loss)
     plan = _plan(policy, layers, formats)
+    # each layer is measured once in each format, whatever the phases it serves
+    only = {n: list(dict.fromkeys(m for _, m in pairs)) for n, pairs in plan.items()}
     rows: list[RecheckRow] = []
-    if any(plan.values()):
+    if any(only.values()):
         # a factory handing over the private copy: measure_sensitivity would deep-copy a
         # module (a second copy of the weights, each re-check); this one is ours to change
         task = Task(model=lambda: private, batches=batches, loss_fn=loss_fn, device=device,
                     name="recheck")
-        fmts = list(dict.fromkeys(f for fs in plan.values() for f in fs))
+        fmts = list(dict.fromkeys(f for fs in only.values() for f in fs))
         with _isolated(device):
             found = measure_sensitivity(task, layers, fmts, batches=batches, mode="fast",
-                                        only={n: fs for n, fs in plan.items()}, budget=budget,
-                                        progress=progress)
+                                        only=only, budget=budget, progress=progress)
         for fqn in layers:
-            for fmt in plan[fqn]:
-                rows.append(_row(fqn, policy.format_for(fqn), found[fqn][fmt], budget))
+            for (own, measured), phases in plan[fqn].items():
+                rows.append(_row(fqn, own, found[fqn][measured], budget, tuple(phases)))
     return RecheckResult(policy=policy, budget=budget, rows=tuple(rows), layers=tuple(layers),
                          n_batches=len(batches), seconds=time.perf_counter() - t0)
 
 
-def _plan(policy: Policy, layers: Sequence[str],
-          formats: Sequence[Format | str] | None) -> dict[str, list[Format]]:
-    """Per computing layer, the formats to measure it in: its own when low-precision, then
-    the lower candidates, lowest precision last."""
-    if formats is None:
-        lower = {policy.format_for(n) for n in layers}
-    else:
-        lower = {Format.parse(f, where="in recheck(formats=...)", fp8_recipe=policy.fp8_recipe)
-                 for f in formats}
+def _plan(policy: Policy, layers: Sequence[str], formats: Sequence[Format | str] | None
+          ) -> dict[str, dict[tuple[Format, Format], list[int]]]:
+    """Per computing layer, what to measure, over every phase of the policy: (its format in a
+    phase, a format to measure it in) -> the phases where that pair applies. In a phase, a
+    layer is measured in its own format when low-precision, then in the phase's lower
+    candidates, lowest precision last."""
+    fixed = None if formats is None else [
+        Format.parse(f, where="in recheck(formats=...)", fp8_recipe=policy.fp8_recipe)
+        for f in formats]
+    plan: dict[str, dict[tuple[Format, Format], list[int]]] = {fqn: {} for fqn in layers}
+    for i in range(len(policy.phases) + 1):
+        flat = policy.phase(i)
+        for fqn, measured in _phase_plan(flat, layers, fixed).items():
+            for fmt in measured:
+                plan[fqn].setdefault((flat.format_for(fqn), fmt), []).append(i)
+    return plan
+
+
+def _phase_plan(policy: Policy, layers: Sequence[str],
+                formats: Sequence[Format] | None) -> dict[str, list[Format]]:
+    """:func:`_plan` for one phase (``policy`` without phases): per computing layer, the
+    formats to measure it in. The candidates: ``formats``, else the low-precision formats
+    the phase gives the computing layers."""
+    lower = {policy.format_for(n) for n in layers} if formats is None else set(formats)
     lower = sorted((f for f in lower if f.numerics.precision_rank > 0),
                    key=lambda f: (f.numerics.precision_rank, f.value))
     plan = {}
@@ -397,13 +468,13 @@ def _copy_weights(live: nn.Module, private: nn.Module) -> None:
         for name, t in [*live.named_parameters(), *live.named_buffers()]:
             target = mine.get(name)
             if target is None:
-                raise RuntimeError(f"The model gained `{name}` since the re-check copied it; "
-                                   "make a new Rechecker after changing the model's modules.")
+                raise RuntimeError(f"The model gained {quoted(name)} since the re-check copied "
+                                   "it; make a new Rechecker after changing the model's modules.")
             if type(t.data) is not torch.Tensor and type(t.data).__name__ == "DTensor":
                 raise NotImplementedError(
-                    f"`{name}` is sharded (FSDP2 DTensor); the re-check measures a whole "
-                    "model on one rank and cannot gather it yet: run it on a checkpoint with "
-                    "`autoprec recheck` instead.")
+                    f"{quoted(name)} is sharded (FSDP2 DTensor); the re-check measures a "
+                    "whole model on one rank and cannot gather it yet: run it on a checkpoint "
+                    "with `autoprec recheck` instead.")
             target.copy_(t.detach())
 
 
@@ -435,216 +506,6 @@ def computing_layers(model: nn.Module, batch: Any,
             h.remove()
     return [fqn for fqn, m in modules.items() if fqn and calls.layer_kind(
         m, finder.calls.get(fqn, ())) in calls.COMPUTING_KINDS]
-
-
-# ------------------------------------------------------------------------------ checkpoints
-def load_checkpoint(model: nn.Module, path: str | os.PathLike) -> None:
-    """Load the weights of the checkpoint at ``path`` into ``model`` in place (cast to its
-    dtypes): a ``.safetensors`` file, a torch state dict (``.pt``, ``.bin``, ...), a training
-    checkpoint holding one under one of :data:`STATE_DICT_KEYS`, or an HF checkpoint folder.
-    Names carrying torch.compile's ``_orig_mod.`` or DDP's ``module.`` are matched without
-    them; a tied weight (GPT-2's ``lm_head.weight``) may be left out. The file is untrusted:
-    at most :data:`CHECKPOINT_FACTOR` times the model's weights (plus
-    :data:`CHECKPOINT_SLACK`), read without unpickling code. Anything that does not fit the
-    model (missing tensors, others' names, other shapes) is a one-line ValueError naming the
-    file and the first few tensors."""
-    path = os.fspath(path)
-    expected = model.state_dict()
-    limit = CHECKPOINT_FACTOR * _state_bytes(expected) + CHECKPOINT_SLACK
-    state = _match_names(read_state_dict(path, max_bytes=limit), expected, path)
-    _check_fit(state, expected, path, type(model).__name__)
-    model.load_state_dict(state, strict=False)
-
-
-def read_state_dict(path: str | os.PathLike, *, max_bytes: int) -> dict[str, torch.Tensor]:
-    """The tensors of the checkpoint at ``path`` (a file or an HF folder, see
-    :func:`load_checkpoint`), on the CPU; files larger than ``max_bytes`` in all are refused
-    before they are read."""
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"Checkpoint {path} does not exist; give a .safetensors or "
-                                ".pt/.bin file, or an HF checkpoint folder.")
-    files = _folder_files(path) if os.path.isdir(path) else [path]
-    size = sum(os.path.getsize(f) for f in files)
-    if size > max_bytes:
-        raise ValueError(f"Checkpoint {path} is {size / 2 ** 20:.1f} MiB, more than the "
-                         f"{max_bytes / 2 ** 20:.1f} MiB a checkpoint of this model may be "
-                         f"({CHECKPOINT_FACTOR}x its weights, plus "
-                         f"{CHECKPOINT_SLACK // 2 ** 20} MiB): is it another model's?")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        part = _read_file(f)
-        twice = [k for k in part if k in state]
-        if twice:
-            raise ValueError(f"Checkpoint {path}: {_first(twice)} appear in two of its shards; "
-                             "each tensor must be in one.")
-        state.update(part)
-    return state
-
-
-def _folder_files(folder: str) -> list[str]:
-    """The weight files of an HF checkpoint folder: one file, or the shards its index names."""
-    for name in ("model.safetensors", "pytorch_model.bin"):
-        if os.path.isfile(os.path.join(folder, name)):
-            return [os.path.join(folder, name)]
-    for name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        index = os.path.join(folder, name)
-        if os.path.isfile(index):
-            return _shards(folder, index)
-    raise FileNotFoundError(f"Checkpoint folder {folder} holds none of model.safetensors, "
-                            "pytorch_model.bin or their .index.json; give the folder an HF "
-                            "model's save_pretrained() wrote, or a weight file.")
-
-
-def _shards(folder: str, index: str) -> list[str]:
-    data = read_json(index, "checkpoint index", max_bytes=CHECKPOINT_SLACK)
-    weight_map = data.get("weight_map") if isinstance(data, Mapping) else None
-    if not isinstance(weight_map, Mapping) or not weight_map:
-        raise ValueError(f"{index} has no `weight_map` (tensor name -> shard file); it is not "
-                         "an HF checkpoint index.")
-    shards = []
-    for name in dict.fromkeys(weight_map.values()):
-        # a shard is a file of this folder: no path may lead out of it
-        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
-            raise ValueError(f"{index} names the shard {brief(name)}; a shard must be a plain "
-                             "file name inside the checkpoint folder.")
-        shard = os.path.join(folder, name)
-        if not os.path.isfile(shard):
-            raise FileNotFoundError(f"{index} names the shard {name}, which is not in {folder}.")
-        shards.append(shard)
-    return shards
-
-
-def _read_file(path: str) -> dict[str, torch.Tensor]:
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        try:
-            return load_file(path, device="cpu")
-        except Exception as e:  # the file is untrusted: whatever fails is its fault
-            raise ValueError(f"{path} is not a readable safetensors file ({_first_line(e)}).") from None
-    try:
-        try:
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:
-            if "mmap" not in str(e):
-                raise
-            obj = torch.load(path, map_location="cpu", weights_only=True)  # a legacy file
-    except pickle.UnpicklingError as e:
-        said = _unpickler_says(e)
-        if "global" not in said.lower() and "class" not in said.lower():
-            raise ValueError(f"{path} is not a checkpoint torch.load can read (its weights-only "
-                             f"unpickler: {said}); give a .safetensors file or what torch.save "
-                             "wrote.") from None
-        raise ValueError(f"{path} holds Python objects other than tensors and plain containers, "
-                         "which a checkpoint read as untrusted may not (torch.load(weights_only="
-                         f"True) refused: {said}); save the weights alone, e.g. "
-                         "torch.save(model.state_dict(), path).") from None
-    except Exception as e:
-        raise ValueError(f"{path} is not a checkpoint torch.load can read ({_first_line(e)}); "
-                         "give a .safetensors file or what torch.save wrote.") from None
-    return _state_dict_of(obj, path)
-
-
-def _state_dict_of(obj: Any, path: str) -> dict[str, torch.Tensor]:
-    """The state dict in what a torch file held: itself, or a training checkpoint's entry."""
-    if not isinstance(obj, Mapping):
-        raise ValueError(f"{path} holds a {type(obj).__name__}, not a state dict (parameter "
-                         "names -> tensors); save model.state_dict().")
-    where, state = path, obj
-    for key in STATE_DICT_KEYS:
-        if isinstance(obj.get(key), Mapping):
-            where, state = f"{path}[{key!r}]", obj[key]
-            break
-    bad = [str(k) for k, v in state.items() if not isinstance(k, str)
-           or not isinstance(v, torch.Tensor)]
-    if bad or not state:
-        keys = ", ".join(map(str, list(obj)[:6])) or "nothing"
-        found = (f"its entries {_first(bad)} are not named tensors" if bad and len(bad) < len(state)
-                 else f"it holds {keys}")
-        raise ValueError(f"{where} is not a state dict: {found}. Expected parameter names -> "
-                         f"tensors, or a training checkpoint with them under one of "
-                         f"{', '.join(map(repr, STATE_DICT_KEYS))}.")
-    return dict(state)
-
-
-def _strip_wrappers(name: str) -> str:
-    """``name`` without torch.compile's ``_orig_mod`` components (anywhere: a compiled block
-    adds one inside) and leading DDP/DataParallel ``module`` ones."""
-    parts = [p for p in name.split(".") if p != "_orig_mod"]
-    while parts and parts[0] in WRAPPER_COMPONENTS:
-        parts.pop(0)
-    return ".".join(parts)
-
-
-def _match_names(state: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
-                 path: str) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    origin: dict[str, str] = {}
-    for key, value in state.items():
-        name = key if key in expected else _strip_wrappers(key)
-        if name in out:
-            raise ValueError(f"Checkpoint {path} holds both `{origin[name]}` and `{key}`, which "
-                             f"name the same tensor `{name}` once wrapper prefixes (_orig_mod., "
-                             "module.) are removed; keep one.")
-        out[name], origin[name] = value, key
-    return out
-
-
-def _check_fit(state: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
-               path: str, model_name: str) -> None:
-    aliases: dict[tuple, list[str]] = {}
-    for key, t in expected.items():
-        aliases.setdefault(_storage_key(t), []).append(key)
-    missing = [k for k, t in expected.items()
-               if not any(a in state for a in aliases[_storage_key(t)])]
-    unexpected = [k for k in state if k not in expected]
-    wrong = [f"{k}: checkpoint {list(v.shape)} {v.dtype}, model {list(expected[k].shape)} "
-             f"{expected[k].dtype}" for k, v in state.items() if k in expected and (
-                 v.shape != expected[k].shape
-                 or v.is_floating_point() != expected[k].is_floating_point())]
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} of the model's tensors are missing ({_first(missing)})")
-    if unexpected:
-        problems.append(f"{len(unexpected)} are not the model's ({_first(unexpected)})")
-    if wrong:
-        problems.append(f"{len(wrong)} have another shape or kind ({_first(wrong)})")
-    if problems:
-        raise ValueError(f"Checkpoint {path} does not fit the task's {model_name}: "
-                         f"{'; '.join(problems)}. Give a checkpoint of this task's model (the "
-                         "same layers and sizes).")
-
-
-def _storage_key(t: torch.Tensor) -> tuple:
-    """Tensors with the same key are one tensor under two names (tied weights)."""
-    if t.device.type == "meta":
-        return (id(t),)
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
-
-
-def _state_bytes(state: Mapping[str, torch.Tensor]) -> int:
-    seen = {_storage_key(t): t.numel() * t.element_size() for t in state.values()}
-    return sum(seen.values())
-
-
-def _first(names: Sequence[str]) -> str:
-    shown = ", ".join(f"`{n}`" if " " not in n else n for n in names[:_SHOWN])
-    return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
-
-
-def _first_line(e: BaseException) -> str:
-    text = " ".join((str(e).strip().splitlines() or [type(e).__name__])[0].split())
-    return text[:200]
-
-
-def _unpickler_says(e: BaseException) -> str:
-    """What the weights-only unpickler refused (its own paragraph, not torch's advice around
-    it to load the file unsafely)."""
-    paragraphs = [" ".join(p.split()) for p in str(e).split("\n\n") if p.strip()]
-    said = [p for p in paragraphs
-            if not p.startswith(("Weights only load failed", "Check the documentation"))]
-    return (" ".join(said) or _first_line(e))[:200]
 
 
 # ------------------------------------------------------------------------------ in training
@@ -707,6 +568,10 @@ class Rechecker:
             self._layers = computing_layers(private, move_to(batch, device_of(private)),
                                             self.loss_fn or default_loss)
         policy = guard.policy or self.policy
+        if policy.phases:
+            # the guard holds a policy with phases only before the first switch: the first
+            # phase is in force (a switch hands it one phase); only that one is re-checked
+            policy = policy.phase(0)
         result = _recheck_copy(private, policy, [batch], budget=self.budget,
                                loss_fn=self.loss_fn, layers=self._layers)
         result = dataclasses.replace(result, step=step)
@@ -716,11 +581,11 @@ class Rechecker:
             self.requested = [*self.requested, {"step": step, "fqn": fqn, "to": fmt.value,
                                                 "reason": reason}][-_MAX_KEPT:]
             logger.info("autoprec recheck: step %d: asked the guard to demote %s to %s (%s)",
-                        step, fqn, fmt, result.reason(fqn))
+                        step, shown(fqn), fmt, result.reason(fqn))
         for fqn, fmt in result.promote.items():
             logger.info("autoprec recheck: step %d: %s could be promoted from %s to %s (%s); "
                         "not applied: write it into the policy yourself if you want it",
-                        step, fqn, policy.format_for(fqn), fmt, result.reason(fqn))
+                        step, shown(fqn), policy.format_for(fqn), fmt, result.reason(fqn))
         self.runs, self.last_step = self.runs + 1, step
         return result
 
@@ -834,30 +699,33 @@ def _same_file(a: str, b: str) -> bool:
 def _check_files(args: Any) -> None:
     """No output is an input (or the other output), and each can be written: before any
     work, each refusal one line."""
-    from autoprec._util import unwritable_folder
+    from autoprec._util import refuse_non_file, unwritable_folder
 
     if args.promote and not args.amended:
         raise ValueError("--promote writes the promotions into the amended policy; give "
                          "--amended PATH too.")
     ckpt = args.checkpoint
-    inputs = [(args.policy, f"the policy {args.policy}"), (_task_path(args.task), "the task file"),
-              *((os.path.join(ckpt, n), f"a file of the checkpoint {ckpt}")
+    inputs = [(args.policy, f"the policy {shown(args.policy)}"),
+              (_task_path(args.task), "the task file"),
+              *((os.path.join(ckpt, n), f"a file of the checkpoint {shown(ckpt)}")
                 for n in (sorted(os.listdir(ckpt)) if os.path.isdir(ckpt) else [])),
-              (ckpt, f"the checkpoint {ckpt}")]
-    outputs = [(o, f"{flag} {o}") for flag, o in (("-o", args.out), ("--amended", args.amended))
-               if o]
+              (ckpt, f"the checkpoint {shown(ckpt)}")]
+    outputs = [(o, f"{flag} {shown(o)}") for flag, o in (("-o", args.out),
+                                                         ("--amended", args.amended)) if o]
     if len(outputs) == 2 and _same_file(outputs[0][0], outputs[1][0]):
-        raise ValueError(f"-o and --amended are both {args.out}: the report and the policy need "
-                         "two files. Choose another path.")
+        raise ValueError(f"-o and --amended are both {shown(args.out)}: the report and the "
+                         "policy need two files. Choose another path.")
     for out, what in outputs:
         for path, role in inputs:
             if path and os.path.exists(path) and _same_file(out, path):
                 raise ValueError(f"{what} is {role}: writing it would destroy an input of "
                                  "this command. Choose another path.")
+        refuse_non_file(out, what)
         problem = unwritable_folder(out)
         if os.path.isdir(out) or problem is not None:
-            why = "is a directory" if os.path.isdir(out) else f"cannot be written ({problem[0]} " \
-                f"is {'a file' if problem[1] == 'file' else 'not writable'})"
+            why = "is a directory" if os.path.isdir(out) else \
+                f"cannot be written ({shown(problem[0])} is " \
+                f"{'a file' if problem[1] == 'file' else 'not writable'})"
             raise ValueError(f"{what} {why}. Choose another path.")
 
 
@@ -874,7 +742,7 @@ def run(args: Any) -> int:
 
     import yaml
 
-    from autoprec._util import ProgressBar, atomic_write, log
+    from autoprec._util import ProgressBar, atomic_write_all, log
     from autoprec.policy import load_policy
     from autoprec.task import load_task
 
@@ -886,7 +754,8 @@ def run(args: Any) -> int:
         sys.path.insert(0, os.getcwd())
     task = load_task(args.task)
     model = task.build_model()
-    log(f"recheck: loading {args.checkpoint} into {type(model).__name__} ({task.name})")
+    log(f"recheck: loading {shown(args.checkpoint)} into {shown(type(model).__name__)} "
+        f"({shown(task.name)})")
     load_checkpoint(model, args.checkpoint)
     policy.check_model(model)
     batches = list(task.batches[:args.batches])
@@ -896,10 +765,10 @@ def run(args: Any) -> int:
                            loss_fn=task.loss_fn, progress=ProgressBar("recheck"))
     result = dataclasses.replace(result, source=os.fspath(args.checkpoint))
     print(result.format())
-    atomic_write(args.out, yaml.safe_dump(result.to_dict(), sort_keys=False, width=100))
-    written = [args.out]
+    outputs = [(args.out, yaml.safe_dump(result.to_dict(), sort_keys=False, width=100))]
     if args.amended:
-        result.amended_policy(promote=args.promote).save(args.amended)
-        written.append(args.amended)
-    print("wrote " + ", ".join(written))
+        outputs.append((args.amended, result.amended_policy(promote=args.promote).to_yaml()))
+    # both or neither: a report beside no amended policy would say a fix was written
+    written = atomic_write_all(outputs)
+    print("wrote " + ", ".join(map(shown, written)))
     return 1 if result.demote else 0

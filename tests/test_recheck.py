@@ -425,3 +425,110 @@ def test_rechecker_needs_a_guard_and_a_sane_setup(batches):
             Rechecker(TRAIN_POLICY, every=every)
     with pytest.raises(ValueError, match="state_dict"):
         rechecker.load_state_dict({"version": 1, "runs": "many"})
+
+
+# ------------------------------------------------------------------------------ both outputs or none
+def _marked_full_disk(monkeypatch, marker: bytes):
+    """os.write fails as on a full disk for the payload that starts with ``marker``."""
+    import errno
+
+    real = os.write
+
+    def write(fd, data):
+        if bytes(data[:len(marker)]) == marker:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data)
+    monkeypatch.setattr(os, "write", write)
+
+
+@pytest.mark.parametrize("earlier", [True, False])
+def test_cli_a_full_disk_at_the_amended_policy_writes_no_report(cli_files, monkeypatch, earlier):
+    task, policy, ckpt, tmp = cli_files
+    report, amended = tmp / "report.yaml", tmp / "amended.yaml"
+    if earlier:
+        report.write_text("an earlier report\n")
+    # the report is written first, the policy second: the disk fills up on the policy
+    _marked_full_disk(monkeypatch, b"# autoprec precision policy")
+    with pytest.raises(ValueError) as info:
+        _cli([task, "--policy", policy, "--checkpoint", ckpt, "-o", report, "--amended",
+              amended, "--batches", 1, "--max-grad-error", 0])
+    msg = str(info.value)
+    assert "\n" not in msg and "No space left" in msg and "nothing was written" in msg, msg
+    assert (report.read_text() == "an earlier report\n") if earlier else not report.exists()
+    assert not amended.exists()
+    assert not [n for n in os.listdir(tmp) if n.endswith((".tmp", ".old"))], os.listdir(tmp)
+
+
+@pytest.mark.slow  # a subprocess: the real console script (7 s on two shared cores)
+def test_cli_an_amended_path_the_os_refuses_writes_no_report(cli_files):
+    # a real failure, even as root: a file name longer than the file system allows passes the
+    # checks made before the work (its folder is there and writable) and fails at the write
+    import subprocess
+    import sys
+    from shutil import which
+
+    task, policy, ckpt, tmp = cli_files
+    report, amended = tmp / "report.yaml", tmp / ("a" * 300 + ".yaml")
+    report.write_text("an earlier report\n")
+    exe = which("autoprec", path=os.path.dirname(sys.executable)) or "autoprec"
+    r = subprocess.run([exe, "recheck", task, "--policy", str(policy), "--checkpoint",
+                        str(ckpt), "-o", str(report), "--amended", str(amended), "--batches", "1"],
+                       capture_output=True, text=True, timeout=300,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert report.read_text() == "an earlier report\n"
+    assert sorted(os.listdir(tmp)) == ["ckpt.pt", "policy.yaml", "report.yaml", "tiny_task.py"]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("autoprec: error: ")]
+    assert len(errors) == 1 and "nothing was written" in errors[0], r.stderr[-3000:]
+
+
+def test_atomic_write_all_puts_back_what_a_failed_rename_replaced(tmp_path, monkeypatch):
+    import errno
+
+    from autoprec._util import atomic_write_all
+
+    first, second = tmp_path / "first.yaml", tmp_path / "second.yaml"
+    first.write_text("before\n")
+    real = os.replace
+
+    def replace(src, dst):
+        if os.fspath(dst) == os.fspath(second):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real(src, dst)
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(ValueError, match=r"Read-only file system \(nothing was written"):
+        atomic_write_all([(first, "new\n"), (second, "new\n")])
+    assert first.read_text() == "before\n" and not second.exists()
+    assert sorted(os.listdir(tmp_path)) == ["first.yaml"]
+    monkeypatch.setattr(os, "replace", real)
+    assert atomic_write_all([(first, "new\n"), (second, b"2\n")]) == [str(first), str(second)]
+    assert (first.read_text(), second.read_text()) == ("new\n", "2\n")
+    assert oct(os.stat(second).st_mode & 0o777) == oct(0o644 & ~_umask())
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_cli_reports_every_phase_of_a_phased_policy(cli_files, capsys):
+    task, _, ckpt, tmp = cli_files
+    policy = tmp / "phased.yaml"
+    Policy(default="fp32", layers={"transformer.h.*.mlp.c_fc": "fp16"},
+           phases=[{"from_fraction": 0.9, "name": "decay", "formats": {"fp16": "bf16"}}]
+           ).save(policy)
+    code = _cli([task, "--policy", policy, "--checkpoint", ckpt, "-o", tmp / "report.yaml",
+                 "--amended", tmp / "amended.yaml", "--batches", 1, "--max-grad-error", 0])
+    assert code == 1
+    report = yaml.safe_load((tmp / "report.yaml").read_text())
+    assert report["phases"] == ["from step 0", "from 90% of the run (decay)"]
+    rows = {(r["fqn"], r["format"], r["measured"]): r["phases"] for r in report["rows"]}
+    # c_fc computes fp16 in phase 0 and bf16 in phase 1: both measured, each in its phase
+    assert rows[("transformer.h.0.mlp.c_fc", "fp16", "fp16")] == [0]
+    assert rows[("transformer.h.0.mlp.c_fc", "bf16", "bf16")] == [1]
+    amended = load_policy(tmp / "amended.yaml")
+    assert [amended.phase(i).format_for("transformer.h.0.mlp.c_fc") for i in (0, 1)] == \
+        [Format.FP32, Format.FP32]
+    assert "2 phases, each checked" in capsys.readouterr().out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from torch import nn
 
@@ -14,7 +14,7 @@ from autoprec.formats import Format
 from autoprec.policy import Policy
 from autoprec.runtime import rewrite
 
-__all__ = ["amend", "demotion_reason", "merge", "reapply", "safer"]
+__all__ = ["amend", "amend_phases", "demotion_reason", "merge", "reapply", "safer"]
 
 
 def demotion_reason(described: str, streak: int | None, ranks: list[int], world: int) -> str:
@@ -42,12 +42,12 @@ def amend(policy: Policy, fqn: str, new: Format, layers: Iterable[str]) -> dict[
     return updates
 
 
-def safety(fmt: Format) -> int:
-    """Rank of ``fmt`` by safety (lower: safer): fp32, then bf16 and fp16 (a tie: one has
-    range, the other precision), then every fp8 recipe."""
-    if fmt is Format.FP32:
-        return 0
-    return 2 if fmt.is_fp8 else 1
+def safety(fmt: Format) -> float:
+    """Rank of ``fmt`` by safety (lower: safer): its precision rank (``precision_rank`` of its
+    numerics): fp32, then bf16 and fp16 (a tie: one has range, the other precision), then the
+    scaled formats by the precision of their GEMMs (mxfp8 before fp8 tensorwise, nvfp4 last),
+    so that a layer demoted nvfp4 -> mxfp8 is not put back into nvfp4 by a later phase."""
+    return fmt.numerics.precision_rank
 
 
 def safer(new: Format, demoted: Format) -> Format:
@@ -69,17 +69,43 @@ def merge(policy: Policy, demoted: Mapping[str, Format], layers: Iterable[str]) 
 
 
 def merge_phases(policy: Policy, demoted: Mapping[str, Format], layers: Iterable[str]) -> Policy:
-    """``policy`` with its phases, every phase amended as :func:`merge` amends one: the first
-    phase's entries get the demotions, and each later phase's own ``layers`` the entries that
-    keep a demoted layer in the safer format there too (a phase's map alone could lower it
-    again, e.g. ``formats: {bf16: fp8}`` for a layer demoted to bf16)."""
+    """``policy`` with its phases, every phase amended as :func:`merge` amends one: in each
+    phase a demoted layer computes in the safer of the phase's format and its demoted one
+    (:func:`amend_phases` writes it so that neither a phase's map nor its own ``layers`` can
+    lower it again, e.g. ``formats: {bf16: fp8}`` for a layer demoted to bf16)."""
+    wanted = []
+    for i in range(len(policy.phases) + 1):
+        flat = policy.phase(i)
+        wanted.append({fqn: safer(flat.format_for(fqn), fmt) for fqn, fmt in demoted.items()})
+    return amend_phases(policy, wanted, layers)
+
+
+def amend_phases(policy: Policy, wanted: Sequence[Mapping[str, Format]],
+                 layers: Iterable[str]) -> Policy:
+    """``policy`` with its phases amended so that during phase ``i`` each layer of
+    ``wanted[i]`` (fqn -> format) computes in that format, each change touching that layer's
+    own computation only: every other computing layer (of ``layers``) computes in every phase
+    as before. The first phase's changes go into its ``layers`` (:func:`amend`); a later phase
+    gets entries in its own ``layers`` wherever the amended first phase, mapped through the
+    phase's ``formats``, would compute otherwise (a changed first-phase entry maps on, and a
+    phase's map or patterns could undo a change)."""
     layers = list(layers)
-    first = merge(policy.phase(0), demoted, layers)
+    before = [policy.phase(i) for i in range(len(policy.phases) + 1)]
+    first = before[0]
+    for fqn, fmt in (wanted[0] if wanted else {}).items():
+        if first.format_for(fqn) is not fmt:
+            first = first.with_layers(amend(first, fqn, fmt, layers))
     phases = []
     for i, phase in enumerate(policy.phases, start=1):
-        flat = policy.phase(i)
-        amended = merge(flat, demoted, layers)
-        extra = {p: f for p, f in amended.layers.items() if flat.layers.get(p) is not f}
+        target = {name: before[i].format_for(name) for name in layers}
+        target.update(wanted[i] if i < len(wanted) else {})
+        got = dataclasses.replace(first, phases=(phase,)).phase(1)
+        extra: dict[str, Format] = {}
+        # parents first: an entry for a parent changes what its children inherit
+        for name in sorted(target, key=lambda n: n.count(".")):
+            if got.format_for(name) is not target[name]:
+                extra[name] = target[name]
+                got = got.with_layers({name: target[name]})
         phases.append(dataclasses.replace(phase, layers={**phase.layers, **extra}))
     return dataclasses.replace(first, phases=tuple(phases))
 
