@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from autoprec.formats import BLOCK_FORMATS, FP8_FORMATS, Format, Gemm, Numerics, Support
+from autoprec.formats import BLOCK_FORMATS, FORMAT_ORDER, FP8_FORMATS, Format, Gemm, Numerics, Support
 from autoprec.graph import Layer
 from autoprec.measure.timing import MODEL_PREFIX, LayerTime
 from autoprec.runtime.calls import shape_multiple
@@ -163,11 +163,12 @@ class DeviceSpec:
                               for k, v in dict(self.support).items()})
         object.__setattr__(self, "matmul_flops", flops)
         object.__setattr__(self, "support", support)
-        missing = [f.value for f in Format if not support.has(f)]
+        # the registered formats (a per-GEMM mix is priced from its GEMMs' entries)
+        missing = [f.value for f in Format.registered() if not support.has(f)]
         if missing:
             raise ValueError(f"DeviceSpec {self.name!r} does not say how it runs "
                              f"{', '.join(missing)}; give support for every format "
-                             f"({', '.join(f.value for f in Format)}).")
+                             f"({', '.join(f.value for f in Format.registered())}).")
         if support[Format.FP32] is not Support.NATIVE:
             raise ValueError(f"DeviceSpec {self.name!r} must run fp32 natively: it is the "
                              "reference emulated formats are priced against.")
@@ -200,7 +201,9 @@ def _tflops(**per_format: float) -> dict[Format, float]:
     return out
 
 
-_ALL_NATIVE = {f: Support.NATIVE for f in Format}
+# The built-ins: a format registered later (or a per-GEMM mix parsed before this import) reads
+# the entry of its kernel class, so what was parsed first changes no device.
+_ALL_NATIVE = {f: Support.NATIVE for f in FORMAT_ORDER}
 # Hopper (sm_90): FP8 tensor cores, no block-scaled ones (Blackwell's sm_100): those emulated.
 _HOPPER = {**_ALL_NATIVE, **{f: Support.EMULATED for f in BLOCK_FORMATS}}
 # No FP8 tensor cores (torch._scaled_mm needs CUDA sm_89+): fp8 is emulated.

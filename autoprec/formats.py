@@ -35,9 +35,15 @@ FP32 master weights. The formats and what they mean:
   a bare ``fp8`` means the FP8 recipes only.
 
 **Per-GEMM precision.** A format names what each of its three GEMMs computes, so the recipes
-above are points of a space: :func:`per_gemm` registers (once) the format whose forward,
-input-gradient and weight-gradient GEMMs are those of three formats, spelled
-``fwd/dgrad/wgrad`` (``nvfp4/mxfp8/mxfp8``); any such spelling parses.
+above are points of a space: :func:`per_gemm` gives the format whose forward, input-gradient
+and weight-gradient GEMMs are those of three formats, spelled ``fwd/dgrad/wgrad``
+(``nvfp4/mxfp8/mxfp8``); any such spelling parses, a bare ``fp8`` in it meaning the policy's
+recipe as it does alone. A mix is a value, not a registration: it is named by what it computes
+(each GEMM by the first registered format that has it: ``nvfp4:plain/bf16/bf16`` is
+``nvfp4/bf16/bf16``, the same forward), made once and kept (so ``is`` works), and listed by
+``Format`` after the registered formats in an order of its own: which mixes some input
+happened to spell earlier changes no result (mixes never enter what "every format" means:
+:meth:`Format.registered`).
 
 **Formats as data.** What a format computes is a frozen :class:`Numerics`: per GEMM of a
 layer's product (forward ``a @ b``, input gradient ``grad @ b.T``, weight gradient
@@ -53,6 +59,7 @@ object) whose class iterates over the registered formats, built-ins first.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import platform
@@ -60,6 +67,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+from autoprec._util import quoted
 
 __all__ = [
     "Format",
@@ -268,38 +277,69 @@ class Numerics:
         return sum(g.precision_rank for g in self.gemms.values()) / 3
 
 
-# name -> Format, in registration order: the built-ins first, in FORMAT_ORDER.
+# name -> Format, in registration order: the built-ins first, in FORMAT_ORDER. Per-GEMM mixes
+# are not registered: they are values made from these (_MIXES).
 _REGISTRY: dict[str, Format] = {}
-# every spelling parse accepts (name and label) -> Format
+# every spelling parse accepts (name and label) -> Format, of the registered formats
 _SPELLINGS: dict[str, Format] = {}
+# canonical name -> per-GEMM mix made so far: a memo, so that a mix is one object (``is``
+# works), never a list of what exists: every mix is a pure function of its three GEMMs
+_MIXES: dict[str, Format] = {}
+# _MIXES in their own order (by their parts' places in the registry), None when stale
+_mix_order: list[tuple[Format, ...] | None] = [None]
+
+
+def _mixes() -> tuple[Format, ...]:
+    """The mixes made so far, ordered by their parts' registry places (forward first): the
+    same order whichever input spelled them first."""
+    if _mix_order[0] is None:
+        place = {f: i for i, f in enumerate(_REGISTRY.values())}
+        _mix_order[0] = tuple(sorted(_MIXES.values(),
+                                     key=lambda m: tuple(place.get(p, -1) for p in m.parts)))
+    return _mix_order[0]
 
 
 class _FormatType(type):
-    """Format's class: iterates, counts and looks up the registered formats as an Enum does."""
+    """Format's class: iterates, counts and looks up the formats as an Enum does: the
+    registered ones in registration order, then the per-GEMM mixes made so far."""
 
     def __iter__(cls) -> Iterator[Format]:
-        return iter(tuple(_REGISTRY.values()))
+        return iter((*_REGISTRY.values(), *_mixes()))
 
     def __len__(cls) -> int:
-        return len(_REGISTRY)
+        return len(_REGISTRY) + len(_MIXES)
 
     def __contains__(cls, value: object) -> bool:
-        return isinstance(value, Format) and _REGISTRY.get(str.__str__(value)) is value
+        if not isinstance(value, Format):
+            return False
+        name = str.__str__(value)
+        return _REGISTRY.get(name) is value or _MIXES.get(name) is value
 
     def __call__(cls, value: object) -> Format:
-        """``Format("bf16")``: the registered format of that name (exactly); ValueError else."""
-        if isinstance(value, str) and str.__str__(value) in _REGISTRY:
-            return _REGISTRY[str.__str__(value)]
-        raise ValueError(f"{value!r} is not a valid Format")
+        """``Format("bf16")``: the format of that name (exactly; a per-GEMM mix by its
+        canonical name, ``Format("nvfp4/mxfp8/mxfp8")``, made if need be, as unpickling in a
+        fresh process does); ValueError else."""
+        if isinstance(value, str):
+            name = str.__str__(value)
+            found = _REGISTRY.get(name) or _MIXES.get(name)
+            if found is None and name.count("/") == 2:
+                with contextlib.suppress(ValueError):
+                    found = per_gemm(*name.split("/"))
+            if found is not None and found.value == name:
+                return found
+        raise ValueError(f"{quoted(value)} is not a valid Format")
 
 
 class Format(str, metaclass=_FormatType):
     """A layer's compute format: an interned string (``Format.BF16 == "bf16"``, compared with
     ``is``) that reads and writes as plain YAML; its meaning is :attr:`numerics`."""
 
-    # set once by register(); Formats are immutable
+    # set once by register() (or per_gemm); Formats are immutable
     name: str
     numerics: Numerics
+    # a per-GEMM mix's three formats (forward, input gradient, weight gradient), each the
+    # first registered format with that GEMM; () for a registered format
+    parts: tuple[Format, ...]
 
     FP32: Format
     BF16: Format
@@ -344,16 +384,23 @@ class Format(str, metaclass=_FormatType):
             return value
         if isinstance(value, str):
             text = value.strip().lower()
+            if text.count("/") == 2:  # a mix: its parts read as they would alone
+                return per_gemm(*text.split("/"), where=where, fp8_recipe=fp8_recipe)
             if text == "fp8":
                 text = f"fp8:{fp8_recipe}"
             if text in _SPELLINGS:
                 return _SPELLINGS[text]
-            if text.count("/") == 2:
-                return per_gemm(*text.split("/"), where=where)
-        valid = ", ".join(f.value for f in cls if "/" not in f.value)  # not the mixes
+        valid = ", ".join(f.value for f in cls.registered())
         loc = f" {where}" if where else ""
-        raise ValueError(f"Unknown format {value!r}{loc}; expected one of {valid} "
-                         "(fp8 is fp8:tensorwise), or fwd/dgrad/wgrad of three of them.")
+        raise ValueError(f"Unknown format {quoted(value)}{loc}; expected one of {valid} "
+                         f"(fp8 is fp8:{fp8_recipe} here), or fwd/dgrad/wgrad of three of them.")
+
+    @classmethod
+    def registered(cls) -> tuple[Format, ...]:
+        """The registered formats (the built-ins, then those :func:`register` added), in
+        order, without the per-GEMM mixes: what "every format" means, whatever mixes some
+        input has spelled."""
+        return tuple(_REGISTRY.values())
 
     @classmethod
     def fp8(cls, recipe: str = "tensorwise") -> Format:
@@ -438,72 +485,111 @@ def register(numerics: Numerics, attribute: str | None = None) -> Format:
     """The one factory of formats: make ``numerics`` a Format (``Format(numerics.name)``,
     parsed from its name and label), optionally bound as ``Format.<attribute>``. The emulation
     and engines must have kernels for its GEMMs (:func:`autoprec.runtime.fp8.check_kernels`
-    says which they have); a name already taken is an error."""
+    says which they have); a name already taken is an error, and so is a name with ``/`` (the
+    spelling of a per-GEMM mix: :func:`per_gemm` makes those)."""
     taken = [s for s in (numerics.name, numerics.label) if s in _SPELLINGS]
     if taken:
-        raise ValueError(f"Format {taken[0]!r} is already registered; give the new format "
+        raise ValueError(f"Format {quoted(taken[0])} is already registered; give the new format "
                          "another name.")
+    if "/" in numerics.name or "/" in numerics.label:
+        raise ValueError(f"Format {quoted(numerics.name)}: a name with '/' spells a per-GEMM "
+                         "mix (fwd/dgrad/wgrad), which per_gemm makes; give the format another "
+                         "name.")
     if numerics.demotes_to not in _REGISTRY and numerics.demotes_to != numerics.name:
-        raise ValueError(f"Format {numerics.name!r} demotes to {numerics.demotes_to!r}, which is "
-                         "not a registered format.")
+        raise ValueError(f"Format {quoted(numerics.name)} demotes to {quoted(numerics.demotes_to)}"
+                         ", which is not a registered format.")
     if numerics.is_fp8:
         from autoprec.runtime.fp8 import check_kernels
 
         check_kernels(numerics)
-    return _add(numerics, attribute)
+    fmt = _make(numerics, attribute)
+    _REGISTRY[numerics.name] = fmt
+    _SPELLINGS.update({numerics.name: fmt, numerics.label: fmt})
+    _mix_order[0] = None
+    return fmt
 
 
-def _add(numerics: Numerics, attribute: str | None) -> Format:
+def _make(numerics: Numerics, attribute: str | None, parts: tuple[Format, ...] = ()) -> Format:
     fmt = str.__new__(Format, numerics.name)
     object.__setattr__(fmt, "name", attribute or numerics.name.upper().replace(":", "_"))
     object.__setattr__(fmt, "numerics", numerics)
-    _REGISTRY[numerics.name] = fmt
-    _SPELLINGS.update({numerics.name: fmt, numerics.label: fmt})
+    object.__setattr__(fmt, "parts", parts)
     if attribute is not None:
         type.__setattr__(Format, attribute, fmt)
     return fmt
 
 
+_ROLES = ("fwd", "dgrad", "wgrad")
+
+
 def per_gemm(fwd: Format | str, dgrad: Format | str, wgrad: Format | str, *,
-             where: str = "") -> Format:
+             where: str = "", fp8_recipe: str = "tensorwise") -> Format:
     """The format whose forward, input-gradient and weight-gradient GEMMs are those of three
-    formats (``per_gemm("nvfp4", "mxfp8", "mxfp8")``): a registered format of those GEMMs, or
-    one :func:`register` adds, spelled ``fwd/dgrad/wgrad``. Its other layer work runs under
-    BF16 autocast, its activations leave in BF16 and it demotes to bf16, as every FP8 recipe;
-    at least one GEMM must be scaled (FP8, MX or NVFP4) and none FP16 (it would need loss
-    scaling the others do not have)."""
-    parts = [Format.parse(p, where=where) for p in (fwd, dgrad, wgrad)]
-    gemms = tuple(getattr(p.numerics, role) for p, role in zip(parts, ("fwd", "dgrad", "wgrad")))
-    same = next((f for f in Format if tuple(f.numerics.gemms.values()) == gemms), None)
+    formats (``per_gemm("nvfp4", "mxfp8", "mxfp8")``; a bare ``fp8`` is ``fp8:<fp8_recipe>``,
+    as :meth:`Format.parse` reads it): a registered format of those GEMMs, or the mix of them,
+    spelled ``fwd/dgrad/wgrad`` with each GEMM named by the first registered format that has
+    it (so two spellings of one computation are one format; its label spells each part's
+    label, recipe included: ``fp8:tensorwise/bf16/bf16``). Its other layer work runs under BF16
+    autocast, its activations leave in BF16 and it demotes to bf16, as every FP8 recipe; at
+    least one GEMM must be scaled (FP8, MX or NVFP4) and none FP16 (it would need loss scaling
+    the others do not have). A mix registers nothing: it is made once and kept, the same
+    object for the same GEMMs whatever was parsed before."""
+    given = [Format.parse(p, where=where, fp8_recipe=fp8_recipe) for p in (fwd, dgrad, wgrad)]
+    gemms = tuple(getattr(p.numerics, role) for p, role in zip(given, _ROLES))
+    registered = Format.registered()
+    same = next((f for f in registered if tuple(f.numerics.gemms.values()) == gemms), None)
     if same is not None:
         return same
+    # each GEMM by the first registered format with it: one name per computation
+    parts = tuple(next(f for f in registered if getattr(f.numerics, role) == g)
+                  for role, g in zip(_ROLES, gemms))
     name = "/".join(p.value for p in parts)
+    made = _MIXES.get(name)
+    if made is not None:
+        return made
     loc = f" {where}" if where else ""
     if not any(g.is_fp8 for g in gemms) or any(g.a is torch.float16 for g in gemms):
-        raise ValueError(f"Per-GEMM format {name!r}{loc}: at least one GEMM must be scaled "
-                         "(fp8, mxfp8, nvfp4) and none fp16; write a plain format for the rest.")
-    return register(Numerics(name=name, label=name, fwd=gemms[0], dgrad=gemms[1],
-                             wgrad=gemms[2], autocast=torch.bfloat16, output=torch.bfloat16,
-                             demotes_to="bf16"))
+        raise ValueError(f"Per-GEMM format {quoted(name)}{loc}: at least one GEMM must be "
+                         "scaled (fp8, mxfp8, nvfp4) and none fp16; write a plain format for "
+                         "the rest.")
+    numerics = Numerics(name=name, label="/".join(p.label for p in parts), fwd=gemms[0],
+                        dgrad=gemms[1], wgrad=gemms[2], autocast=torch.bfloat16,
+                        output=torch.bfloat16, demotes_to="bf16")
+    from autoprec.runtime.fp8 import check_kernels
+
+    check_kernels(numerics)
+    made = _MIXES[name] = _make(numerics, None, parts)
+    _mix_order[0] = None
+    return made
 
 
 def unregister(fmt: Format) -> None:
-    """Take a format :func:`register` added out again (tests); the built-ins stay."""
+    """Take a format :func:`register` added (or a per-GEMM mix made) out again (tests); the
+    built-ins stay. Mixes with a part ``fmt`` go with it."""
     if fmt in FORMAT_ORDER:
         raise ValueError(f"{fmt} is a built-in format and cannot be unregistered.")
+    if fmt.parts:
+        if _MIXES.get(fmt.value) is not fmt:
+            raise ValueError(f"{fmt!r} is not a per-GEMM mix made here.")
+        del _MIXES[fmt.value]
+        _mix_order[0] = None
+        return
     if _REGISTRY.get(fmt.value) is not fmt:
         raise ValueError(f"{fmt!r} is not registered.")
+    for mix in [m for m in _MIXES.values() if fmt in m.parts]:
+        unregister(mix)
     del _REGISTRY[fmt.value]
     for spelling in (fmt.numerics.name, fmt.numerics.label):
         _SPELLINGS.pop(spelling, None)
     if getattr(Format, fmt.name, None) is fmt:
         type.__delattr__(Format, fmt.name)
+    _mix_order[0] = None
 
 
 def fp8_recipes() -> tuple[str, ...]:
     """The FP8 recipes registered now (a bare ``fp8`` may mean any of them; the block-scaled
     formats are not FP8 recipes)."""
-    return tuple(f.recipe for f in Format if f.recipe is not None)
+    return tuple(f.recipe for f in Format.registered() if f.recipe is not None)
 
 
 def _block_entry(name: str, fwd: Gemm, dgrad: Gemm, wgrad: Gemm, demotes_to: str, *,
@@ -569,7 +655,9 @@ def _builtins() -> dict[str, Numerics]:
 
 
 for _attribute, _numerics in _builtins().items():
-    _add(_numerics, _attribute)
+    _REGISTRY[_numerics.name] = _make(_numerics, _attribute)
+    _SPELLINGS.update({_numerics.name: _REGISTRY[_numerics.name],
+                       _numerics.label: _REGISTRY[_numerics.name]})
 
 # Cheapest-first order used in tables and for tie-breaking: the built-ins.
 FORMAT_ORDER: tuple[Format, ...] = tuple(Format)

@@ -33,10 +33,11 @@ from typing import Any
 
 import torch
 
-from autoprec._util import MAX_INT, brief
+from autoprec._util import MAX_INT, brief, quoted, shown
 from autoprec.formats import FP4_E2M1, Format
 
-__all__ = ["Phase", "parse_phases", "phase_starts", "phase_index", "FINAL_FORMATS", "final_phase"]
+__all__ = ["Phase", "parse_phases", "phase_starts", "phase_index", "FINAL_FORMATS", "final_phase",
+           "kept_for_range"]
 
 # A run with more phases than this is a schedule of another kind (and a hostile file's way to
 # make every step check thousands of boundaries).
@@ -104,7 +105,7 @@ class Phase:
                  else f"from {self.from_fraction:.4g} of the run"
                  if self.from_fraction * 100 != round(self.from_fraction * 100)
                  else f"from {self.from_fraction * 100:.0f}% of the run")
-        return f"{where} ({self.name})" if self.name else where
+        return f"{where} ({shown(self.name)})" if self.name else where
 
     def maps(self, fmt: Format) -> Format:
         """What a layer the first phase puts in ``fmt`` computes in during this phase."""
@@ -150,8 +151,9 @@ def _phase(raw: Any, index: int, fp8_recipe: str, where: str) -> Phase:
                          f"{brief(raw)}")
     unknown = [k for k in raw if k not in PHASE_KEYS]
     if unknown:
-        raise ValueError(f"unknown key(s) {', '.join(map(repr, unknown))}{at}; valid keys are "
-                         f"{', '.join(PHASE_KEYS)}")
+        more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+        raise ValueError(f"unknown key(s) {', '.join(quoted(k, 40) for k in unknown[:3])}{more}"
+                         f"{at}; valid keys are {', '.join(PHASE_KEYS)}")
     for key in ("formats", "layers"):
         if not isinstance(raw.get(key) or {}, Mapping):
             raise ValueError(f"`{key}`{at} must be a mapping, got {brief(raw.get(key))}")
@@ -162,9 +164,15 @@ def _phase(raw: Any, index: int, fp8_recipe: str, where: str) -> Phase:
     def fmt(value: Any, what: str) -> Format:
         return Format.parse(value, where=f"for {what}{at}", fp8_recipe=fp8_recipe)
 
-    formats = {_format_key(k, fp8_recipe, at): fmt(v, f"`formats: {k}`")
-               for k, v in (raw.get("formats") or {}).items()}
-    layers = {p: fmt(v, f"layer `{p}`") for p, v in (raw.get("layers") or {}).items()}
+    formats: dict[str, Format] = {}
+    spelled: dict[str, Any] = {}
+    for k, v in (raw.get("formats") or {}).items():
+        key = _format_key(k, fp8_recipe, at)
+        if key in formats:  # `fp8` and ` FP8 `: a mapping would keep the last silently
+            raise ValueError(f"`formats`{at} names {key} twice (as {quoted(spelled[key], 60)} "
+                             f"and {quoted(k, 60)}); give each format one entry")
+        formats[key], spelled[key] = fmt(v, f"`formats: {shown(k, 60)}`"), k
+    layers = {p: fmt(v, f"layer `{shown(p)}`") for p, v in (raw.get("layers") or {}).items()}
     default = raw.get("default")
     try:
         return Phase(from_step=raw.get("from_step"), from_fraction=raw.get("from_fraction"),
@@ -226,16 +234,29 @@ def phase_index(starts: list[int], step: int) -> int:
 def final_phase(fraction: float, target: Format | str, used: set[Format]) -> Phase | None:
     """A last phase from ``fraction`` of the run in which every layer in a format of fewer
     mantissa bits than ``target`` computes in ``target`` (``bf16``: the FP8 layers; ``fp32``:
-    all); None when the policy has no such layer (the phase would change nothing)."""
+    all); None when the policy has no such layer (the phase would change nothing). A layer
+    whose unscaled format reaches further than ``target`` keeps it (:func:`kept_for_range`:
+    bf16 under an fp16 final phase, whose largest value is 65504, not bf16's 3.4e38)."""
     target = Format.parse(target, where="for the final phase")
     if target.value not in FINAL_FORMATS:
         raise ValueError(f"a final phase switches to one of {', '.join(FINAL_FORMATS)}, not "
                          f"{target}")
-    lower = sorted({f for f in used if _mantissa(f) < _mantissa(target)}, key=lambda f: f.label)
+    kept = kept_for_range(target, used)
+    lower = sorted({f for f in used if _mantissa(f) < _mantissa(target) and f not in kept},
+                   key=lambda f: f.label)
     if not lower:
         return None
     formats = {("fp8" if f.is_fp8 else f.label): target for f in lower}
     return Phase(from_fraction=fraction, formats=formats, name="final")
+
+
+def kept_for_range(target: Format, used: set[Format]) -> set[Format]:
+    """The formats of ``used`` that a final phase in ``target`` leaves alone although they
+    have fewer mantissa bits: unscaled ones whose range is wider than ``target``'s, so moving
+    their layers would trade overflow for precision (bf16 under fp16). Scaled formats move:
+    their scales fit the data to a range far narrower than fp16's."""
+    return {f for f in used if not f.is_fp8 and _mantissa(f) < _mantissa(target)
+            and f.max_value > target.max_value}
 
 
 def _mantissa(fmt: Format) -> int:

@@ -22,9 +22,12 @@ format is its own best match (an exact fqn beats any glob; among globs, more lit
 characters win, then fewer wildcards), else its nearest matched ancestor's, else ``default``.
 No pattern matches the root module (fqn ``""``): ``default`` alone is its format.
 
-A policy file is untrusted input: at most MAX_POLICY_BYTES, parsed once with a safe loader
-that refuses anchors, aliases, duplicate keys and nesting past MAX_POLICY_DEPTH, and every
-field checked, ``tuned:`` included (see :func:`check_provenance`).
+A policy file is untrusted input: at most MAX_POLICY_BYTES and MAX_POLICY_LINES, parsed once
+with a safe loader that refuses anchors, aliases, duplicate keys, nesting past
+MAX_POLICY_DEPTH and more than MAX_POLICY_VALUES values or MAX_PHASES phases as it reads them
+(so that any refusal comes in about a second), and every field checked, ``tuned:`` included
+(see :func:`check_provenance`). A policy given as data (a guard state's) is held to the same
+bounds before any of it is compiled (:func:`check_bounds`).
 
 This module is on the production path: it imports neither Optuna nor SciPy.
 """
@@ -44,9 +47,9 @@ import torch
 import yaml
 from torch import nn
 
-from autoprec._util import MAX_INT, atomic_write, brief, number, read_bounded
+from autoprec._util import MAX_INT, atomic_write, brief, number, quoted, read_bounded, shown
 from autoprec.formats import Format, fp8_recipes
-from autoprec.phases import Phase, final_phase, parse_phases, phase_starts
+from autoprec.phases import MAX_PHASES, Phase, final_phase, parse_phases, phase_starts
 from autoprec.stats import Interval
 
 __all__ = [
@@ -104,12 +107,12 @@ class LossScaling:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
                 or not 0 < scale < MAX_INT:
             raise PolicyError(f"loss_scaling.init_scale must be a positive finite number, "
-                              f"got {scale!r}.")
+                              f"got {brief(scale)}.")
         growth = self.growth_interval
         if isinstance(growth, bool) or not isinstance(growth, (int, float)) \
                 or not 1 <= growth < 2 ** 31 or int(growth) != growth:
             raise PolicyError(f"loss_scaling.growth_interval must be a positive integer, "
-                              f"got {growth!r}.")
+                              f"got {brief(growth)}.")
 
 
 @dataclass(frozen=True)
@@ -129,7 +132,7 @@ class Budget:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not (0 <= value < math.inf):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}.")
+                raise ValueError(f"{name} must be a finite number >= 0, got {brief(value)}.")
             object.__setattr__(self, name, float(value))
 
     def allows(self, loss_increase: float, grad_error: float) -> bool:
@@ -259,7 +262,7 @@ def _budget(value: Any, key: str) -> Budget:
     known = [f.name for f in dataclasses.fields(Budget)]
     unknown = [k for k in value if k not in known]
     if unknown:
-        raise _Bad(key, f"`{name}` has unknown key(s) {', '.join(map(repr, unknown))}; its "
+        raise _Bad(key, f"`{name}` has unknown key(s) {listed(unknown)}; its "
                          f"keys are {', '.join(known)}")
     try:
         return Budget(**value)
@@ -313,7 +316,7 @@ def check_provenance(tuned: Mapping[str, Any],
                      _BOOL: _BOOL}
     try:
         for key, value in prov.extra.items():
-            name = f"tuned.{key}"
+            name = f"tuned.{shown(key, 60)}"
             schema = _EXTRA_SCHEMA.get(key)
             if key == "improvement_over_warm_start":
                 try:
@@ -328,7 +331,7 @@ def check_provenance(tuned: Mapping[str, Any],
                     if item is None or kind is None and _shallow(item, _EXTRA_DEPTH - 1):
                         continue
                     if kind is None or not _fits(item, kind):
-                        raise _Bad(key, f"`{name}.{field_}` must be "
+                        raise _Bad(key, f"`{name}.{shown(field_, 60)}` must be "
                                         f"{_descriptions.get(kind, 'plain data')}, got "
                                         f"{brief(item)}")
             elif key == "guard" and not (isinstance(value, list)
@@ -472,54 +475,62 @@ class Policy:
 
     def __post_init__(self):
         if self.fp8_recipe not in fp8_recipes():
-            raise PolicyError(f"Unknown fp8 recipe {self.fp8_recipe!r}{self._where('fp8')}; "
+            raise PolicyError(f"Unknown fp8 recipe {quoted(self.fp8_recipe)}{self._where('fp8')}; "
                               f"expected one of {', '.join(fp8_recipes())}.")
         if self.fp8_engine not in FP8_ENGINES:
-            raise PolicyError(f"Unknown fp8 engine {self.fp8_engine!r}{self._where('fp8')}; "
+            raise PolicyError(f"Unknown fp8 engine {quoted(self.fp8_engine)}{self._where('fp8')}; "
                               f"expected one of {', '.join(FP8_ENGINES)}.")
         recipe = self.fp8_recipe
         object.__setattr__(self, "default", Format.parse(
             self.default, where=f"for `default`{self._where('default')}", fp8_recipe=recipe))
         layers = {}
         for pattern, fmt in dict(self.layers).items():
-            if not isinstance(pattern, str) or not pattern.strip():
-                quote = (f' (YAML reads an unquoted {pattern!r} as a {type(pattern).__name__}: '
-                         f'quote it, e.g. `"{pattern}": {fmt}`)'
-                         if isinstance(pattern, (int, float, bool)) else "")
-                raise PolicyError(f"Layer pattern {pattern!r}{self._where(str(pattern))} must "
-                                  "be a non-empty string (a module fqn such as `lm_head` or a "
-                                  f"glob such as `transformer.h.*.mlp.*`){quote}.")
-            if len(pattern) > MAX_PATTERN_CHARS:
-                raise PolicyError(f"Layer pattern `{pattern[:40]}...`{self._where(pattern)} is "
-                                  f"{len(pattern)} characters; a pattern may have at most "
-                                  f"{MAX_PATTERN_CHARS} (module names are far shorter): shorten "
-                                  "it, e.g. with `*` for a component or `**` for several.")
-            layers[pattern] = Format.parse(fmt, fp8_recipe=recipe,
-                                           where=f"for layer `{pattern}`{self._where(pattern)}")
+            self._check_pattern(pattern, fmt)
+            try:
+                layers[pattern] = Format.parse(fmt, fp8_recipe=recipe)
+            except ValueError:  # again, saying where (built only then: thousands of entries)
+                Format.parse(fmt, fp8_recipe=recipe,
+                             where=f"for layer `{shown(pattern)}`{self._where(pattern)}")
+                raise
         object.__setattr__(self, "layers", layers)
         if isinstance(self.loss_scaling, Mapping):
             object.__setattr__(self, "loss_scaling", LossScaling(**self.loss_scaling))
         if self.fingerprint is not None and not str(self.fingerprint).startswith("sha256:"):
-            raise PolicyError(f"model.fingerprint {self.fingerprint!r}{self._where('model')} "
+            raise PolicyError(f"model.fingerprint {quoted(self.fingerprint)}{self._where('model')} "
                               "must look like `sha256:<hex>`; delete the key to skip the check.")
-        compiled = {p: _Glob(p) for p in layers}
-        object.__setattr__(self, "_compiled", compiled)
-        # fqn -> its match: a model asks about the same few hundred names again and again
-        object.__setattr__(self, "_matches", {})
         try:
             phases = parse_phases(self.phases or None, recipe, self._where("phases"))
         except ValueError as e:
             raise PolicyError(f"Bad `phases`: {e}.") from None
         object.__setattr__(self, "phases", phases)
-        for i in range(1, len(phases) + 1):
-            self.phase(i)  # each phase's layer patterns checked like the first's
+        for ph in phases:  # each phase's layer patterns checked like the first's
+            for pattern, fmt in ph.layers.items():
+                self._check_pattern(pattern, fmt)
+        object.__setattr__(self, "_compiled", {p: _Glob(p) for p in layers})
+        # fqn -> its match: a model asks about the same few hundred names again and again
+        object.__setattr__(self, "_matches", {})
+
+    def _check_pattern(self, pattern: Any, fmt: Any) -> None:
+        """A layer pattern is a non-empty string of at most MAX_PATTERN_CHARS."""
+        if not isinstance(pattern, str) or not pattern.strip():
+            quote = (f" (YAML reads an unquoted {quoted(pattern)} as a {type(pattern).__name__}: "
+                     f'quote it, e.g. `"{shown(pattern)}": {shown(fmt)}`)'
+                     if isinstance(pattern, (int, float, bool)) else "")
+            raise PolicyError(f"Layer pattern {quoted(pattern)}{self._where(str(pattern))} must "
+                              "be a non-empty string (a module fqn such as `lm_head` or a "
+                              f"glob such as `transformer.h.*.mlp.*`){quote}.")
+        if len(pattern) > MAX_PATTERN_CHARS:
+            raise PolicyError(f"Layer pattern `{shown(pattern, 40)}`{self._where(pattern)} is "
+                              f"{len(pattern)} characters; a pattern may have at most "
+                              f"{MAX_PATTERN_CHARS} (module names are far shorter): shorten "
+                              "it, e.g. with `*` for a component or `**` for several.")
 
     # ---------------------------------------------------------------- queries
     def _where(self, key: str | None = None) -> str:
         if self.source is None:
             return ""
         line = self.lines.get(key) if key is not None else None
-        return f" in {self.source}" + (f" line {line}" if line else "")
+        return f" in {shown(self.source, _PATH_CHARS)}" + (f" line {line}" if line else "")
 
     def match(self, fqn: str) -> str | None:
         """The pattern that names ``fqn`` itself (most specific wins), or None. The root
@@ -547,11 +558,13 @@ class Policy:
             name = name.rpartition(".")[0]
 
     def formats_used(self) -> set[Format]:
-        """Every format some layer computes in, in any phase of the run."""
+        """Every format some layer computes in, in any phase of the run (what each phase's
+        policy holds, without building it)."""
         used = {self.default, *self.layers.values()}
-        for i in range(1, len(self.phases) + 1):
-            p = self.phase(i)
-            used |= {p.default, *p.layers.values()}
+        for ph in self.phases:
+            used.add(ph.default if ph.default is not None else ph.maps(self.default))
+            used |= {ph.maps(f) for p, f in self.layers.items() if p not in ph.layers}
+            used |= set(ph.layers.values())
         return used
 
     # ---------------------------------------------------------------- phases
@@ -609,8 +622,8 @@ class Policy:
             name, fmt = canonical[id(module)], self.layers[pattern]
             if name in assigned and assigned[name] is not fmt:
                 raise PolicyError(
-                    f"`{fqn}` and `{by[name]}` are the same module, and the policy"
-                    f"{self._where(pattern)} gives them {fmt} and {assigned[name]}: give a "
+                    f"`{shown(fqn)}` and `{shown(by[name])}` are the same module, and the policy"
+                    f"{self._where(pattern)} gives them {fmt.label} and {assigned[name].label}: give a "
                     "shared module one format.")
             if name not in assigned or fqn == name:
                 assigned[name], by[name] = fmt, fqn
@@ -633,8 +646,9 @@ class Policy:
         for pattern in unused:
             names = [n for n, _ in model.named_modules() if n][:6]
             problems.append((
-                f"Layer pattern `{pattern}`{self._where(pattern)} matches no module of "
-                f"{type(model).__name__} (module names look like {', '.join(names)}, …).",
+                f"Layer pattern `{shown(pattern)}`{self._where(pattern)} matches no module of "
+                f"{type(model).__name__} (module names look like "
+                f"{', '.join(shown(n, 60) for n in names)}, …).",
                 "Fix or delete the pattern, or pass strict=False to ignore it."))
         for msg, fix in problems:
             if strict:
@@ -701,7 +715,10 @@ class Policy:
 
     def _spell(self, fmt: Format) -> str:
         """How the file writes ``fmt``: ``fp8`` for the policy's default recipe, ``fp8:<recipe>``
-        for the others, so the file reads back the same whatever its default recipe."""
+        for the others (in a per-GEMM mix too: each part as it would be written alone), so the
+        file reads back the same whatever its default recipe."""
+        if fmt.parts:
+            return "/".join(self._spell(p) for p in fmt.parts)
         if fmt.recipe is not None:
             return "fp8" if fmt.recipe == self.fp8_recipe else f"fp8:{fmt.recipe}"
         return fmt.value
@@ -727,7 +744,7 @@ class Policy:
                   lines: Mapping[str, int] | None = None) -> Policy:
         """Validate a parsed YAML mapping (schema 1, 2 or 3) and build the Policy."""
         lines = dict(lines or {})
-        src = f" in {source}" if source else ""
+        src = f" in {shown(source, _PATH_CHARS)}" if source else ""
 
         def where(key):
             line = lines.get(key)
@@ -736,6 +753,7 @@ class Policy:
         if not isinstance(data, Mapping):
             raise PolicyError(f"A policy{src} must be a YAML mapping with keys "
                               f"{', '.join(_TOP_KEYS)}; got {type(data).__name__}.")
+        check_bounds(data, f"The policy{src}")  # before any of it is compiled
         if "autoprec" not in data:
             raise PolicyError(f"Missing schema key `autoprec: {SCHEMA_VERSION}`{src}; a policy "
                               "file starts with it.")
@@ -780,11 +798,11 @@ class Policy:
 def _check_version(data: Mapping[str, Any], where: Callable[[str], str]) -> None:
     version = data["autoprec"]
     if isinstance(version, bool) or not isinstance(version, int):
-        raise PolicyError(f"Schema version `autoprec: {version!r}`{where('autoprec')} must be "
+        raise PolicyError(f"Schema version `autoprec: {shown(version, 40)}`{where('autoprec')} must be "
                           f"the integer {_PLAIN_VERSION}, or {SCHEMA_VERSION} for a policy with "
                           f"phases (write `autoprec: {_PLAIN_VERSION}`, no quotes).")
     if version not in _READABLE_VERSIONS:
-        raise PolicyError(f"Unknown policy schema version {version!r}{where('autoprec')}; "
+        raise PolicyError(f"Unknown policy schema version {shown(version, 40)}{where('autoprec')}; "
                           f"this autoprec reads versions "
                           f"{', '.join(map(str, _READABLE_VERSIONS))}. Upgrade autoprec or "
                           "regenerate the policy.")
@@ -815,16 +833,23 @@ def _plain(value: Any) -> Any:
 
 def _require_mapping(value, key, where):
     if not isinstance(value, Mapping):
-        raise PolicyError(f"`{key}`{where(key)} must be a mapping, got "
-                          f"{type(value).__name__} {value!r}.")
+        raise PolicyError(f"`{key}`{where(key)} must be a mapping, got {brief(value)}.")
 
 
 def _reject_unknown(data, known, what, where, line_key=None):
     unknown = [k for k in data if k not in known]
     if unknown:
         key = line_key or unknown[0]
-        raise PolicyError(f"Unknown key(s) {', '.join(map(repr, unknown))} at {what}"
-                          f"{where(key)}; valid keys are {', '.join(known)}.")
+        raise PolicyError(f"Unknown key(s) {listed(unknown)} at {what}"
+                          f"{where(key if isinstance(key, str) else None)}; valid keys are "
+                          f"{', '.join(known)}.")
+
+
+def listed(values: list[Any], most: int = 3) -> str:
+    """Values from a file for a message: the first ``most`` quoted (bounded, escaped), then how
+    many more."""
+    shown_ = ", ".join(quoted(v, 40) for v in values[:most])
+    return shown_ + (f" and {len(values) - most} more" if len(values) > most else "")
 
 
 def _line_map(root: yaml.Node) -> dict[str, int]:
@@ -846,39 +871,93 @@ def _line_map(root: yaml.Node) -> dict[str, int]:
     return lines
 
 
-# Bounds on a policy file: far above any real policy (a tuned 1000-layer model's is well under
-# 1 MiB and nests 4 deep), far below what takes minutes to parse or overflows the stack.
-MAX_POLICY_BYTES = 4 * 2 ** 20
+# Bounds on a policy file: each far above what a real policy needs and below what takes a
+# second to parse. PyYAML's pure-Python parser (used whether or not libyaml is installed, so
+# that every machine refuses the same files) reads ~30,000 values a second on a 2-core Zen 3,
+# and blank lines or long scalars at 0.6-3 MB/s; a refusal comes within a second either way.
+# The explicit policy of a 1000-block model (~7,000 layer entries, a 70B Llama's ~560 times
+# 12) is ~0.3 MiB, ~7,000 lines and ~14,000 values, and nests 4 deep.
+MAX_POLICY_BYTES = 2 ** 20
+# Line breaks, counted before parsing: the parser spends ~1 us on a line even when it is blank.
+MAX_POLICY_LINES = 2 ** 16
+# Values (every scalar, list and mapping: a layer entry is two), counted as the parser hands
+# them over, so that a file of many tiny values stops early: 1.7 times that model's ~14,000,
+# and refused within ~0.6 s (~1.1 s with both cores busy).
+MAX_POLICY_VALUES = 24_000
 MAX_POLICY_DEPTH = 24
+# What a refusal says of why the bounds exist.
+_BOUNDS_WHY = ("the explicit policy of a 1000-block model has ~7,000 entries, ~0.3 MiB, and a "
+               "larger file would take seconds to parse. Is it the right file?")
+# How much of a path a message shows.
+_PATH_CHARS = 160
 _STR_TAG = "tag:yaml.org,2002:str"
+_LINE_BREAKS = ("\n", "\x85", "\u2028", "\u2029")
+
+
+def _line_breaks(text: str) -> int:
+    """The line breaks YAML sees in ``text`` (``\\r\\n`` is one), at C speed."""
+    return sum(text.count(c) for c in _LINE_BREAKS) + text.count("\r") - text.count("\r\n")
 
 
 class _PolicyLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that refuses, as the parser hands over each event (before the
     recursive composer descends), anchors and aliases (a small file could otherwise expand
-    into gigabytes: an alias bomb) and nesting deeper than MAX_POLICY_DEPTH; and refuses
+    into gigabytes: an alias bomb), nesting deeper than MAX_POLICY_DEPTH, more than
+    MAX_POLICY_VALUES values and more than MAX_PHASES entries under ``phases``; and refuses
     duplicate keys (YAML would keep the last silently)."""
 
     def __init__(self, stream: str, source: str):
         super().__init__(stream)
         self.source = source
         self.depth = 0
+        self.values = 0
+        # the root mapping's children so far (keys and values alternate) and its last key
+        self.root_items, self.root_key, self.root_is_mapping = 0, None, False
+        # the phases so far while inside the top-level `phases:` list (None: not inside)
+        self.phases: int | None = None
+
+    def _fail(self, event: yaml.Event, what: str) -> None:
+        raise PolicyError(f"{shown(self.source, _PATH_CHARS)} line {event.start_mark.line + 1}"
+                          f": {what}")
 
     def get_event(self):
         event = super().get_event()
         if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
-            raise PolicyError(f"{self.source} line {event.start_mark.line + 1} uses a YAML anchor "
-                              "or alias (& or *); policy files do not: write the values out "
-                              "(and quote a glob that starts with `*`).")
+            self._fail(event, "uses a YAML anchor or alias (& or *); policy files do not: write "
+                              "the values out (and quote a glob that starts with `*`).")
+        if isinstance(event, (yaml.ScalarEvent, yaml.CollectionStartEvent)):
+            self._count(event)
         if isinstance(event, yaml.CollectionStartEvent):
             self.depth += 1
             if self.depth > MAX_POLICY_DEPTH:
-                raise PolicyError(f"{self.source} line {event.start_mark.line + 1}: lists or "
-                                  f"mappings nest deeper than {MAX_POLICY_DEPTH} levels; a "
-                                  "policy needs a few. Is it the right file?")
+                self._fail(event, f"lists or mappings nest deeper than {MAX_POLICY_DEPTH} "
+                                  "levels; a policy needs a few. Is it the right file?")
         elif isinstance(event, yaml.CollectionEndEvent):
             self.depth -= 1
+            if self.depth < 2:
+                self.phases = None
         return event
+
+    def _count(self, event: yaml.NodeEvent) -> None:
+        """Count a value (``event`` starts one) before it is composed."""
+        self.values += 1
+        if self.values > MAX_POLICY_VALUES:
+            self._fail(event, f"the file holds more than {MAX_POLICY_VALUES} values (scalars, "
+                              f"lists, mappings), the most a policy may: {_BOUNDS_WHY}")
+        if self.depth == 1 and self.root_is_mapping:
+            self.root_items += 1
+            if self.root_items % 2:  # a key
+                self.root_key = event.value if isinstance(event, yaml.ScalarEvent) else None
+            elif self.root_key == "phases" and isinstance(event, yaml.SequenceStartEvent):
+                self.phases = 0
+        elif self.depth == 2 and self.phases is not None:
+            self.phases += 1
+            if self.phases > MAX_PHASES:
+                self._fail(event, f"`phases` lists more than {MAX_PHASES} phases; a policy may "
+                                  f"have at most {MAX_PHASES} (a run with more is a schedule of "
+                                  "another kind, and every step checks the boundaries).")
+        elif self.depth == 0:
+            self.root_is_mapping = isinstance(event, yaml.MappingStartEvent)
 
     def construct_mapping(self, node, deep=False):
         seen: dict[Any, int] = {}
@@ -890,8 +969,9 @@ class _PolicyLoader(yaml.SafeLoader):
             except TypeError:  # an unhashable key: SafeLoader says so with its line
                 break
             if first is not None:
-                raise PolicyError(f"{self.source}: Duplicate key {key!r} at lines {first} and "
-                                  f"{line}: a policy names each key once; delete one of them.")
+                raise PolicyError(f"{shown(self.source, _PATH_CHARS)}: Duplicate key "
+                                  f"{quoted(key)} at lines {first} and {line}: a policy names "
+                                  "each key once; delete one of them.")
             seen[key] = line
         return super().construct_mapping(node, deep)
 
@@ -909,30 +989,37 @@ def _check_layer_keys(root: yaml.Node, path: str) -> None:
                     and k.value not in ("~", "null", "Null", "NULL"):
                 fmt = v.value if isinstance(v, yaml.ScalarNode) else "fp32"
                 kind = k.tag.rpartition(":")[2]
-                raise PolicyError(f"Layer pattern {k.value} in {path} line {k.start_mark.line + 1} "
-                                  f"is read by YAML as a {kind}, not a module name: quote it, "
-                                  f'e.g. `"{k.value}": {fmt}`.')
+                raise PolicyError(f"Layer pattern {shown(k.value)} in {shown(path, _PATH_CHARS)} "
+                                  f"line {k.start_mark.line + 1} is read by YAML as a {kind}, "
+                                  f'not a module name: quote it, e.g. `"{shown(k.value)}": '
+                                  f"{shown(fmt, 40)}`.")
 
 
 def load_policy(path: str | os.PathLike) -> Policy:
-    """Read a policy file (at most MAX_POLICY_BYTES, ``yaml.SafeLoader`` only, parsed once; no
-    anchors or aliases, no duplicate keys, nesting at most MAX_POLICY_DEPTH) and validate it
-    against the policy schema (version 1, 2 or 3), its ``tuned:`` provenance included."""
+    """Read a policy file (at most MAX_POLICY_BYTES, MAX_POLICY_LINES lines and
+    MAX_POLICY_VALUES values, ``yaml.SafeLoader`` only, parsed once; no anchors or aliases, no
+    duplicate keys, nesting at most MAX_POLICY_DEPTH) and validate it against the policy schema
+    (version 1, 2 or 3), its ``tuned:`` provenance included."""
     path = os.fspath(path)
+    name = shown(path, _PATH_CHARS)
     try:
         raw = read_bounded(path, MAX_POLICY_BYTES, "policy")
     except FileNotFoundError:
-        raise PolicyError(f"Policy file {path} does not exist; `autoprec tune TASK -o {path}` "
+        raise PolicyError(f"Policy file {name} does not exist; `autoprec tune TASK -o {name}` "
                           "writes one.") from None
     except IsADirectoryError:
-        raise PolicyError(f"{path} is a directory, not a policy file.") from None
+        raise PolicyError(f"{name} is a directory, not a policy file.") from None
     except ValueError as e:  # too large
-        raise PolicyError(str(e)) from None
+        raise PolicyError(f"{str(e).removesuffix(' Is it the right file?')[:-1]}: "
+                          f"{_BOUNDS_WHY}") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise PolicyError(f"{path} is not a policy file: byte {e.start} is not UTF-8 text (a "
+        raise PolicyError(f"{name} is not a policy file: byte {e.start} is not UTF-8 text (a "
                           "policy is a YAML text file).") from None
+    if _line_breaks(text) > MAX_POLICY_LINES:
+        raise PolicyError(f"{name} has more than {MAX_POLICY_LINES} lines, the most a policy may "
+                          f"have: {_BOUNDS_WHY}")
     loader = _PolicyLoader(text, path)
     try:
         root = loader.get_single_node()
@@ -943,11 +1030,43 @@ def load_policy(path: str | os.PathLike) -> Policy:
         mark = getattr(e, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e)
-        raise PolicyError(f"Malformed YAML in {path}{line}: {problem}. Fix the syntax "
-                          "(indentation, quotes around globs with `*`).") from None
+        raise PolicyError(f"Malformed YAML in {name}{line}: {shown(problem, 200)}. Fix the "
+                          "syntax (indentation, quotes around globs with `*`).") from None
     finally:
         loader.dispose()
     return Policy.from_dict(data, source=path, lines=_line_map(root))
+
+
+def check_bounds(data: Any, what: str) -> None:
+    """That a policy given as parsed data (the one a guard state embeds) is held to a policy
+    file's bounds: at most MAX_POLICY_VALUES values (keys included), MAX_POLICY_BYTES
+    characters of text, lists and mappings nested at most MAX_POLICY_DEPTH deep and at most
+    MAX_PHASES phases. A PolicyError naming ``what`` else, found before any of it is compiled
+    (the walk stops at the first bound crossed, and a collection is counted before its items
+    are visited)."""
+    values, chars, stack = 1, 0, [(data, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            chars += len(item)
+            if chars > MAX_POLICY_BYTES:
+                raise PolicyError(f"{what} holds more than {MAX_POLICY_BYTES // 2 ** 20} MiB of "
+                                  f"text, the most a policy file may: {_BOUNDS_WHY}")
+        elif isinstance(item, (Mapping, list, tuple)):
+            if depth >= MAX_POLICY_DEPTH:
+                raise PolicyError(f"{what}: lists or mappings nest deeper than "
+                                  f"{MAX_POLICY_DEPTH} levels; a policy needs a few.")
+            values += 2 * len(item) if isinstance(item, Mapping) else len(item)
+            if values > MAX_POLICY_VALUES:
+                raise PolicyError(f"{what} holds more than {MAX_POLICY_VALUES} values (scalars, "
+                                  f"lists, mappings), the most a policy may: {_BOUNDS_WHY}")
+            children = [x for kv in item.items() for x in kv] if isinstance(item, Mapping) \
+                else item
+            stack.extend((x, depth + 1) for x in children)
+    phases = data.get("phases") if isinstance(data, Mapping) else None
+    if isinstance(phases, (list, tuple)) and len(phases) > MAX_PHASES:
+        raise PolicyError(f"{what}: `phases` lists {len(phases)} phases; a policy may have at "
+                          f"most {MAX_PHASES}.")
 
 
 def model_fingerprint(model: nn.Module) -> str:

@@ -145,7 +145,7 @@ from autoprec.formats import Format
 from autoprec.policy import Policy
 from autoprec.runtime import rewrite
 from autoprec.runtime.guard.blame import Failure, Verdict, blame, describe, failing, first_nonfinite
-from autoprec.runtime.guard.config import GuardConfig, GuardEvent, check_where
+from autoprec.runtime.guard.config import GuardConfig, GuardEvent, check_where, watched
 from autoprec.runtime.guard.coverage import Coverage
 from autoprec.runtime.guard.demote import amend, demotion_reason, merge, merge_phases, reapply
 from autoprec.runtime.guard.diagnose import Diagnostician, Poisoning
@@ -449,7 +449,7 @@ class Guard:
         if fqn not in dict(self.model.named_modules()):
             return "no module of the model has that name"
         fmt = self._format_of(fqn)
-        if fmt not in self.config.formats:
+        if not watched(fmt, self.config.formats):
             return f"{fmt} under the policy, not one of the watched formats"
         return "it is not a module that computes"
 

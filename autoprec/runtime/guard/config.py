@@ -10,9 +10,10 @@ from typing import Any
 
 import torch
 
+from autoprec._util import quoted
 from autoprec.formats import Format
 
-__all__ = ["GuardConfig", "GuardEvent"]
+__all__ = ["GuardConfig", "GuardEvent", "watched"]
 
 BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 FP16_MAX = float(torch.finfo(torch.float16).max)
@@ -30,8 +31,19 @@ def check_where(where: object) -> str | None:
     """None if ``where`` is a GuardEvent.where the guard writes or reads, else what is wrong."""
     if isinstance(where, str) and (where in WHERE or WHERE_LABEL.fullmatch(where)):
         return None
-    return (f"{where!r} is not one of {', '.join(WHERE)} or a short label (lowercase "
-            "letters, digits, spaces, '-' and '_', at most 40)")
+    return (f"{quoted(where, 60)} is not one of {', '.join(WHERE)} or a short label "
+            "(lowercase letters, digits, spaces, '-' and '_', at most 40)")
+
+
+def watched(fmt: Format, formats: tuple[Format, ...]) -> bool:
+    """Whether a guard watching ``formats`` (GuardConfig.formats) watches a layer of ``fmt``:
+    one of them, or a per-GEMM mix whose scaled GEMMs' formats all are (so the default's
+    ``fp8`` watches every mix of scaled formats, whichever mixes exist, and which mixes some
+    input spelled before changes nothing)."""
+    if fmt in formats:
+        return True
+    scaled = [p for p in fmt.parts if p.is_fp8]
+    return bool(scaled) and all(p in formats for p in scaled)
 
 
 def limit(fmt: Format) -> float:
@@ -47,8 +59,9 @@ class GuardConfig:
     patience: int = 2
     # Watch dL/d(output) of each watched layer as well as its outputs.
     check_gradients: bool = True
-    # Layers whose policy format is one of these are watched ("fp8": every FP8 format
-    # registered when the config is made).
+    # Layers whose policy format is one of these are watched ("fp8": every scaled format
+    # registered when the config is made; a per-GEMM mix is watched when the formats of its
+    # scaled GEMMs are: see `watched`).
     formats: tuple[Format | str, ...] = (Format.FP16, "fp8", Format.BF16)
     # With an enabled GradScaler, non-finite gradients count against a layer only once the
     # scaler's scale is at or below this (above it, backing off the scale is the remedy).
@@ -75,10 +88,11 @@ class GuardConfig:
                 f"GuardConfig.patience must be an integer >= 2, got {self.patience!r}: a "
                 "layer's first failing step makes it a suspect, and only the next one checks "
                 "whether its inputs were already non-finite (the fault upstream, not its own).")
-        # a bare "fp8" means every scaled format: the FP8 recipes, mxfp8 and nvfp4
+        # a bare "fp8" means every scaled format: the FP8 recipes, mxfp8 and nvfp4 (registered
+        # ones, not the per-GEMM mixes some input happened to spell: `watched` covers those)
         formats = tuple(dict.fromkeys(
             g for f in self.formats
-            for g in ([h for h in Format if h.is_fp8]
+            for g in ([h for h in Format.registered() if h.is_fp8]
                       if isinstance(f, str) and f.strip().lower() == "fp8"
                       else (Format.parse(f, where="in GuardConfig.formats"),))))
         if Format.FP32 in formats:

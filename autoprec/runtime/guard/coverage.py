@@ -11,6 +11,7 @@ from torch import nn
 from autoprec.formats import Format
 from autoprec.policy import Policy
 from autoprec.runtime import calls
+from autoprec.runtime.guard.config import watched
 from autoprec.runtime.guard.discovery import Discovery
 from autoprec.runtime.guard.record import Recorder, Watch, owners
 
@@ -58,7 +59,7 @@ class Coverage:
     def watch(self, fqn: str, module: nn.Module,
               owned: Callable[[], Mapping[int, int]]) -> Watch | None:
         fmt = self.policy.format_for(fqn)
-        if fmt not in self.formats:
+        if not watched(fmt, self.formats):
             return None
         param = next(module.parameters(), None)
         param = param if param is not None else next(self.model.parameters(), None)

@@ -13,10 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from autoprec._util import atomic_write, escape_line
+from autoprec._util import atomic_write, brief, escape_line, shown
 from autoprec.formats import Format
-from autoprec.policy import Policy, PolicyError
-from autoprec.runtime.guard.config import INPUT, GuardEvent, check_where
+from autoprec.policy import Policy, PolicyError, check_bounds
+from autoprec.runtime.guard.config import INPUT, GuardEvent, check_where, watched
 from autoprec.runtime.guard.forecast import MAX_STATE_POINTS, NAMES
 
 __all__ = ["Ledger", "Restored"]
@@ -41,12 +41,12 @@ def difference(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> str:
     """The first difference between two policy identities, in words."""
     for key in ("default", "fp8", "model", "loss_scaling"):
         if saved.get(key) != mine.get(key):
-            return f"`{key}` is {saved.get(key)} there, {mine.get(key)} here"
+            return f"`{key}` is {shown(saved.get(key))} there, {shown(mine.get(key))} here"
     a, b = saved.get("layers", {}), mine.get("layers", {})
     for name in [*a, *(n for n in b if n not in a)]:
         if a.get(name) != b.get(name):
-            return (f"layer `{name}` is {a.get(name, 'not listed')} there, "
-                    f"{b.get(name, 'not listed')} here")
+            return (f"layer `{shown(name)}` is {shown(a.get(name, 'not listed'))} there, "
+                    f"{shown(b.get(name, 'not listed'))} here")
     return "layer entries in another order"
 
 
@@ -64,7 +64,7 @@ class _StateCheck:
 
     def integer(self, key: str, v: Any) -> None:
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            self.fail(key, f"is {v!r}, not a count (an integer >= 0)")
+            self.fail(key, f"is {brief(v)}, not a count (an integer >= 0)")
 
     def format(self, key: str, v: Any) -> Format:
         if isinstance(v, str):
@@ -72,15 +72,17 @@ class _StateCheck:
                 return Format.parse(v)
             except ValueError:
                 pass
-        self.fail(key, f"is {v!r}, not a format (one of {', '.join(f.value for f in Format)})")
+        self.fail(key, f"is {brief(v)}, not a format (one of "
+                       f"{', '.join(f.value for f in Format.registered())}, or fwd/dgrad/wgrad "
+                       "of three)")
 
     def layer(self, key: str, v: Any, *, none_ok: bool = False) -> None:
         if v is None and none_ok:
             return
         if not isinstance(v, str):
-            self.fail(key, f"holds {v!r}, not a module name")
+            self.fail(key, f"holds {brief(v)}, not a module name")
         if self.modules is not None and v not in self.modules and not (none_ok and v == INPUT):
-            self.fail(key, f"names `{v}`, which is not a module of this model")
+            self.fail(key, f"names `{shown(v)}`, which is not a module of this model")
 
     def kind(self, key: str, v: Any, kind: type) -> None:
         if not isinstance(v, kind):
@@ -95,9 +97,10 @@ class _StateCheck:
         self.layer(f"{key}.layer", e["layer"])
         old = self.format(f"{key}.from", e["from"])
         if self.format(f"{key}.to", e["to"]) is not old.demoted() or old is Format.FP32:
-            self.fail(key, f"demotes {e['from']} to {e['to']}, which the guard never does")
+            self.fail(key, f"demotes {shown(e['from'])} to {shown(e['to'])}, which the guard "
+                           "never does")
         if not isinstance(e["reason"], str):
-            self.fail(f"{key}.reason", f"is {e['reason']!r}, not text")
+            self.fail(f"{key}.reason", f"is {brief(e['reason'])}, not text")
         wrong = check_where(e["where"])
         if wrong is not None:
             self.fail(f"{key}.where", f"is {wrong}")
@@ -106,7 +109,7 @@ class _StateCheck:
         if v is None and none_ok:
             return
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-            self.fail(key, f"is {v!r}, not a finite number")
+            self.fail(key, f"is {brief(v)}, not a finite number")
 
     def forecast(self, key: str, state: Any) -> None:
         """The forecaster's history: fqn -> {"format", "streak", kind: [[step, amax,
@@ -114,12 +117,12 @@ class _StateCheck:
         self.kind(key, state, Mapping)
         for fqn, entry in state.items():
             self.layer(key, fqn)
-            at = f"{key}.{fqn}"
+            at = f"{key}.{shown(fqn)}"
             self.kind(at, entry, Mapping)
             extra = [k for k in entry if k not in ("format", "streak", *NAMES)]
             if extra or "format" not in entry or "streak" not in entry:
-                self.fail(at, f"has keys {sorted(map(str, entry))}, not format, streak and "
-                              f"the kinds {', '.join(NAMES)}")
+                self.fail(at, f"has keys {shown(sorted(map(str, entry)))}, not format, "
+                              f"streak and the kinds {', '.join(NAMES)}")
             self.format(f"{at}.format", entry["format"])
             self.integer(f"{at}.streak", entry["streak"])
             for kind in NAMES:
@@ -130,12 +133,12 @@ class _StateCheck:
                                               f"{MAX_STATE_POINTS}")
                 for p in points:
                     if not isinstance(p, list) or len(p) != 4:
-                        self.fail(f"{at}.{kind}", f"holds {p!r}, not [step, amax, kurtosis, "
-                                                  "underflow]")
+                        self.fail(f"{at}.{kind}", f"holds {brief(p)}, not [step, amax, "
+                                                  "kurtosis, underflow]")
                     self.integer(f"{at}.{kind} step", p[0])
                     self.number(f"{at}.{kind} amax", p[1])
                     if not p[1] > 0:
-                        self.fail(f"{at}.{kind} amax", f"is {p[1]!r}, not positive")
+                        self.fail(f"{at}.{kind} amax", f"is {brief(p[1])}, not positive")
                     self.number(f"{at}.{kind} kurtosis", p[2], none_ok=True)
                     self.number(f"{at}.{kind} underflow", p[3], none_ok=True)
 
@@ -150,20 +153,25 @@ def check_state(state: Mapping[str, Any], modules: set[str] | None = None) -> No
             c.fail(key, "is missing")
     c.integer("step", state["step"])
     c.kind("policy", state["policy"], Mapping)
+    # the policies a state embeds are held to a policy file's bounds before anything else
+    check_bounds(state["policy"], "Guard state `policy`")
+    if state.get("phase") is not None:
+        c.kind("phase", state["phase"], Mapping)
+        check_bounds(state["phase"], "Guard state `phase`")
     c.kind("formats", state["formats"], list)
     for v in state["formats"]:
         c.format("formats", v)
     c.kind("layers", state["layers"], Mapping)
     for k, v in state["layers"].items():
         c.layer("layers", k)
-        c.format(f"layers.{k}", v)
+        c.format(f"layers.{shown(k)}", v)
     c.kind("events", state["events"], list)
     for i, e in enumerate(state["events"]):
         c.event(f"events[{i}]", e)
     c.kind("counts", state["counts"], Mapping)
     for k, v in state["counts"].items():
         c.layer("counts", k)
-        c.integer(f"counts.{k}", v)
+        c.integer(f"counts.{shown(k)}", v)
     c.kind("suspects", state["suspects"], list)
     for v in state["suspects"]:
         c.layer("suspects", v)
@@ -172,8 +180,6 @@ def check_state(state: Mapping[str, Any], modules: set[str] | None = None) -> No
         c.layer("warned", v, none_ok=True)
     if state.get("forecast") is not None:
         c.forecast("forecast", state["forecast"])
-    if state.get("phase") is not None:
-        c.kind("phase", state["phase"], Mapping)
 
 
 def check_version(state: Any) -> None:
@@ -183,7 +189,7 @@ def check_version(state: Any) -> None:
         raise PolicyError(f"Not an autoprec guard state ({type(state).__name__} without the "
                           "key `autoprec_guard`); pass what Guard.state_dict() returned.")
     if state["autoprec_guard"] != STATE_VERSION:
-        raise PolicyError(f"Guard state version {state['autoprec_guard']!r} is not one this "
+        raise PolicyError(f"Guard state version {brief(state['autoprec_guard'])} is not one this "
                           f"autoprec reads ({STATE_VERSION}); resume with the autoprec "
                           "version that wrote it.")
     check_state(state)
@@ -269,10 +275,13 @@ class Ledger:
         attached with the policy it had switched to."""
         check_state(state, modules=modules)
         names = [f.value for f in formats]
-        if list(state["formats"]) != names:
+        # an older autoprec listed the per-GEMM mixes made before its config (this one
+        # watches them by their parts): those this guard watches are no difference
+        saved = [n for n in state["formats"] if n in names or not watched(Format.parse(n), formats)]
+        if saved != names:
             raise PolicyError(
-                f"Guard state watched formats {', '.join(state['formats'])} but this guard "
-                f"watches {', '.join(names)}; use GuardConfig(formats=...) as in the "
+                f"Guard state watched formats {shown(', '.join(state['formats']))} but this "
+                f"guard watches {', '.join(names)}; use GuardConfig(formats=...) as in the "
                 "checkpointed run.")
         layers = {k: Format.parse(v) for k, v in state["layers"].items()}
         phase = state.get("phase")
@@ -284,7 +293,7 @@ class Ledger:
             start = base.format_for(name)
             if fmt not in (start, start.demoted(), start.demoted().demoted()):
                 raise PolicyError(
-                    f"Guard state `layers` runs `{name}` in {fmt}, which is no demotion of its "
+                    f"Guard state `layers` runs `{shown(name)}` in {fmt}, which is no demotion of its "
                     f"{start} under the policy (fp8 -> bf16 -> fp32, fp16 -> fp32); load the "
                     "state the checkpointed run saved, or start the guard afresh.")
         events = [GuardEvent(step=int(e["step"]), fqn=e["layer"], old=Format.parse(e["from"]),
