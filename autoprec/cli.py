@@ -20,6 +20,8 @@ import signal
 import sys
 import threading
 
+from autoprec._util import EscapingStream, shown
+
 __all__ = ["main"]
 
 
@@ -123,22 +125,26 @@ def _cmd_profile(args) -> int:
 def _writable_output(path: str, *side: str) -> None:
     """Refuse an output (and the ``side`` files written beside it) that could not be written,
     before any work (and before the study file beside it is created)."""
+    from autoprec._util import refuse_non_file, unwritable_folder
+
     if os.path.isdir(path):
-        raise IsADirectoryError(f"-o {path} is a directory; give the output's file path, e.g. "
-                                f"{os.path.join(path, 'policy.yaml')}.")
+        raise IsADirectoryError(f"-o {shown(path)} is a directory; give the output's file path, "
+                                f"e.g. {shown(os.path.join(path, 'policy.yaml'))}.")
     for other in side:
         if os.path.isdir(other):
-            raise IsADirectoryError(f"{other}, which is written beside -o {path}, is a "
-                                    "directory; move it away or choose another -o.")
-    from autoprec._util import unwritable_folder
+            raise IsADirectoryError(f"{shown(other)}, which is written beside -o {shown(path)}, "
+                                    "is a directory; move it away or choose another -o.")
+    refuse_non_file(path, f"-o {shown(path)}")
+    for other in side:
+        refuse_non_file(other, f"{shown(other)}, which is written beside -o {shown(path)},")
 
     problem = unwritable_folder(path)
     if problem is not None and problem[1] == "file":
-        raise NotADirectoryError(f"Cannot write -o {path}: {problem[0]} is a file, not a "
-                                 "folder. Choose another -o.")
+        raise NotADirectoryError(f"Cannot write -o {shown(path)}: {shown(problem[0])} is a file, "
+                                 "not a folder. Choose another -o.")
     if problem is not None:
-        raise PermissionError(f"Cannot write {path}: {problem[0]} is not writable. Choose "
-                              "another -o.")
+        raise PermissionError(f"Cannot write {shown(path)}: {shown(problem[0])} is not "
+                              "writable. Choose another -o.")
 
 
 def _check_tune_files(args) -> None:
@@ -194,19 +200,28 @@ def _cmd_tune(args) -> int:
         profile = TunePaths.from_output(args.output).profile
         result.profile.save(profile)
         written.append(profile)
-    print("wrote " + ", ".join(written))
-    print(f"study: {result.study_name} in {result.storage}")
+    print("wrote " + ", ".join(map(shown, written)))
+    print(f"study: {shown(result.study_name)} in {shown(result.storage, 300)}")
     return 0
 
 
 def _final_phase(policy, spec: tuple[float, str]):
+    from autoprec.formats import Format
+    from autoprec.phases import kept_for_range
+
     fraction, fmt = spec
+    kept = kept_for_range(Format.parse(fmt), policy.formats_used())
+    if kept:
+        names = ", ".join(sorted(f.label for f in kept))
+        print(f"note: --final-phase {fraction:g}:{fmt} leaves the {names} layers as they are: "
+              f"{fmt} reaches only {Format.parse(fmt).max_value:g}, less far than {names}, so "
+              "moving them would trade overflow for precision", file=sys.stderr)
     phased = policy.with_final_phase(fraction, fmt)
     if phased is policy:
-        print(f"--final-phase {fraction:g}:{fmt}: no layer computes below {fmt}, so no final "
-              "phase is written", file=sys.stderr)
+        print(f"--final-phase {fraction:g}:{fmt}: no {'other ' if kept else ''}layer computes "
+              f"below {fmt}, so no final phase is written", file=sys.stderr)
     else:
-        print(f"final phase: {phased.phases[-1].describe()}, "
+        print(f"final phase: {shown(phased.phases[-1].describe())}, "
               f"{', '.join(f'{k} -> {v}' for k, v in phased.phases[-1].formats.items())}",
               file=sys.stderr)
     return phased
@@ -252,21 +267,23 @@ def _cmd_show(args) -> int:
                                 "leave --profile out to use the one beside the policy.")
     prof_path = args.profile or _profile_path(args.policy)
     prof = Profile.load(prof_path) if os.path.exists(prof_path) else None
-    lines = [f"policy {args.policy}"]
+    lines = [f"policy {shown(args.policy)}"]
     if policy.model_name:
-        lines.append(f"  model: {policy.model_name}  fingerprint {policy.fingerprint or '-'}")
+        lines.append(f"  model: {shown(policy.model_name)}  fingerprint "
+                     f"{shown(policy.fingerprint or '-')}")
     lines.append(f"  default: {policy.default.label}")
-    lines += [f"  {pattern}: {fmt.label}" for pattern, fmt in policy.layers.items()]
+    lines += [f"  {shown(pattern, 512)}: {fmt.label}" for pattern, fmt in policy.layers.items()]
     if any(f.is_fp8 for f in policy.formats_used()):
-        lines.append(f"  fp8: default recipe {policy.fp8_recipe}, engine {policy.fp8_engine}")
+        lines.append(f"  fp8: default recipe {shown(policy.fp8_recipe)}, engine "
+                     f"{shown(policy.fp8_engine)}")
     lines += _phase_lines(policy, prof)
     if policy.tuned:
         lines += ["provenance:", _provenance_text(policy.provenance)]
     if prof is not None:
         lines.append(_layer_reasons(policy, prof, prof_path))
     else:
-        lines.append(f"\n(no profile at {prof_path}: per-layer reasons need the profile `tune` "
-                     "writes)")
+        lines.append(f"\n(no profile at {shown(prof_path)}: per-layer reasons need the profile "
+                     "`tune` writes)")
     print("\n".join(lines))
     return 0
 
@@ -276,7 +293,7 @@ def _num(value, spec: str) -> str:
     foreign provenance is shown, never a crash)."""
     if _is_number(value):
         return format(value, spec)
-    return "?" if value is None else str(value)
+    return "?" if value is None else shown(value)
 
 
 def _is_number(value) -> bool:
@@ -294,7 +311,7 @@ def _provenance_text(prov) -> str:
     lines = []
     for key in ("device", "torch", "task"):
         if getattr(prov, key):
-            lines.append(f"  {key}: {getattr(prov, key)}")
+            lines.append(f"  {key}: {shown(getattr(prov, key), 200)}")
     if prov.budget is not None:
         grad = prov.budget.max_grad_error
         lines.append(f"  budget: loss change <= {_num(prov.budget.max_loss_increase, '.2%')}, "
@@ -302,7 +319,7 @@ def _provenance_text(prov) -> str:
     if prov.speedup is not None:
         rounds = (f" ({prov.speedup.rounds} timing rounds; 95% of re-timings as long land in "
                   "the interval)" if prov.speedup.rounds else "")
-        lines.append(f"  speed-up vs fp32: {prov.speedup}{rounds}")
+        lines.append(f"  speed-up vs fp32: {shown(prov.speedup)}{rounds}")
         if (prov.device or "").startswith("cost model:"):
             from autoprec.pricing import calibration_line
 
@@ -312,14 +329,14 @@ def _provenance_text(prov) -> str:
         lines.append(f"  loss change vs fp32: {_num(prov.loss_increase, '+.3%')}; gradient "
                      f"error {_num(prov.grad_error, '.3g')}")
     for note in prov.verdict:
-        lines.append(f"  verdict: {note}")
+        lines.append(f"  verdict: {shown(note, 1000)}")
     extra = dict(prov.extra)
     study = extra.pop("study", None)
     if isinstance(study, dict):
-        lines.append(f"  study: {study.get('name')} ({study.get('trials')} trials, "
-                     f"{study.get('distinct', '?')} distinct policies)")
+        lines.append(f"  study: {shown(study.get('name'))} ({_num(study.get('trials'), 'd')} "
+                     f"trials, {_num(study.get('distinct'), 'd')} distinct policies)")
     elif study is not None:
-        lines.append(f"  study: {study}")
+        lines.append(f"  study: {shown(study)}")
     memory = extra.pop("memory", None)
     if isinstance(memory, dict) and memory.get("predicted_peak_bytes") is not None:
         from autoprec.memory import format_size
@@ -327,9 +344,9 @@ def _provenance_text(prov) -> str:
         peak = memory["predicted_peak_bytes"]
         lines.append("  peak training memory (predicted, one step on the calibration batch): "
                      + (format_size(peak) if _is_number(peak) and math.isfinite(peak)
-                        else str(peak)))
+                        else shown(peak)))
     elif memory is not None:
-        lines.append(f"  memory: {memory}")
+        lines.append(f"  memory: {shown(memory)}")
     timing = extra.pop("timing", None)
     if isinstance(timing, dict):
         drift = timing.get("fp32_drift")
@@ -341,9 +358,9 @@ def _provenance_text(prov) -> str:
                      + _run_interval(timing.get("run_interval"))
                      + ("; too noisy to decide" if timing.get("too_noisy") else ""))
     elif timing is not None:
-        lines.append(f"  timing: {timing}")
+        lines.append(f"  timing: {shown(timing)}")
     for key, value in extra.items():
-        lines.append(f"  {key}: {value}")
+        lines.append(f"  {shown(key)}: {shown(value)}")
     return "\n".join(lines)
 
 
@@ -360,19 +377,20 @@ def _layer_reasons(policy, prof, prof_path: str) -> str:
     for lp in prof.layers:
         fmt = policy.format_for(lp.fqn)
         why = prof.fp8_reason(lp.fqn, fmt, max_loss_change=limit)
-        rows.append((lp.fqn, lp.layer.kind, fmt.label, f"{lp.layer.flops / 1e9:.3f}", why,
-                     _sources(lp)))
+        rows.append((shown(lp.fqn, 200), shown(lp.layer.kind), fmt.label,
+                     f"{lp.layer.flops / 1e9:.3f}", shown(why, 400), _sources(lp)))
         mix[fmt.label] = mix.get(fmt.label, 0.0) + lp.layer.flops
     total = max(sum(mix.values()), 1)
-    where = f"cost model {prof.target}" if prof.target else f"measured on {prof.device}"
+    where = f"cost model {shown(prof.target)}" if prof.target else \
+        f"measured on {shown(prof.device)}"
     shares = ", ".join(f"{name} {flops / total:.1%}" for name, flops in
                        sorted(mix.items(), key=lambda kv: -kv[1]))
-    return (f"\nper layer (profile {prof_path}, {where}):\n"
+    return (f"\nper layer (profile {shown(prof_path)}, {where}):\n"
             + text_table(("layer", "kind", "format", "GFLOP", "why not fp8 / why this recipe",
                           "sensitivity"), rows, indent="  ", rule=False)
             + "\n  (recipes: speed vs bf16 as profiled, loss change with the layer alone in it;"
             + "\n  sensitivity: est = first-order estimate, meas = measured exactly)"
-            + f"\n  {prof.sensitivity_summary()}"
+            + f"\n  {shown(prof.sensitivity_summary(), 1000)}"
             + f"\n\nmatmul FLOPs by format: {shares}"
             + (f"\n{CostSource.of(prof.target).calibration()}" if prof.target else ""))
 
@@ -383,14 +401,14 @@ def _sources(lp) -> str:
     for fmt, err in lp.sensitivity.items():
         why = lp.exact_why.get(fmt)
         parts.append(f"{fmt.label} {'est' if err.source == 'estimated' else 'meas'}"
-                     + (f" ({why})" if why else ""))
+                     + (f" ({shown(why)})" if why else ""))
     return ", ".join(parts) or "-"
 
 
 def _phase_text(phase) -> str:
     """One phase's changes, e.g. ``fp8 -> bf16; lm_head: fp32; default fp32``."""
-    parts = [f"{k} -> {v.label}" for k, v in phase.formats.items()]
-    parts += [f"{p}: {f.label}" for p, f in phase.layers.items()]
+    parts = [f"{shown(k)} -> {v.label}" for k, v in phase.formats.items()]
+    parts += [f"{shown(p, 512)}: {f.label}" for p, f in phase.layers.items()]
     if phase.default is not None:
         parts.append(f"default {phase.default.label}")
     return "; ".join(parts)
@@ -404,7 +422,7 @@ def _phase_lines(policy, prof) -> list[str]:
     lines = [f"phases ({len(policy.phases) + 1}; the training integrations switch at the step):",
              "  phase 0, from step 0: the formats above"]
     for i, phase in enumerate(policy.phases, start=1):
-        line = f"  phase {i}, {phase.describe()}: {_phase_text(phase)}"
+        line = f"  phase {i}, {shown(phase.describe(), 200)}: {_phase_text(phase)}"
         if prof is not None:
             p = policy.phase(i)
             moved = sum(p.format_for(lp.fqn) is not policy.format_for(lp.fqn) for lp in prof.layers)
@@ -421,9 +439,9 @@ def _phase_changes(a, b) -> list[str]:
         pb = b.phases[i] if i < len(b.phases) else None
         if pa == pb:
             continue
-        def shown(p):
-            return "(none)" if p is None else f"[{p.describe()}: {_phase_text(p)}]"
-        lines.append(f"phase {i + 1}: {shown(pa)} -> {shown(pb)}")
+        def described(p):
+            return "(none)" if p is None else f"[{shown(p.describe(), 200)}: {_phase_text(p)}]"
+        lines.append(f"phase {i + 1}: {described(pa)} -> {described(pb)}")
     return lines
 
 
@@ -441,7 +459,8 @@ def _cmd_diff(args) -> int:
     for pattern in dict.fromkeys([*a.layers, *b.layers]):
         fa, fb = a.layers.get(pattern), b.layers.get(pattern)
         if fa != fb:
-            lines.append(f"{pattern}: {fa.label if fa else '(default ' + a.default.label + ')'}"
+            lines.append(f"{shown(pattern, 512)}: "
+                         f"{fa.label if fa else '(default ' + a.default.label + ')'}"
                          f" -> {fb.label if fb else '(default ' + b.default.label + ')'}")
     differ = bool(lines)
     if prof is not None:
@@ -449,7 +468,7 @@ def _cmd_diff(args) -> int:
                    if a.format_for(lp.fqn) is not b.format_for(lp.fqn)]
         differ = differ or bool(changed)
         lines.append(f"resolved per layer ({len(changed)} of {len(prof.layers)} differ):")
-        lines += [f"  {f}: {x.label} -> {y.label}" for f, x, y in changed]
+        lines += [f"  {shown(f, 200)}: {x.label} -> {y.label}" for f, x, y in changed]
     if not differ:
         lines.insert(0, "the two policies are the same" + (
             " (only their provenance, `tuned:`, differs)" if a.tuned != b.tuned else ""))
@@ -461,8 +480,8 @@ def _setting_changes(a, b) -> list[str]:
     """What differs between two policies besides their layers' formats, of all that changes
     what training computes (or what the policy is checked against): the model it was made for,
     the fp8 recipe and engine, the loss scaling."""
-    def shown(value) -> str:
-        return "-" if value is None else str(value)
+    def setting(value) -> str:
+        return "-" if value is None else shown(value)
 
     lines = []
     for label, x, y in (("model", a.model_name, b.model_name),
@@ -470,11 +489,12 @@ def _setting_changes(a, b) -> list[str]:
                         ("fp8 recipe", a.fp8_recipe, b.fp8_recipe),
                         ("fp8 engine", a.fp8_engine, b.fp8_engine)):
         if x != y:
-            lines.append(f"{label}: {shown(x)} -> {shown(y)}")
+            lines.append(f"{label}: {setting(x)} -> {setting(y)}")
     sa, sb = a.loss_scaling, b.loss_scaling
     for f in dataclasses.fields(sa):
         if getattr(sa, f.name) != getattr(sb, f.name):
-            lines.append(f"loss_scaling.{f.name}: {getattr(sa, f.name)} -> {getattr(sb, f.name)}")
+            lines.append(f"loss_scaling.{f.name}: {shown(getattr(sa, f.name))} -> "
+                         f"{shown(getattr(sb, f.name))}")
     return lines
 
 
@@ -717,7 +737,10 @@ def _policy_parsers(sub) -> None:
 
 
 def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())
+    """An error as one terminal line: its whitespace runs as single spaces, the rest escaped
+    and bounded (a message quoting input is already bounded where it quotes it; this bounds
+    whatever a library said)."""
+    return shown(" ".join(str(e).split()), 2000)
 
 
 def main(argv=None) -> int:
@@ -813,6 +836,9 @@ def run() -> None:
     by then; skipping the interpreter's shutdown means no thread or connection pool left by a
     library can keep the process alive, and a Ctrl-C cannot land in a finalizer."""
     sys.unraisablehook = functools.partial(_interrupt_again, sys.unraisablehook)
+    # behind every field's own escaping (`shown`): no escape sequence from a file, a study or
+    # a library's message reaches the terminal
+    sys.stdout, sys.stderr = EscapingStream(sys.stdout), EscapingStream(sys.stderr)
     code = main()
     try:
         sys.stdout.flush()

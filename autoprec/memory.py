@@ -51,9 +51,11 @@ calibration batch), on the task's device.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -200,11 +202,28 @@ def _cuda_step(model, batch, loss_fn, optimizer, scaler, device) -> StepMemory:
     return StepMemory(persistent, compute, torch.cuda.max_memory_allocated(device))
 
 
+@contextlib.contextmanager
+def _quiet_kineto() -> Iterator[None]:
+    """The profiler's C++ side (kineto) prints ``USDT: ... profiler_start/stop`` on stderr at
+    every trace, at a level above its errors, so nothing short of its level 6 hides them;
+    kineto reads ``KINETO_LOG_LEVEL`` once, when the process's first trace starts. Set for
+    that start where the user has not set it, then taken out of the environment again (child
+    processes are not affected); a user's own earlier trace keeps its setting."""
+    if "KINETO_LOG_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["KINETO_LOG_LEVEL"] = "6"
+    try:
+        yield
+    finally:
+        os.environ.pop("KINETO_LOG_LEVEL", None)
+
+
 def _traced_step(model, batch, loss_fn, optimizer, scaler) -> StepMemory:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     persistent = _live_bytes(model, optimizer)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_kineto(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         _backward(loss_fn(model, batch), scaler)
         with record_function(_MARK):
             _opt_step(optimizer, scaler)

@@ -9,7 +9,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from autoprec._util import text_table
+from autoprec._util import shown, text_table
 from autoprec.formats import Format
 from autoprec.policy import DEFAULT_MAX_LOSS_INCREASE
 from autoprec.pricing import CostSource
@@ -32,7 +32,7 @@ _EXPLAINED = ("blocked", *CANNOT_WIN_RULES, "non-finite", "over budget")
 
 def source_label(prof: Profile) -> str:
     """Where the profile's seconds come from: ``cost model h100`` or ``measured on ...``."""
-    return CostSource(prof.target).label(prof.device)
+    return shown(CostSource(prof.target).label(prof.device), 200)
 
 
 def table(prof: Profile) -> str:
@@ -54,7 +54,7 @@ def _layer_cells(lp: LayerProfile, low: Sequence[Format], fmts: Sequence[Format]
     shape = ",".join(str(x) for x in L.matmuls[0][1:]) if L.matmuls else "-"
     if len(L.matmuls) > 1:
         shape += f" +{len(L.matmuls) - 1}"
-    row = [L.fqn, L.kind, shape, f"{L.flops / 1e9:.3f}"]
+    row = [shown(L.fqn, 200), shown(L.kind), shape, f"{L.flops / 1e9:.3f}"]
     for f in low:
         e = lp.sensitivity.get(f)
         mark = "~" if e is not None and e.source == "estimated" else ""
@@ -92,9 +92,9 @@ def sensitivity_summary(prof: Profile) -> str:
     why: dict[str, int] = {}
     for lp in prof.layers:
         for r in lp.exact_why.values():
-            why[r] = why.get(r, 0) + 1
+            why[shown(r)] = why.get(shown(r), 0) + 1
     detail = f" ({'; '.join(f'{r}: {n}' for r, n in why.items())})" if why else ""
-    return (f"sensitivity ({prof.sensitivity_mode}): {est} layer x format pairs estimated "
+    return (f"sensitivity ({shown(prof.sensitivity_mode)}): {est} layer x format pairs estimated "
             f"to first order, {meas} measured exactly{detail}, {skipped} not measured "
             "(cannot win here)")
 
@@ -106,7 +106,7 @@ def reason(prof: Profile, fqn: str, fmt: Format, *,
     lp = prof.layer(fqn)
     verdict = lp.verdict(fmt, max_loss_increase=max_loss_change)
     if verdict.rule in _EXPLAINED:
-        return verdict.why
+        return shown(verdict.why, 400)
     parts = []
     lc = prof.loss_change(fqn, fmt)
     if math.isfinite(lc):
@@ -140,7 +140,8 @@ def _recipe_summary(prof: Profile, fqn: str, fmt: Format) -> str:
     lp = prof.layer(fqn)
     verdict = lp.verdict(fmt)
     if verdict.rule in ("blocked", *CANNOT_WIN_RULES):
-        return f"{fmt.recipe or fmt.label} skipped ({verdict.why.removeprefix(fmt.label + ' ')})"
+        return (f"{fmt.recipe or fmt.label} skipped "
+                f"({shown(verdict.why.removeprefix(fmt.label + ' '), 400)})")
     t, t16 = lp.times.get(fmt), lp.times.get(Format.BF16)
     speed = (f"{t16.seconds / t.seconds:.2f}x bf16" if t is not None and t16 is not None
              and t.seconds > 0 else "speed ?")

@@ -31,6 +31,7 @@ from autoprec._util import (
     decode_float,
     encode_float,
     read_json,
+    shown,
     worker_id,
     write_json,
 )
@@ -285,8 +286,9 @@ class Profile:
         except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
             detail = " ".join(str(e).split()) if isinstance(e, ValueError) else \
                 f"a malformed record ({type(e).__name__}: {' '.join(str(e).split())})"
-            raise ValueError(f"{path} is not a valid autoprec profile: {detail}. Regenerate it "
-                             "with `autoprec profile` (or `autoprec tune`).") from None
+            raise ValueError(f"{shown(path)} is not a valid autoprec profile: "
+                             f"{shown(detail.rstrip('.'), 400)}. Regenerate it with `autoprec "
+                             "profile` (or `autoprec tune`).") from None
 
 
 # ------------------------------------------------------------------ checking a record

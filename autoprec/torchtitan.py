@@ -46,8 +46,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import importlib
 import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +57,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoprec._util import shown
 from autoprec.formats import Format
 from autoprec.policy import Policy, PolicyError, load_policy
 from autoprec.runtime import apply
@@ -82,6 +85,24 @@ __all__ = ["PolicyConverter", "AutoprecOptions", "AutoprecTrainer", "with_policy
 
 # the modules torchtitan's ChunkedLossWrapper calls itself, after the model's forward
 _CALLED_BY_THE_LOSS = ("lm_head",)
+
+
+def _one_line_refusal(hook: Callable, kind: type, value: BaseException, tb: Any) -> None:
+    """``sys.excepthook`` while this module is loaded: torchtitan's ``train.py`` re-raises
+    whatever stops its trainer, so a policy the trainer refuses at start-up (phases, fp16, a
+    missing file, a layout it cannot shard) would end in its traceback; a :class:`PolicyError`
+    is bad input, and ends in one line instead, as in ``autoprec``'s own commands (exit 1, as
+    any uncaught exception). Everything else keeps its traceback."""
+    if isinstance(value, PolicyError):
+        sys.stderr.write(f"autoprec: error: {shown(' '.join(str(value).split()), 2000)}\n")
+        sys.stderr.flush()
+        return
+    hook(kind, value, tb)
+
+
+if not isinstance(sys.excepthook, functools.partial) or \
+        sys.excepthook.func is not _one_line_refusal:
+    sys.excepthook = functools.partial(_one_line_refusal, sys.excepthook)
 
 
 def _load(policy: Policy | str | os.PathLike) -> Policy:

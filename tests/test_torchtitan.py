@@ -479,3 +479,27 @@ def test_blackwell_formats_become_torchtitans_mxfp8_and_nvfp4_linears_only_on_bl
         assert built[fqn] is (NVFP4Linear.Config if fits else Linear.Config), fqn
     assert built["layers.2.feed_forward.w1"] is Linear.Config
     assert NVFP4Linear.Config in built.values()
+
+
+# ---------------------------------------------------------------------------- start-up in one line
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["phases", "fp16", "missing"])
+def test_torchtitans_trainer_refuses_a_bad_policy_in_one_line(tmp_path, case):
+    """torchtitan's train.py re-raises what stops its trainer: a policy refused at start-up
+    ends in autoprec's one line, not ~20 lines of traceback before it."""
+    policy = tmp_path / f"{case}.yaml"
+    if case == "phases":
+        policy.write_text("autoprec: 3\ndefault: bf16\nlayers: {lm_head: fp8}\n"
+                          "phases: [{from_step: 5, formats: {fp8: bf16}}]\n")
+    elif case == "fp16":
+        policy.write_text("autoprec: 2\ndefault: bf16\nlayers: {lm_head: fp16}\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "-m", "torchtitan.train", "--module", "autoprec.torchtitan",
+                        "--config", "llama3_debugmodel", "--autoprec.policy", str(policy),
+                        "--dump-folder", str(tmp_path / "out")], capture_output=True,
+                       text=True, cwd=tmp_path, env=env, timeout=300)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    ours = [line for line in r.stderr.splitlines() if line.startswith("autoprec: error: ")]
+    assert len(ours) == 1 and f"{case}.yaml" in ours[0], r.stderr[-3000:]
+    assert {"phases": "has phases", "fp16": "scales no loss", "missing": "does not exist"}[case] \
+        in ours[0] or case == "missing", ours[0]

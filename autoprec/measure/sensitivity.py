@@ -539,12 +539,14 @@ def _estimate_all(plan: _Plan) -> tuple[dict, dict]:
         raise ValueError("The first-order estimate is per layer; measure the whole model "
                          "(layer '') with mode='exact'.")
     fmts_for = {name: [f for n, f in plan.todo if n == name] for name in names}
-    total = 1 + len(names) * len(numerics.batches)
-    done = [1]
+    # each layer is estimated once per calibration batch, as the reference pass reaches it
+    n_batches = len(numerics.batches)
+    total, seen = len(names) * n_batches, dict.fromkeys(names, 0)
 
     def tick(name: str) -> None:
-        done[0] += 1
-        plan.tick(min(done[0], total), total, f"{name} (first-order estimate)")
+        seen[name] = seen.get(name, 0) + 1
+        plan.tick(min(sum(seen.values()), total), total,
+                  f"{name} (first-order estimate, batch {min(seen[name], n_batches)}/{n_batches})")
 
     with estimate_during_reference(numerics, names, fmts_for, plan.pinned, plan.own,
                                    loss_scale=plan.options.loss_scale,

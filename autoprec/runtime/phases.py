@@ -38,6 +38,7 @@ from typing import Any
 
 from torch import nn
 
+from autoprec._util import shown
 from autoprec.phases import phase_index
 from autoprec.policy import Policy, PolicyError
 from autoprec.runtime import engines, rewrite
@@ -129,7 +130,8 @@ class PhaseSwitcher:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 reapply(self.model, before, new, lambda m, p: None)
-        what = self.policy.phases[index - 1].describe() if index else "the first phase"
+        # a phase's name comes from the policy file: escaped on its way to the log
+        what = shown(self.policy.phases[index - 1].describe()) if index else "the first phase"
         logger.warning("autoprec: step %d: phase %d (%s) in force", step, index, what)
         self.current = index
 

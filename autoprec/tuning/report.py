@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from autoprec._util import atomic_write, brief, number
+from autoprec._util import atomic_write, brief, number, shown
 from autoprec.measure.timer import rerun_interval
 from autoprec.policy import Budget, Interval, Policy, Provenance
 from autoprec.pricing import CostSource
@@ -103,9 +103,11 @@ def _count(value: Any, key: str) -> int:
 
 
 def _text(value: Any, key: str) -> str:
+    """Text read back from a study: bounded and escaped (:func:`~autoprec._util.shown`) as it
+    is read, since the summary, the log and the CSV print it."""
     if not isinstance(value, str):
         raise ValueError(f"`{key}` must be text, got {brief(value)}.")
-    return value
+    return shown(value)
 
 
 # How each of a record's keys is read back (None, or missing: the field's default).

@@ -30,6 +30,7 @@ from typing import Any
 import optuna
 
 from autoprec._util import log as _log
+from autoprec._util import shown
 
 __all__ = ["SharedUnits", "unit_studies"]
 
@@ -127,7 +128,9 @@ class SharedUnits:
         if tries:
             self.log(f"profile: redoing unit {i + 1}/{n} (try {tries + 1}): the worker on it "
                      f"stopped beating for {self.lease_s:.0f} s")
-        self.log(f"profile: unit {i + 1}/{n} ({len(layers)} layers: {layers[0]} ...)")
+        plural = "" if len(layers) == 1 else "s"
+        self.log(f"profile: unit {i + 1}/{n} ({len(layers)} layer{plural}: {shown(layers[0])}"
+                 f"{' ...' if len(layers) > 1 else ''})")
         stop = threading.Event()
         beat = threading.Thread(target=self._beat, args=(sid, stop), daemon=True)
         beat.start()

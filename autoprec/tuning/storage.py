@@ -11,7 +11,7 @@ from typing import Any
 
 import optuna
 
-from autoprec._util import unwritable_folder
+from autoprec._util import shown, unwritable_folder
 
 __all__ = ["open_storage", "check_storage", "storage_file", "StorageError", "StudyHandle"]
 
@@ -99,10 +99,35 @@ def open_storage(storage: str | None, default_path: str) -> tuple[Any, str]:
             fix = _LOCKED
         elif "readonly" in first or "read-only" in first:
             fix = "the database is read-only; make it writable or give another --storage"
+        elif "no longer compatible with the table schema" in first:
+            fix = _schema_fix(first)
         else:
             fix = "check the host, port, database name and credentials, and that the server runs"
-        raise StorageError(f"Cannot open storage {_shown(storage)} ({kind}: {first}): {fix}.") \
-            from None
+        raise StorageError(f"Cannot open storage {_shown(storage)} ({kind}: {shown(first)}): "
+                           f"{fix}.") from None
+
+
+def _schema_fix(said: str) -> str:
+    """What to do about a study whose tables another Optuna version set up (Optuna says which
+    one: "set up by optuna X"): a newer one's study is read by that version; an older one's
+    is upgraded by Optuna's own command."""
+    import re
+
+    found = re.search(r"set up by optuna ([0-9][0-9A-Za-z.+-]{0,40})", said)
+    theirs = found.group(1) if found else None
+    try:
+        from packaging.version import Version
+
+        newer = theirs is not None and Version(theirs) > Version(optuna.__version__)
+    except Exception:  # noqa: BLE001 - an unparseable version: say both ways out
+        newer = None
+    if newer:
+        return (f"the study was written by optuna {theirs}, newer than this optuna "
+                f"{optuna.__version__}; run the tune with optuna {theirs} or newer (pip install "
+                f"'optuna>={theirs}'), or give this tune another --storage (or -o)")
+    return ("the study's tables are from another optuna version; upgrade them with `optuna "
+            "storage upgrade --storage URL` (back the file up first), or give this tune another "
+            "--storage (or -o)")
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ import optuna
 import torch
 from torch import nn
 
-from autoprec._util import tensors, worker_id
+from autoprec._util import shown, tensors, worker_id
 from autoprec.formats import Format, Support, supported_formats
 from autoprec.memory import format_size, memory_model
 from autoprec.policy import Interval, Policy, model_fingerprint
@@ -358,7 +358,7 @@ class _Objective:
         origin = trial.user_attrs.get("origin")
         record = TrialRecord(constraints=cons, grad_error=ge, finite=finite, speedup=speedup,
                              predicted=predicted, memory=mem,
-                             origin=origin if isinstance(origin, str) else "search")
+                             origin=shown(origin) if isinstance(origin, str) else "search")
         record.write(trial)
         self.log(f"trial {trial.number:3d}  {speedup}  loss {li:+.3%}  grad err {ge:.3g}  "
                  f"memory {format_size(mem)}  {'ok' if record.feasible else 'over budget'}  "
