@@ -46,8 +46,10 @@ __all__ = [
     "TuneConfig",
     "TuneResult",
     "Grouping",
-    "validate",
-    "ValidationResult",
+    # certify
+    "certify",
+    "Certificate",
+    "CertifyResult",
     # policy
     "Policy",
     "Budget",
@@ -80,7 +82,8 @@ _LAZY = {
     "profile": "autoprec.profiling", "Profile": "autoprec.profiling",
     "tune": "autoprec.tuning", "TuneConfig": "autoprec.tuning",
     "TuneResult": "autoprec.tuning", "Grouping": "autoprec.tuning",
-    "validate": "autoprec.validation", "ValidationResult": "autoprec.validation",
+    "certify": "autoprec.certification", "CertifyResult": "autoprec.certification",
+    "Certificate": "autoprec.certificate",
     "training_kit": "autoprec.runtime.integrations",
     "PolicyCallback": "autoprec.runtime.integrations",
     "export": "autoprec.exporting",

@@ -2,7 +2,7 @@
 
     autoprec profile examples/gpt2_bytes.py:task -o gpt2.profile.json
     autoprec tune examples/gpt2_bytes.py:task -o policies/gpt2_bytes.yaml [--target h100]
-    autoprec validate policies/gpt2_bytes.yaml --task examples/gpt2_bytes.py:task --steps 200
+    autoprec validate policies/gpt2_bytes.yaml --task examples/gpt2_bytes.py:task -o cert.yaml
     autoprec show policies/gpt2_bytes.yaml
     autoprec diff policies/a.yaml policies/b.yaml
     autoprec export policies/llama.yaml --to megatron --model examples/llama_bytes.py:gpu_task
@@ -191,7 +191,7 @@ def _cmd_tune(args) -> int:
     if args.validate_steps:
         result = validate_front(result, task, steps=args.validate_steps)
         if result.validation is None or not result.validation.passed:
-            print("no policy on the Pareto front passed validation; writing all-fp32",
+            print("the certificate of no policy on the Pareto front passed; writing all-fp32",
                   file=sys.stderr)
         if args.final_phase is not None and not result.policy.phases:
             result.policy = _final_phase(result.policy, args.final_phase)
@@ -244,15 +244,32 @@ def _final_phase_spec(text: str) -> tuple[float, str]:
 
 
 def _cmd_validate(args) -> int:
+    from autoprec.certification import certify
     from autoprec.policy import load_policy
-    from autoprec.validation import validate
 
+    if args.output:
+        task_file = _task_file(args.task)
+        _distinct_files([(args.output, f"-o {args.output}", True),
+                         (args.policy, f"the policy {args.policy}", False),
+                         (args.reference if args.reference not in _REFERENCES else None,
+                          f"--reference {args.reference}", False),
+                         (task_file, f"the task file {task_file}", False)])
+        _writable_output(args.output)
     policy = load_policy(args.policy)
     task = _load_task(args.task)
-    res = validate(task, policy, steps=args.steps, tolerance=args.tolerance,
-                   strict=not args.no_strict)
-    print(res.report())
-    return 0 if res.passed else 1
+    result = certify(task, policy, reference=args.reference, steps=args.steps,
+                     horizon=args.horizon, branches=args.branches,
+                     tolerance=args.tolerance, strict=not args.no_strict)
+    print(result.report())
+    if args.output:
+        policy.with_certificate(result.certificate).save(args.output)
+        print(f"wrote {shown(args.output)} (the policy with its certificate)")
+    return _VERDICT_EXIT[result.verdict]
+
+
+# `validate`'s exit status per verdict (2 is a usage or input error, as everywhere)
+_VERDICT_EXIT = {"pass": 0, "fail": 1, "undecided": 3}
+_REFERENCES = ("bf16", "fp16", "fp32")
 
 
 def _cmd_show(args) -> int:
@@ -279,6 +296,7 @@ def _cmd_show(args) -> int:
     lines += _phase_lines(policy, prof)
     if policy.tuned:
         lines += ["provenance:", _provenance_text(policy.provenance)]
+    lines += _certificate_lines(policy)
     if prof is not None:
         lines.append(_layer_reasons(policy, prof, prof_path))
     else:
@@ -286,6 +304,20 @@ def _cmd_show(args) -> int:
                      "`tune` writes)")
     print("\n".join(lines))
     return 0
+
+
+def _certificate_lines(policy) -> list[str]:
+    """`show`'s lines for the certificate: its verdict, and whether it still covers the policy
+    (an edit after certification changes the policy's digest)."""
+    cert, covers = policy.certified()
+    if cert is None:
+        return ["certificate: none (`autoprec validate POLICY --task T -o OUT` certifies it)"]
+    lines = [f"certificate: {cert.describe()}"]
+    if not covers:
+        lines.append(f"  NOT CERTIFIED as it is: the certificate is of {shown(cert.digest[:19])}"
+                     f"..., this policy is {policy.digest()[:19]}...: it was edited after "
+                     "certification; run `autoprec validate` again")
+    return lines
 
 
 def _num(value, spec: str) -> str:
@@ -472,8 +504,22 @@ def _cmd_diff(args) -> int:
     if not differ:
         lines.insert(0, "the two policies are the same" + (
             " (only their provenance, `tuned:`, differs)" if a.tuned != b.tuned else ""))
+    # provenance, not what training computes: shown, but the exit status is about the latter
+    lines += _certificate_changes(a, b)
     print("\n".join(lines))
     return 1 if differ else 0
+
+
+def _certificate_changes(a, b) -> list[str]:
+    """`diff`'s line for the certificates, when they differ (or one policy has none)."""
+    def said(policy) -> str:
+        cert = policy.provenance.certificate
+        if cert is None:
+            return "(none)"
+        return cert.describe() + ("" if cert.covers(policy.digest()) else " [edited since]")
+
+    before, after = said(a), said(b)  # the same record can cover one and not the other
+    return [] if before == after else [f"certificate: {before} -> {after}"]
 
 
 def _setting_changes(a, b) -> list[str]:
@@ -692,15 +738,28 @@ def _parser() -> argparse.ArgumentParser:
 
 def _policy_parsers(sub) -> None:
     """The commands that read a policy: validate, show, diff, export."""
-    from autoprec.policy import DEFAULT_MAX_LOSS_INCREASE
+    from autoprec.certification import DEFAULT_BRANCHES, DEFAULT_STEPS, DEFAULT_TOLERANCE
 
-    p = sub.add_parser("validate", help="train with a policy and in FP32; compare loss curves")
+    p = sub.add_parser(
+        "validate", help="certify a policy: paired training branches against a reference "
+                         "(exit 0 pass, 1 fail, 3 undecided, 2 error)")
     p.add_argument("policy")
     p.add_argument("--task", required=True)
-    p.add_argument("--steps", type=_positive_int, default=100)
-    p.add_argument("--tolerance", type=_nonneg_float, default=None,
-                   help="allowed loss gap beyond FP32's run-to-run noise (default: the "
-                        f"policy's max_loss_increase, else {DEFAULT_MAX_LOSS_INCREASE:g})")
+    p.add_argument("--reference", default="bf16", metavar="bf16|fp32|POLICY",
+                   help="what the policy must train like (default bf16: every layer in bf16)")
+    p.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS,
+                   help=f"steps of the reference run the branches start from (default "
+                        f"{DEFAULT_STEPS})")
+    p.add_argument("--horizon", type=_positive_int, default=None,
+                   help="steps each branch trains (default: a quarter of --steps)")
+    p.add_argument("--branches", type=_positive_int, default=DEFAULT_BRANCHES,
+                   help=f"branch points over the run (default {DEFAULT_BRANCHES}; it stops "
+                        "early once the interval decides)")
+    p.add_argument("--tolerance", type=_nonneg_float, default=DEFAULT_TOLERANCE,
+                   help=f"largest relative held-out loss gap that passes (default "
+                        f"{DEFAULT_TOLERANCE:g})")
+    p.add_argument("-o", "--output", default=None, metavar="POLICY_OUT",
+                   help="write the policy with its certificate here (never over the input)")
     p.add_argument("--no-strict", action="store_true",
                    help="apply a policy made for another model anyway (warn, do not refuse)")
     p.set_defaults(fn=_cmd_validate)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 import os
 import warnings
@@ -48,6 +49,7 @@ import yaml
 from torch import nn
 
 from autoprec._util import MAX_INT, atomic_write, brief, number, quoted, read_bounded, shown
+from autoprec.certificate import Certificate
 from autoprec.formats import Format, fp8_recipes
 from autoprec.phases import MAX_PHASES, Phase, final_phase, parse_phases, phase_starts
 from autoprec.stats import Interval
@@ -162,6 +164,8 @@ class Provenance:
     grad_error: float | None = None
     # How the winner was decided: ties, re-measurements, noise; one sentence each.
     verdict: tuple[str, ...] = ()
+    # Paired training runs against a reference and their verdict (autoprec.certification).
+    certificate: Certificate | None = None
     # Everything else (study, fp8_runs_bf16, validation, guard, ...) as written.
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -209,6 +213,7 @@ class Provenance:
                         numbers[key] = number(value, f"tuned.{name}")
                 except ValueError as e:
                     raise _Bad(name, str(e)) from None
+            certificate = _certificate(data.pop("certificate", None))
             verdict = data.pop("verdict", None) or ()
             if isinstance(verdict, str):
                 verdict = [verdict]
@@ -220,7 +225,8 @@ class Provenance:
             raise _tuned_error(e.message, e.key, where) from None
         return cls(device=strings["device"], torch=strings["torch"], task=strings["task"],
                    budget=budget, speedup=speedup, loss_increase=numbers.get("loss_increase"),
-                   grad_error=numbers.get("grad_error"), verdict=tuple(verdict), extra=data)
+                   grad_error=numbers.get("grad_error"), verdict=tuple(verdict),
+                   certificate=certificate, extra=data)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {k: v for k, v in (("device", self.device),
@@ -236,8 +242,19 @@ class Provenance:
             out["grad_error"] = round(self.grad_error, 6)
         if self.verdict:
             out["verdict"] = list(self.verdict)
+        if self.certificate is not None:
+            out["certificate"] = self.certificate.to_dict()
         out.update(self.extra)
         return out
+
+
+def _certificate(value: Any) -> Certificate | None:
+    if value is None:
+        return None
+    try:
+        return Certificate.from_dict(value)
+    except ValueError as e:
+        raise _Bad("certificate", str(e)) from None
 
 
 class _Bad(Exception):
@@ -684,6 +701,26 @@ class Policy:
                                  out_features=module.out_features) and \
                 (recipe is None or fmt.numerics.torchao_recipe == recipe)
         return keep
+
+    def digest(self) -> str:
+        """``sha256:<hex>`` of what the policy computes and for which model: every key of its
+        file but ``tuned:`` (the provenance), layer order aside. A certificate names the digest
+        it certified; an edited policy has another."""
+        doc = {k: v for k, v in self.to_dict().items() if k not in ("tuned", "autoprec")}
+        text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
+        return f"sha256:{hashlib.sha256(text.encode()).hexdigest()}"
+
+    def with_certificate(self, certificate: Certificate) -> Policy:
+        """A copy carrying ``certificate`` in its provenance (``tuned.certificate``)."""
+        tuned = dict(self.tuned or {})
+        tuned["certificate"] = certificate.to_dict()
+        return dataclasses.replace(self, tuned=tuned)
+
+    def certified(self) -> tuple[Certificate | None, bool]:
+        """The certificate in the provenance (None: none), and whether it covers the policy
+        as it is now (False: edited after certification)."""
+        cert = self.provenance.certificate
+        return cert, cert is not None and cert.covers(self.digest())
 
     def with_layers(self, updates: Mapping[str, Format | str], **changes) -> Policy:
         """A copy with ``updates`` added to (or overriding) the layer map."""

@@ -21,7 +21,7 @@ import _common  # noqa: F401
 from _common import device_line
 
 from autoprec.tuning import tune
-from autoprec.validation import validate
+from autoprec.certification import certify
 from examples.gpt2_bytes import task
 
 
@@ -43,10 +43,9 @@ def main():
               f"{len(result.trials)} trials")
         print(prof.sensitivity_summary())
         t1 = time.perf_counter()
-        val = validate(t, result.policy, steps=args.validate_steps)
+        val = certify(t, result.policy, steps=args.validate_steps)
         print(val.report())
-        print(f"validate: {'passed' if val.passed else 'FAILED'} in "
-              f"{time.perf_counter() - t1:.0f} s")
+        print(f"certificate: {val.verdict} in {time.perf_counter() - t1:.0f} s")
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ def main():
     if res.validation is not None:
         print(res.validation.report())
     else:
-        print("validation: no Pareto policy passed; fell back to fp32")
+        print("certificate: no Pareto policy's passed; fell back to fp32")
     print("\nper layer: why not fp8, or why this recipe (speed vs bf16 priced, loss measured):")
     for f in layers:
         fmt = pol.format_for(f)

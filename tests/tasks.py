@@ -81,3 +81,16 @@ def no_layer_task() -> autoprec.Task:
 
 
 NOT_A_FUNCTION = 42
+
+
+def tiny_llama_task() -> autoprec.Task:
+    """2-layer, 64-wide HF Llama (SwiGLU 192, GQA 4/2 heads) on stdlib bytes, batch 8x64: a
+    small LM whose every Linear a format can take (certificates of formats)."""
+    from examples.llama_bytes import make_model as llama
+
+    return autoprec.Task(
+        model=lambda: llama(n_layer=2, hidden=64, intermediate=192, heads=4, kv_heads=2,
+                            seq_len=64),
+        batches=byte_batches(4, 8, 64, seed=1), name="tiny-llama", device="cpu",
+        train_batches=lambda n, seed: byte_batches(n, 8, 64, seed=seed),
+        eval_batches=byte_batches(4, 8, 64, seed=10_000, skip=3_000_000))

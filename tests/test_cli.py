@@ -79,12 +79,14 @@ def test_bad_task_spec_and_policy_are_clear_errors(tmp_path):
 def test_validate_passes_fp32_and_fails_an_overflowing_policy(tmp_path):
     good = tmp_path / "fp32.yaml"
     Policy(default="fp32").save(good)
-    r = cli("validate", str(good), "--task", f"{TASKS}:tiny_gpt2_task", "--steps", "8")
+    r = cli("validate", str(good), "--task", f"{TASKS}:tiny_gpt2_task", "--steps", "16",
+            "--reference", "fp32")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "gap +0.000%" in r.stdout and "PASS" in r.stdout
+    assert "PASS: gap vs fp32 +0.00%" in r.stdout and "stopped early" in r.stdout, r.stdout
 
     bad = tmp_path / "fp16.yaml"
     Policy(default="fp32", layers={"transformer.h.1.mlp.c_proj": "fp16"}).save(bad)
-    r = cli("validate", str(bad), "--task", f"{TASKS}:overflow_gpt2_task", "--steps", "6")
+    r = cli("validate", str(bad), "--task", f"{TASKS}:overflow_gpt2_task", "--steps", "12",
+            "--reference", "fp32")
     assert r.returncode == 1, r.stdout + r.stderr[-2000:]
     assert "FAIL" in r.stdout

@@ -216,7 +216,7 @@ def test_validate_refuses_a_policy_made_for_another_model(tmp_path):
     one_line_error(r, "fingerprint", "strict=False")
     r = cli("validate", tmp_path / "wide.yaml", "--task", f"{TASKS}:tiny_gpt2_task",
             "--steps", "2", "--no-strict")
-    assert r.returncode in (0, 1) and "gap" in r.stdout, r.stderr[-2000:]
+    assert r.returncode in (0, 1, 3) and "gap" in r.stdout, r.stderr[-2000:]
 
 
 @pytest.mark.slow

@@ -369,9 +369,10 @@ def test_show_diff_and_export_speak_phases(tmp_path):
 
 
 def test_validate_trains_through_the_phases(tmp_path):
+    # a 6-step run, branches of 3 steps: the one from step 3 trains in the second phase
     r = _cli("validate", _phased(tmp_path), "--task", f"{TASKS}:tiny_gpt2_task", "--steps", "6")
-    assert "validate: step 3: phase 1 in force" in r.stderr, r.stderr[-3000:]
-    assert "gap" in r.stdout
+    assert "step 3: phase 1" in r.stderr and "in force" in r.stderr, r.stderr[-3000:]
+    assert "gap" in r.stdout and r.returncode in (0, 1, 3), r.stdout + r.stderr[-2000:]
 
 
 def test_tune_skips_a_final_phase_that_changes_nothing_and_refuses_a_bad_one(tmp_path):

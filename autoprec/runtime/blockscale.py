@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["E2M1_GRID", "mx_quantize", "mx_dequantize", "hadamard_transform",
-           "nvfp4_tensor_scale", "nvfp4_quantize", "nvfp4_dequantize", "to_e2m1"]
+           "nvfp4_tensor_scale", "nvfp4_quantize", "nvfp4_dequantize", "to_e2m1", "seed_rounding"]
 
 MX_BLOCK = 32
 NVFP4_BLOCK = 16
@@ -116,14 +116,28 @@ def mx_dequantize(scales: torch.Tensor, values: torch.Tensor, *,
     return (blocks * _pow2(scales).unsqueeze(-1)).reshape(values.shape)
 
 
-# one generator per device for stochastic rounding (seeded once: reproducible per process)
+# one generator per device for stochastic rounding (seeded once: reproducible per process,
+# or per step with seed_rounding)
 _GENERATORS: dict[torch.device, torch.Generator] = {}
 _SR_SEED = 0x5EED
 
 
+def seed_rounding(seed: int) -> None:
+    """Seed stochastic rounding on every device from ``seed``: two runs that seed each step
+    alike (a certificate's policy and reference branches, :mod:`autoprec.certification`) draw the
+    same rounding at the same step. Without it the draws follow one seed per process."""
+    for device in list(_GENERATORS):
+        _GENERATORS[device].manual_seed(seed)
+    _next_seed[0] = seed
+
+
+# the seed a device's generator starts from when it is first used
+_next_seed = [_SR_SEED]
+
+
 def _generator(device: torch.device) -> torch.Generator:
     if device not in _GENERATORS:
-        _GENERATORS[device] = torch.Generator(device=device).manual_seed(_SR_SEED)
+        _GENERATORS[device] = torch.Generator(device=device).manual_seed(_next_seed[0])
     return _GENERATORS[device]
 
 

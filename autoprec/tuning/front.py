@@ -1,5 +1,6 @@
-"""Validating a tune's winner by training, and falling back along the Pareto front when it
-fails: the next-fastest policies, and as a last resort all-fp32. A policy written after a
+"""Certifying a tune's winner by paired training (:mod:`autoprec.certification`), and falling back
+along the Pareto front when its certificate does not pass: the next-fastest policies, and as a
+last resort all-fp32. A policy written after a
 fallback carries its own provenance (speed-up, timing, memory, fp8_runs_bf16, verdict), never
 the rejected winner's."""
 
@@ -9,7 +10,7 @@ import dataclasses
 import json
 from typing import Any
 
-from autoprec.policy import DEFAULT_MAX_LOSS_INCREASE, Policy, Provenance
+from autoprec.policy import Policy, Provenance
 from autoprec.pricing import calibration_line
 from autoprec.reporter import Reporter
 from autoprec.task import Task
@@ -21,31 +22,34 @@ __all__ = ["validate_front"]
 
 def validate_front(result: TuneResult, task: Task, *, steps: int, tolerance: float | None = None,
                    max_candidates: int = 3, progress: bool = True) -> TuneResult:
-    """Validate the winner by training ``steps`` steps; when it fails, try the next-fastest
-    policies on the Pareto front (at most ``max_candidates`` distinct ones), and as a last
-    resort all-fp32. Returns the result with ``policy``, ``best`` and ``validation`` set to
-    what passed (``best``: all-fp32's trial, when there is one, after the last resort)."""
-    from autoprec.validation import validate
+    """Certify the winner against BF16 (:func:`autoprec.certification.certify`, a reference run of
+    ``steps`` steps); when its certificate does not pass (fails, or cannot decide), try the
+    next-fastest policies on the Pareto front (at most ``max_candidates`` distinct ones), and
+    as a last resort all-fp32. Returns the result with ``policy`` (carrying its certificate),
+    ``best`` and ``validation`` (the :class:`~autoprec.certification.CertifyResult`) set to what
+    passed (``best``: all-fp32's trial, when there is one, after the last resort)."""
+    from autoprec.certification import DEFAULT_TOLERANCE, certify
 
     report = Reporter(progress)
     units = result.units or {u: [u] for u in result.best.assignment}
     winner = result.best
-    budget = result.policy.provenance.budget
-    tol = tolerance if tolerance is not None else (
-        budget.max_loss_increase if budget is not None else DEFAULT_MAX_LOSS_INCREASE)
+    tol = DEFAULT_TOLERANCE if tolerance is None else tolerance
     rejected: list[tuple[TrialResult, Any]] = []
     for cand in _candidates(result)[:max_candidates]:
-        policy = (result.policy if cand.number == winner.number else
-                  assignment_policy(units, cand.assignment, model_name=result.policy.model_name,
-                                    fingerprint=result.policy.fingerprint))
-        report(f"validating trial {cand.number} ({cand.speedup}) over {steps} steps")
-        val = validate(task, policy, steps=steps, tolerance=tol, progress=progress)
+        policy = (result.policy if cand.number == winner.number else dataclasses.replace(
+            assignment_policy(units, cand.assignment, model_name=result.policy.model_name,
+                              fingerprint=result.policy.fingerprint),
+            phases=result.policy.phases))  # the winner's phases (--final-phase) too
+        report(f"certifying trial {cand.number} ({cand.speedup}) against bf16, from a "
+               f"{steps}-step run")
+        val = certify(task, policy, steps=steps, tolerance=tol, progress=progress)
         report(val.report())
         if not val.passed:
             rejected.append((cand, val))
             continue
         result.policy = with_provenance(policy, _passed(result, policy, cand, val, rejected,
-                                                                steps))
+                                                                steps)).with_certificate(
+            val.certificate)
         result.best = cand
         result.validation = val
         return result
@@ -68,18 +72,18 @@ def _candidates(result: TuneResult) -> list[TrialResult]:
 
 def _passed(result: TuneResult, policy: Policy, cand: TrialResult, val: Any,
             rejected: list[tuple[TrialResult, Any]], steps: int) -> Provenance:
-    """The provenance of the policy that passed validation: the tune's, when it is the
+    """The provenance of the policy whose certificate passed: the tune's, when it is the
     winner; else its own, saying which policies were rejected and why."""
-    section = {"steps": steps, "gap": round(val.gap, 6), "noise": round(val.noise, 6),
+    cert = val.certificate
+    section = {"steps": steps, "gap": round(cert.gap, 6), "verdict": cert.verdict,
                "passed": True, "trial": cand.number}
     prov = result.policy.provenance
     if not rejected:  # the winner passed: its provenance is the tune's
         return dataclasses.replace(prov, extra={**prov.extra, "validation": section})
     section["rejected"] = _rejected(rejected)
     verdict = _rejections(rejected, steps) + [
-        f"wrote trial {cand.number}, the next-fastest policy on the Pareto front, which "
-        f"passed: its held-out loss gap {val.gap:+.3%} vs FP32 is within the allowed "
-        f"{val.tolerance + val.noise:.3%}", _speed_source(result, cand)]
+        f"wrote trial {cand.number}, the next-fastest policy on the Pareto front, whose "
+        f"certificate passed: {cert.describe()}", _speed_source(result, cand)]
     return fallback_provenance(result, policy, cand, verdict, section)
 
 
@@ -91,9 +95,10 @@ def _all_fp32(result: TuneResult, rejected: list[tuple[TrialResult, Any]],
     policy = Policy(default="fp32", model_name=result.policy.model_name,
                     fingerprint=result.policy.fingerprint)
     verdict = _rejections(rejected, steps) + [
-        f"wrote all-fp32: none of the {len(rejected)} Pareto policies tried passed validation; "
-        "all-fp32 is the FP32 reference, 1.00x its step time and no loss change by definition, "
-        "so no speed-up is claimed"]
+        f"wrote all-fp32: the certificate of none of the {len(rejected)} Pareto policies tried "
+        "passed; "
+        "all-fp32 is the tune's FP32 reference, 1.00x its step time and no loss change by "
+        "definition, so no speed-up is claimed"]
     section = {"steps": steps, "passed": False,
                "note": "no Pareto policy passed; fell back to fp32", "rejected": _rejected(rejected)}
     result.policy = with_provenance(policy, fallback_provenance(
@@ -105,17 +110,20 @@ def _all_fp32(result: TuneResult, rejected: list[tuple[TrialResult, Any]],
 
 
 def _rejected(rejected: list[tuple[TrialResult, Any]]) -> list[dict[str, Any]]:
-    return [{"trial": t.number, "gap": round(v.gap, 6), "allowed": round(v.tolerance + v.noise, 6)}
+    return [{"trial": t.number, "gap": _finite(v.certificate.gap),
+             "high": _finite(v.certificate.high), "verdict": v.certificate.verdict}
             for t, v in rejected]
 
 
+def _finite(x: float) -> float | str:
+    return round(x, 6) if x == x and abs(x) != float("inf") else str(x)
+
+
 def _rejections(rejected: list[tuple[TrialResult, Any]], steps: int) -> list[str]:
-    """One sentence per policy validation rejected, the tune's winner first."""
-    return [f"validation over {steps} training steps rejected trial {t.number}"
+    """One sentence per policy whose certificate did not pass, the tune's winner first."""
+    return [f"the certificate of trial {t.number}"
             + (", the tune's winner" if i == 0 else "")
-            + f" ({t.speedup}): its held-out loss gap {v.gap:+.3%} vs FP32 is over the allowed "
-              f"{v.tolerance + v.noise:.3%} (tolerance {v.tolerance:.3%} + FP32 run-to-run noise "
-              f"{v.noise:.3%})"
+            + f" ({t.speedup}) did not pass: {v.certificate.describe()}"
             for i, (t, v) in enumerate(rejected)]
 
 

@@ -1,0 +1,175 @@
+"""How tight the certificate is for its cost, and what the tune's old budget says beside it.
+
+    python benchmarks/bench_certificate.py --part width     [--models llama gpt2] [--steps 200]
+    python benchmarks/bench_certificate.py --part verdicts  [--models llama gpt2] [--steps 200]
+
+Models: HF Llama and HF GPT-2 byte LMs, 2 layers, 128 wide (batch 8x64, AdamW, cosine LR).
+Policies put every Linear (lm_head included) in one format, the rest in bf16; fp32 and fp16
+are whole-model.
+
+**width**: for fp8 (tensorwise) and nvfp4, against bf16:
+- unpaired batch-order noise: bf16 runs of ``steps`` steps on 3 batch orders (same init), the
+  s.d. of their held-out loss (relative): what "gap vs reference" carries when the two runs
+  see other batches;
+- paired whole runs: the policy on each of those orders from the same init, the s.d. of the
+  3 paired gaps (today's pairing);
+- the certificate (``sequential=False``: every branch, one look at 95%): its interval's
+  half-width, and its cost in training steps (reference run + branches).
+At the certificate's cost, a design of whole-run pairs affords ``cost / (2 * steps)`` pairs;
+its 95% half-width is ``1.96 * sd / sqrt(pairs)`` (``sd`` of a pair's gap: sqrt(2) x the
+unpaired s.d., or the paired s.d.). The table gives each and the ratio to the certificate's.
+
+**verdicts**: the certificate (its defaults) of each of 9 policies against bf16, beside the
+tune's proxies measured on the calibration batches at init (whole-model gradient error and
+one-step loss change vs FP32), the old budget's admission (gradient error <= 0.25, loss change
+<= 1%) against the certificate's verdict (a confusion table), and each proxy's Spearman with
+the certified gap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+
+import _common  # noqa: F401  (path and environment set-up)
+import torch
+from _common import device_line
+from scipy import stats
+
+import autoprec
+from autoprec.certification import _evaluate, _start, _step, _stream, certify
+from autoprec.formats import slow_16bit_dtypes
+from autoprec.measure.numerics import Numerics, prepare_for_measurement
+from autoprec.runtime.fp8 import emulating
+from examples.data import byte_batches
+
+LINEARS = {"llama": ("model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj", "lm_head"),
+           "gpt2": ("transformer.h.*.attn.c_attn", "transformer.h.*.attn.c_proj",
+                    "transformer.h.*.mlp.c_fc", "transformer.h.*.mlp.c_proj", "lm_head")}
+VERDICT_POLICIES = ("bf16", "fp32", "fp16", "fp8", "fp8:rowwise", "mxfp8", "nvfp4",
+                    "nvfp4/bf16/bf16", "nvfp4:plain")
+
+
+def task(model: str) -> autoprec.Task:
+    if model == "llama":
+        from examples.llama_bytes import make_model as llama
+
+        def build():
+            return llama(n_layer=2, hidden=128, intermediate=384, heads=4, kv_heads=2,
+                         seq_len=64)
+    else:
+        from examples.gpt2_bytes import make_model as gpt2
+
+        def build():
+            return gpt2(n_layer=2, n_embd=128, n_head=2, seq_len=64)
+    return autoprec.Task(model=build, batches=byte_batches(4, 8, 64, seed=1), name=model,
+                         device="cpu",
+                         train_batches=lambda n, seed: byte_batches(n, 8, 64, seed=seed),
+                         eval_batches=byte_batches(4, 8, 64, seed=10_000, skip=3_000_000))
+
+
+def policy(model: str, name: str) -> autoprec.Policy:
+    if name in ("bf16", "fp32", "fp16"):
+        return autoprec.Policy(default=name)
+    return autoprec.Policy(default="bf16", layers=dict.fromkeys(LINEARS[model], name))
+
+
+def whole_run(t: autoprec.Task, pol: autoprec.Policy | None, steps: int, order: int) -> float:
+    """Held-out loss after ``steps`` steps from the task's init on batch order ``order``."""
+    batches = _stream(t, steps, t.seed + 1000 * (order + 1))
+    with emulating(slow_16bit_dtypes(t.device)):
+        run = _start(t, pol, steps, strict=True)
+        for i, b in enumerate(batches):
+            _step(t, run, b, i)
+        return _evaluate(t, run.model, list(t.eval_batches))
+
+
+def width(models: list[str], steps: int) -> None:
+    rows = []
+    for m in models:
+        t, ref = task(m), policy(m, "bf16")
+        refs = [whole_run(t, ref, steps, k) for k in range(3)]
+        unpaired = statistics.stdev(refs) / statistics.fmean(refs)
+        for name in ("fp8", "nvfp4"):
+            pol = policy(m, name)
+            t0 = time.perf_counter()
+            paired = [(whole_run(t, pol, steps, k) - r) / r for k, r in enumerate(refs)]
+            cert = certify(t, pol, steps=steps, sequential=False, progress=False).certificate
+            cost = cert.steps + cert.policy_steps
+            pairs = cost / (2 * steps)
+            h_cert = (cert.high - cert.low) / 2
+            h_unp = 1.96 * math.sqrt(2) * unpaired / math.sqrt(pairs)
+            h_pair = 1.96 * statistics.stdev(paired) / math.sqrt(pairs)
+            rows.append([m, name, f"{unpaired:.3%}", f"{statistics.stdev(paired):.3%}",
+                         f"{statistics.fmean(paired):+.2%}", f"{cert.gap:+.3%}",
+                         f"{h_cert:.3%}", f"{cost}", f"{h_unp:.3%}", f"{h_pair:.3%}",
+                         f"{h_unp / h_cert:.1f}x", f"{h_pair / h_cert:.1f}x",
+                         f"{time.perf_counter() - t0:.0f}"])
+            print(" | ".join(rows[-1]), flush=True)
+    header = ["model", "policy", "unpaired sd", "paired sd", "paired gap (3)", "cert gap",
+              "cert half-width", "cost (steps)", "unpaired half-width at cost",
+              "paired half-width at cost", "unpaired/cert", "paired/cert", "s"]
+    _print(header, rows)
+
+
+def verdicts(models: list[str], steps: int) -> None:
+    rows, table = [], {}
+    for m in models:
+        t = task(m)
+        numerics = Numerics(prepare_for_measurement(t.build_model()), list(t.batches),
+                            t.loss_fn or autoprec.task.default_loss)
+        for name in VERDICT_POLICIES:
+            pol = policy(m, name)
+            t0 = time.perf_counter()
+            dev = numerics.compare(pol)
+            cert = certify(t, pol, steps=steps, progress=False).certificate
+            old = dev.finite and dev.grad_rel_error <= 0.25 and dev.loss_rel_change <= 0.01
+            table[m, name] = (cert, dev, old)
+            rows.append([m, name, cert.verdict, f"{cert.gap:+.3%}",
+                         f"[{cert.low:+.3%}, {cert.high:+.3%}]", str(cert.branches),
+                         f"{dev.grad_rel_error:.3f}", f"{dev.loss_rel_change:+.3%}",
+                         "admit" if old else "reject", f"{time.perf_counter() - t0:.0f}"])
+            print(" | ".join(rows[-1]), flush=True)
+    _print(["model", "policy", "certificate", "gap", "interval", "branches", "grad error",
+            "loss change", "old budget", "s"], rows)
+    _confusion(table)
+
+
+def _confusion(table: dict) -> None:
+    counts: dict[tuple[str, str], int] = {}
+    for cert, _, old in table.values():
+        key = ("admit" if old else "reject", cert.verdict)
+        counts[key] = counts.get(key, 0) + 1
+    print("\nold budget vs certificate (policies):")
+    _print(["old budget", "pass", "fail", "undecided"],
+           [[o, *(str(counts.get((o, v), 0)) for v in ("pass", "fail", "undecided"))]
+            for o in ("admit", "reject")])
+    gaps = [c.gap for c, _, _ in table.values()]
+    for label, values in (("gradient error", [d.grad_rel_error for _, d, _ in table.values()]),
+                          ("loss change", [d.loss_rel_change for _, d, _ in table.values()])):
+        rho = stats.spearmanr(values, gaps).statistic
+        print(f"Spearman({label}, certified gap) over {len(gaps)} model x policy pairs: "
+              f"{rho:+.2f}")
+
+
+def _print(header: list[str], rows: list[list[str]]) -> None:
+    print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--part", choices=["width", "verdicts"], required=True)
+    ap.add_argument("--models", nargs="+", default=["llama", "gpt2"], choices=["llama", "gpt2"])
+    ap.add_argument("--steps", type=int, default=200)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    print(device_line(), flush=True)
+    (width if args.part == "width" else verdicts)(args.models, args.steps)
+
+
+if __name__ == "__main__":
+    main()
