@@ -363,8 +363,13 @@ class _Pairs:
         curve = []
         for step in range(len(batches) + 1):  # `step` steps done
             if step in ends:
-                self.ref_evals.update(dict.fromkeys(ends[step], _evaluate(
-                    task, run.model, self.eval_batches)))
+                loss = _evaluate(task, run.model, self.eval_batches)
+                if not math.isfinite(loss):
+                    raise ValueError(f"certify: the reference's own held-out loss is {loss} "
+                                     f"after {step} steps: the reference diverges, so nothing "
+                                     "can be judged against it. Give another --reference, or "
+                                     "a task whose optimizer trains it stably.")
+                self.ref_evals.update(dict.fromkeys(ends[step], loss))
             if step in starts:
                 self.states[step] = _snapshot(run)
             if step < len(batches):

@@ -185,3 +185,12 @@ def test_bad_arguments_are_one_line_errors():
                        ({"tolerance": 2.0}, "tolerance"), ({"min_branches": 9}, "exceeds")):
         with pytest.raises(ValueError, match=needle):
             certify(task, Policy(default="bf16"), progress=False, **kw)
+
+
+def test_a_reference_that_diverges_is_an_error_not_a_verdict_on_the_policy():
+    from tasks import overflow_gpt2_task
+
+    # the planted layer overflows fp16: an all-fp16 reference goes non-finite
+    with pytest.raises(ValueError, match="reference diverges"):
+        certify(overflow_gpt2_task(), Policy(default="fp32"), reference="fp16", steps=4,
+                progress=False)
