@@ -159,6 +159,9 @@ class CertifyResult:
             ref, pol = self.losses[start]
             lines.append(f"  {start:9d}  {ref:9.4f}  {pol:9.4f}  {_gap(pol, ref):+7.2%}")
         lines.append("  " + c.describe())
+        if c.verdict == "undecided":
+            lines.append("  undecided: the interval straddles the tolerance; more branches "
+                         "(--branches) or a longer run (--steps) would narrow it")
         return "\n".join(lines)
 
 

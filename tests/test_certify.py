@@ -194,3 +194,12 @@ def test_a_reference_that_diverges_is_an_error_not_a_verdict_on_the_policy():
     with pytest.raises(ValueError, match="reference diverges"):
         certify(overflow_gpt2_task(), Policy(default="fp32"), reference="fp16", steps=4,
                 progress=False)
+
+
+def test_an_undecided_report_says_what_would_decide_it():
+    from autoprec.certification import CertifyResult
+
+    cert = _cert(gap=0.006, low=0.002, high=0.010, verdict="undecided", gaps=(0.006,) * 8)
+    text = CertifyResult(certificate=cert, losses={0: (2.0, 2.012)}).report()
+    assert "UNDECIDED" in text and "more branches" in text and "--steps" in text
+    assert "more branches" not in CertifyResult(certificate=_cert()).report()
