@@ -36,6 +36,7 @@ __all__ = [
     "atomic_write_all",
     "not_a_file",
     "refuse_non_file",
+    "file_kind",
     "write_json",
     "read_json",
     "read_bounded",
@@ -194,9 +195,9 @@ def not_a_file(path: str | os.PathLike) -> str | None:
             st = os.stat(path)
         except OSError:  # a dangling link (or a loop): replaced like any planted link
             return None
-    if stat.S_ISREG(st.st_mode):
+    kind = file_kind(st.st_mode)
+    if kind is None:
         return None
-    kind = next((name for test, name in _NOT_FILES if test(st.st_mode)), "not a regular file")
     return f"a link to {kind}" if link else kind
 
 
@@ -220,6 +221,14 @@ def _system_link(path: str) -> str | None:
 _NOT_FILES = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
               (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
               (stat.S_ISSOCK, "a socket"))
+
+
+def file_kind(mode: int) -> str | None:
+    """What a file of ``mode`` (``st_mode``) is when it is not a regular file, in words
+    (``"a FIFO (named pipe)"``, ``"a character device"``, ...); None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    return next((name for test, name in _NOT_FILES if test(mode)), "not a regular file")
 
 
 def refuse_non_file(path: str | os.PathLike, what: str | None = None) -> None:
@@ -451,13 +460,13 @@ def read_bounded(path: str | os.PathLike, limit: int, what: str) -> bytes:
     # file is read (a FIFO, device or socket given as a policy, profile or guard state is not)
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     with open(fd, "rb") as f:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            if stat.S_ISDIR(mode):
-                raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+        if file_kind(st.st_mode) is not None:
             raise ValueError(f"{shown(path, 160)} is not a regular file (a FIFO, device or "
                              f"socket); give the {what} file itself.")
-        size = os.fstat(fd).st_size
+        size = st.st_size
         if size > limit:
             raise ValueError(f"{shown(path, 160)} is {size / 2 ** 20:.1f} MiB; a {what} file may "
                              f"be at most {limit / 2 ** 20:g} MiB. Is it the right file?")

@@ -40,7 +40,6 @@ import os
 import pickle
 import pickletools
 import reprlib
-import stat
 import struct
 import zipfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -49,7 +48,7 @@ from typing import Any, BinaryIO
 import torch
 from torch import nn
 
-from autoprec._util import MAX_JSON_DEPTH, json_depth, quoted, shown
+from autoprec._util import MAX_JSON_DEPTH, file_kind, json_depth, quoted, shown
 
 __all__ = [
     "CHECKPOINT_FACTOR",
@@ -204,9 +203,9 @@ def _opened(path: str, folder: str | None) -> Iterator[tuple[BinaryIO, str, int]
                          f"({shown(e.strerror or type(e).__name__)}); give a readable "
                          "regular file.") from None
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise ValueError(f"Checkpoint file {where} is {_kind(mode)}, not a regular file: "
+        kind = file_kind(os.fstat(fd).st_mode)
+        if kind is not None:
+            raise ValueError(f"Checkpoint file {where} is {kind}, not a regular file: "
                              "it was not read (a pipe or a device can block or never end). "
                              "Give the checkpoint's file.")
         file = os.fdopen(fd, "rb")
@@ -216,13 +215,6 @@ def _opened(path: str, folder: str | None) -> Iterator[tuple[BinaryIO, str, int]
     with file:
         reopen = f"{_PROC_FD}/{fd}" if os.path.isdir(_PROC_FD) else target
         yield file, reopen, os.fstat(fd).st_size
-
-
-def _kind(mode: int) -> str:
-    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-             (stat.S_ISSOCK, "a socket"))
-    return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
 def _inside(path: str, folder: str) -> str:
