@@ -64,13 +64,16 @@ from autoprec.runtime.rewrite import apply
 from autoprec.task import Task, optimizer_step
 
 __all__ = ["certify", "CertifyConfig", "CertifyResult", "DEFAULT_TOLERANCE", "DEFAULT_STEPS",
-           "DEFAULT_BRANCHES"]
+           "DEFAULT_BRANCHES", "REFERENCES", "start_run", "train_step", "training_stream",
+           "held_out_loss"]
 
 # The largest relative held-out loss gap that passes (see the module docstring for why).
 DEFAULT_TOLERANCE = 0.005
 DEFAULT_STEPS = 200
 DEFAULT_BRANCHES = 8
 DEFAULT_MIN_BRANCHES = 4
+# References named by a format (every layer in it) rather than by a policy file.
+REFERENCES = ("bf16", "fp16", "fp32")
 
 
 @dataclass(frozen=True)
@@ -171,10 +174,8 @@ def _reference_policy(reference: str | Policy | os.PathLike) -> tuple[str, Polic
     if isinstance(reference, Policy):
         return f"policy {reference.digest()[:19]}", reference
     text = os.fspath(reference)
-    if text in ("bf16", "fp16"):
-        return text, Policy(default=text)
-    if text == "fp32":
-        return "fp32", None
+    if text in REFERENCES:  # fp32 is the model as it is: no policy
+        return text, None if text == "fp32" else Policy(default=text)
     policy = load_policy(text)
     return f"policy {policy.digest()[:19]}", policy
 
@@ -204,7 +205,7 @@ def certify(task: Task, policy: Policy, config: CertifyConfig | None = None, *,
     starts = _branch_points(cfg.steps, cfg.window, cfg.branches)
     looks = _looks(len(starts), min(cfg.min_branches, len(starts)), cfg.sequential)
     level = 1 - (1 - cfg.confidence) / len(looks)
-    batches = _stream(task, cfg.steps, task.seed + 1000)
+    batches = training_stream(task, cfg.steps, task.seed + 1000)
     eval_batches = list(task.eval_batches if task.eval_batches is not None else task.batches[-2:])
     log(f"certify: {ref_name} reference run of {cfg.steps} steps, then up to {len(starts)} "
         f"branches of {cfg.window} steps", progress)
@@ -289,7 +290,7 @@ def _gap(policy_loss: float, reference_loss: float) -> float:
 
 # ------------------------------------------------------------------------------ training
 @dataclass
-class _Run:
+class Run:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     schedule: torch.optim.lr_scheduler.LRScheduler
@@ -298,7 +299,9 @@ class _Run:
     phases: PhaseSwitcher | None = None
 
 
-def _start(task: Task, policy: Policy | None, total_steps: int, strict: bool) -> _Run:
+def start_run(task: Task, policy: Policy | None, total_steps: int, strict: bool) -> Run:
+    """A fresh model from ``task`` with ``policy`` applied (None: FP32), its optimizer, the
+    cosine schedule of a ``total_steps`` run, a loss scaler where the policy needs one."""
     model = task.build_model().train()
     scaler = phases = None
     if policy is not None:
@@ -311,10 +314,10 @@ def _start(task: Task, policy: Policy | None, total_steps: int, strict: bool) ->
             phases = PhaseSwitcher(model, policy, total_steps=total_steps)
     opt = task.make_optimizer(model.parameters())
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total_steps)
-    return _Run(model, opt, schedule, scaler, phases)
+    return Run(model, opt, schedule, scaler, phases)
 
 
-def _step(task: Task, run: _Run, batch: Any, step: int) -> float:
+def train_step(task: Task, run: Run, batch: Any, step: int) -> float:
     """One training step with the step's own seeds (the same in every run at this step)."""
     if run.phases is not None:
         run.phases.at(step)
@@ -327,7 +330,8 @@ def _step(task: Task, run: _Run, batch: Any, step: int) -> float:
     return float(loss.detach())
 
 
-def _evaluate(task: Task, model: torch.nn.Module, batches: Sequence[Any]) -> float:
+def held_out_loss(task: Task, model: torch.nn.Module, batches: Sequence[Any]) -> float:
+    """The mean loss of ``model`` on ``batches``, in eval mode, without gradients."""
     model.eval()
     try:
         with torch.no_grad():
@@ -336,7 +340,7 @@ def _evaluate(task: Task, model: torch.nn.Module, batches: Sequence[Any]) -> flo
         model.train()
 
 
-def _snapshot(run: _Run) -> dict[str, Any]:
+def _snapshot(run: Run) -> dict[str, Any]:
     return {"model": {k: v.detach().to("cpu", copy=True) for k, v in
                       run.model.state_dict().items()},
             "optimizer": copy.deepcopy(run.optimizer.state_dict()),
@@ -359,14 +363,14 @@ class _Pairs:
         """Train the reference, keeping its state at each branch start and its held-out loss
         ``horizon`` steps after each; its training curve."""
         task, batches = self.task, self.batches
-        run = _start(task, ref_policy, len(batches), self.strict)
+        run = start_run(task, ref_policy, len(batches), self.strict)
         ends: dict[int, list[int]] = {}
         for s in starts:
             ends.setdefault(s + self.horizon, []).append(s)
         curve = []
         for step in range(len(batches) + 1):  # `step` steps done
             if step in ends:
-                loss = _evaluate(task, run.model, self.eval_batches)
+                loss = held_out_loss(task, run.model, self.eval_batches)
                 if not math.isfinite(loss):
                     raise ValueError(f"certify: the reference's own held-out loss is {loss} "
                                      f"after {step} steps: the reference diverges, so nothing "
@@ -376,7 +380,7 @@ class _Pairs:
             if step in starts:
                 self.states[step] = _snapshot(run)
             if step < len(batches):
-                curve.append(_step(task, run, batches[step], step))
+                curve.append(train_step(task, run, batches[step], step))
         return curve
 
     def branches(self, order: Sequence[int], looks: set[int], level: float, tolerance: float,
@@ -397,17 +401,19 @@ class _Pairs:
         """The policy trained ``horizon`` steps from the reference's state at ``start``, on
         the batches the reference trained on next; its held-out loss (inf: it diverged)."""
         state = self.states.pop(start)
-        run = _start(self.task, self.policy, len(self.batches), self.strict)
+        run = start_run(self.task, self.policy, len(self.batches), self.strict)
         run.model.load_state_dict(state["model"])
         run.optimizer.load_state_dict(state["optimizer"])
         run.schedule.load_state_dict(state["schedule"])
         for step in range(start, start + self.horizon):
-            if not math.isfinite(_step(self.task, run, self.batches[step], step)):
+            if not math.isfinite(train_step(self.task, run, self.batches[step], step)):
                 return math.inf
-        return _evaluate(self.task, run.model, self.eval_batches)
+        return held_out_loss(self.task, run.model, self.eval_batches)
 
 
-def _stream(task: Task, steps: int, order_seed: int) -> list[Any]:
+def training_stream(task: Task, steps: int, order_seed: int) -> list[Any]:
+    """``steps`` training batches: the task's stream, else its calibration batches in an
+    order seeded by ``order_seed``."""
     if task.train_batches is not None:
         return list(task.train_batches(steps, order_seed))
     gen = torch.Generator().manual_seed(order_seed)

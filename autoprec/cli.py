@@ -210,11 +210,12 @@ def _final_phase(policy, spec: tuple[float, str]):
     from autoprec.phases import kept_for_range
 
     fraction, fmt = spec
-    kept = kept_for_range(Format.parse(fmt), policy.formats_used())
+    target = Format.parse(fmt)
+    kept = kept_for_range(target, policy.formats_used())
     if kept:
         names = ", ".join(sorted(f.label for f in kept))
         print(f"note: --final-phase {fraction:g}:{fmt} leaves the {names} layers as they are: "
-              f"{fmt} reaches only {Format.parse(fmt).max_value:g}, less far than {names}, so "
+              f"{fmt} reaches only {target.max_value:g}, less far than {names}, so "
               "moving them would trade overflow for precision", file=sys.stderr)
     phased = policy.with_final_phase(fraction, fmt)
     if phased is policy:
@@ -244,14 +245,14 @@ def _final_phase_spec(text: str) -> tuple[float, str]:
 
 
 def _cmd_validate(args) -> int:
-    from autoprec.certification import certify
+    from autoprec.certification import REFERENCES, certify
     from autoprec.policy import load_policy
 
     if args.output:
         task_file = _task_file(args.task)
         _distinct_files([(args.output, f"-o {args.output}", True),
                          (args.policy, f"the policy {args.policy}", False),
-                         (args.reference if args.reference not in _REFERENCES else None,
+                         (args.reference if args.reference not in REFERENCES else None,
                           f"--reference {args.reference}", False),
                          (task_file, f"the task file {task_file}", False)])
         _writable_output(args.output)
@@ -269,7 +270,6 @@ def _cmd_validate(args) -> int:
 
 # `validate`'s exit status per verdict (2 is a usage or input error, as everywhere)
 _VERDICT_EXIT = {"pass": 0, "fail": 1, "undecided": 3}
-_REFERENCES = ("bf16", "fp16", "fp32")
 
 
 def _cmd_show(args) -> int:
@@ -513,10 +513,10 @@ def _cmd_diff(args) -> int:
 def _certificate_changes(a, b) -> list[str]:
     """`diff`'s line for the certificates, when they differ (or one policy has none)."""
     def said(policy) -> str:
-        cert = policy.provenance.certificate
+        cert, covers = policy.certified()
         if cert is None:
             return "(none)"
-        return cert.describe() + ("" if cert.covers(policy.digest()) else " [edited since]")
+        return cert.describe() + ("" if covers else " [edited since]")
 
     before, after = said(a), said(b)  # the same record can cover one and not the other
     return [] if before == after else [f"certificate: {before} -> {after}"]

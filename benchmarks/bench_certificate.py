@@ -41,10 +41,10 @@ from _common import device_line
 from scipy import stats
 
 import autoprec
-from autoprec.certification import _evaluate, _start, _step, _stream, certify
+from autoprec.budget import RULE_RATIO, gradient_bias
+from autoprec.certification import certify, held_out_loss, start_run, train_step, training_stream
 from autoprec.formats import slow_16bit_dtypes
 from autoprec.measure.numerics import Numerics, prepare_for_measurement
-from autoprec.runtime import blockscale
 from autoprec.runtime.fp8 import emulating
 from examples.data import byte_batches
 
@@ -81,12 +81,12 @@ def policy(model: str, name: str) -> autoprec.Policy:
 
 def whole_run(t: autoprec.Task, pol: autoprec.Policy | None, steps: int, order: int) -> float:
     """Held-out loss after ``steps`` steps from the task's init on batch order ``order``."""
-    batches = _stream(t, steps, t.seed + 1000 * (order + 1))
+    batches = training_stream(t, steps, t.seed + 1000 * (order + 1))
     with emulating(slow_16bit_dtypes(t.device)):
-        run = _start(t, pol, steps, strict=True)
+        run = start_run(t, pol, steps, strict=True)
         for i, b in enumerate(batches):
-            _step(t, run, b, i)
-        return _evaluate(t, run.model, list(t.eval_batches))
+            train_step(t, run, b, i)
+        return held_out_loss(t, run.model, list(t.eval_batches))
 
 
 def width(models: list[str], steps: int) -> None:
@@ -117,46 +117,6 @@ def width(models: list[str], steps: int) -> None:
     _print(header, rows)
 
 
-def _grads(t: autoprec.Task, model: torch.nn.Module, batch, seed: int) -> torch.Tensor:
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    blockscale.seed_rounding(seed)
-    t.loss(model, batch).backward()
-    return torch.cat([p.grad.reshape(-1).double() if p.grad is not None
-                      else torch.zeros(p.numel(), dtype=torch.float64)
-                      for p in model.parameters()])
-
-
-def gradient_bias(t: autoprec.Task, pol: autoprec.Policy, trained_steps: int,
-                  n_batches: int = 8) -> tuple[float, float]:
-    """The policy's persistent gradient error at a point of a bf16 run (``trained_steps``
-    steps in; 0: init): ``||mean_b (g_policy - g_fp32)|| / ||mean_b g_fp32||`` over
-    ``n_batches`` training batches, and how persistent it is: that norm over the mean of the
-    per-batch error norms (1: the same error every batch; 1/sqrt(n): independent errors)."""
-    from autoprec.runtime import apply, remove
-
-    with emulating(slow_16bit_dtypes(t.device)):
-        run = _start(t, policy_of_bf16(), max(1, trained_steps), strict=True)
-        for i, b in enumerate(_stream(t, trained_steps, t.seed + 1000)):
-            _step(t, run, b, i)
-        model = prepare_for_measurement(t.build_model())
-        model.load_state_dict(run.model.state_dict())
-        sum_ref = sum_diff = None
-        norms = []
-        for k, b in enumerate(_stream(t, n_batches, t.seed + 7777)):
-            ref = _grads(t, model, b, k)
-            apply(model, pol, strict=False)
-            diff = _grads(t, model, b, k) - ref
-            remove(model)
-            sum_ref = ref if sum_ref is None else sum_ref + ref
-            sum_diff = diff if sum_diff is None else sum_diff + diff
-            norms.append(float(diff.norm()))
-    bias = float(sum_diff.norm() / sum_ref.norm())
-    mean_norm = statistics.fmean(norms)  # 0 for the FP32 policy: no error to persist
-    persistence = float(sum_diff.norm() / n_batches) / mean_norm if mean_norm else math.nan
-    return bias, persistence
-
-
 def policy_of_bf16() -> autoprec.Policy:
     return autoprec.Policy(default="bf16")
 
@@ -171,33 +131,43 @@ def verdicts(models: list[str], steps: int) -> None:
             pol = policy(m, name)
             t0 = time.perf_counter()
             dev = numerics.compare(pol)
-            bias0, _ = gradient_bias(t, pol, 0)
-            bias_mid, persist = gradient_bias(t, pol, steps // 2)
+            at_init = gradient_bias(t, pol, step=0, run_steps=steps)
+            mid = gradient_bias(t, pol, step=steps // 2, run_steps=steps)
+            bias0, bias_mid, persist = at_init.bias, mid.bias, mid.persistence
             cert = certify(t, pol, steps=steps, progress=False).certificate
             old = dev.finite and dev.grad_rel_error <= 0.25 and dev.loss_rel_change <= 0.01
-            table[m, name] = (cert, dev, old, bias0, bias_mid)
+            table[m, name] = (cert, dev, old, bias0, bias_mid, at_init.admits, mid.admits)
             rows.append([m, name, cert.verdict, f"{cert.gap:+.3%}",
                          f"[{cert.low:+.3%}, {cert.high:+.3%}]", str(cert.branches),
                          f"{dev.grad_rel_error:.3f}", f"{dev.loss_rel_change:+.3%}",
                          f"{bias0:.3f}", f"{bias_mid:.3f}", f"{persist:.2f}",
-                         "admit" if old else "reject", f"{time.perf_counter() - t0:.0f}"])
+                         "admit" if old else "reject", "admit" if mid.admits else "reject",
+                         f"{time.perf_counter() - t0:.0f}"])
             print(" | ".join(rows[-1]), flush=True)
     _print(["model", "policy", "certificate", "gap", "interval", "branches", "grad error",
             "loss change", "bias at init", f"bias at step {steps // 2}", "persistence",
-            "old budget", "s"], rows)
+            "old budget", f"rule at step {steps // 2}", "s"], rows)
     _confusion(table)
 
 
 def _confusion(table: dict) -> None:
-    counts: dict[tuple[str, str], int] = {}
-    for cert, _, old, *_ in table.values():
-        key = ("admit" if old else "reject", cert.verdict)
-        counts[key] = counts.get(key, 0) + 1
-    print("\nold budget vs certificate (policies):")
-    _print(["old budget", "pass", "fail", "undecided"],
-           [[o, *(str(counts.get((o, v), 0)) for v in ("pass", "fail", "undecided"))]
-            for o in ("admit", "reject")])
+    """Each budget's admission against the certificate's verdict, then each proxy's Spearman
+    with the certified gap."""
     rows = list(table.values())
+    for label, column in (("old budget (gradient error <= 0.25, loss change <= 1%)", 2),
+                          (f"rule at init (gradient bias < {RULE_RATIO:.3f})", 5),
+                          (f"rule mid-run (gradient bias < {RULE_RATIO:.3f})", 6)):
+        counts: dict[tuple[str, str], int] = {}
+        for r in rows:
+            key = ("admit" if r[column] else "reject", r[0].verdict)
+            counts[key] = counts.get(key, 0) + 1
+        agree = counts.get(("admit", "pass"), 0) + counts.get(("reject", "fail"), 0) + \
+            counts.get(("reject", "undecided"), 0)
+        print(f"\n{label} vs certificate: agrees with it (admits a pass, rejects what does not "
+              f"pass) on {agree} of {len(rows)}")
+        _print(["budget", "pass", "fail", "undecided"],
+               [[o, *(str(counts.get((o, v), 0)) for v in ("pass", "fail", "undecided"))]
+                for o in ("admit", "reject")])
     gaps = [r[0].gap for r in rows]
     for label, values in (("gradient error", [r[1].grad_rel_error for r in rows]),
                           ("loss change", [r[1].loss_rel_change for r in rows]),

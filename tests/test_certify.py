@@ -14,7 +14,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from tasks import tiny_gpt2_task, tiny_llama_task
 
 from autoprec import Certificate, Policy, PolicyError, certify, load_policy
@@ -32,12 +31,10 @@ def every_linear(fmt: str) -> Policy:
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(one_thread):
     """Certificates of the tiny Llama, each measured once per (policy, sequential)."""
     cache: dict[tuple[str, bool], object] = {}
     task = tiny_llama_task()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
 
     def run(name: str, sequential: bool = True):
         if (name, sequential) not in cache:
@@ -47,7 +44,6 @@ def runs():
         return cache[name, sequential]
 
     yield run
-    torch.set_num_threads(threads)
 
 
 # ============================================================================ the verdicts

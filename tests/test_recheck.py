@@ -45,13 +45,8 @@ def _train_fp32(model, batches, steps, *, planted: bool):
     return model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # two noisy shared cores: one thread each is 10x faster than two threads fighting others
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# two noisy shared cores: one thread each is 10x faster than two threads fighting others
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

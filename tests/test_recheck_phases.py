@@ -30,12 +30,8 @@ PHASED = Policy(default="fp32", layers={FC0: "fp8"},
                 tuned={"budget": {"max_loss_increase": 0.05, "max_grad_error": 0.0}})
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# two noisy shared cores: one thread each is 10x faster than two threads fighting others
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
