@@ -39,10 +39,13 @@ bit.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 __all__ = ["E2M1_GRID", "mx_quantize", "mx_dequantize", "hadamard_transform",
-           "nvfp4_tensor_scale", "nvfp4_quantize", "nvfp4_dequantize", "to_e2m1", "seed_rounding"]
+           "nvfp4_tensor_scale", "nvfp4_quantize", "nvfp4_dequantize", "to_e2m1", "seed_rounding",
+           "forked_rounding"]
 
 MX_BLOCK = 32
 NVFP4_BLOCK = 16
@@ -133,6 +136,23 @@ def seed_rounding(seed: int) -> None:
 
 # the seed a device's generator starts from when it is first used
 _next_seed = [_SR_SEED]
+
+
+@contextlib.contextmanager
+def forked_rounding():
+    """Stochastic rounding drawn inside leaves the draws after it as they would have been
+    (a measurement taken in the middle of training: :class:`autoprec.runtime.bias.BiasWatch`)."""
+    states = {device: g.get_state() for device, g in _GENERATORS.items()}
+    seed = _next_seed[0]
+    try:
+        yield
+    finally:
+        for device in list(_GENERATORS):
+            if device in states:
+                _GENERATORS[device].set_state(states[device])
+            else:
+                del _GENERATORS[device]
+        _next_seed[0] = seed
 
 
 def _generator(device: torch.device) -> torch.Generator:

@@ -69,6 +69,8 @@ class PhaseSwitcher:
         self.total_steps = total_steps
         self.starts = policy.phase_starts(total_steps)
         self.current = 0
+        # the step a BiasWatch brought the final phase forward to (None: as the policy says)
+        self.brought_forward: int | None = None
         self._check(self.model, policy)
         self.model.__dict__[_PHASES_ATTR] = self
         if len(self.starts) > 1:
@@ -135,11 +137,26 @@ class PhaseSwitcher:
         logger.warning("autoprec: step %d: phase %d (%s) in force", step, index, what)
         self.current = index
 
+    def bring_final_forward(self, step: int) -> None:
+        """Start the final phase at ``step`` optimizer steps (a phase planned later starts no
+        later than it) and switch to it now; the checkpointed state keeps the move."""
+        if len(self.starts) < 2:
+            raise PolicyError("The policy has no later phase to bring forward.")
+        if not (isinstance(step, int) and 1 <= step < self.starts[-1]):
+            return  # at or past its planned start: the schedule already has it
+        self._move_final(step)
+        self.at(step)
+
+    def _move_final(self, step: int) -> None:
+        self.starts = [min(s, step) for s in self.starts[:-1]] + [step]
+        self.brought_forward = step
+
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Plain data for a checkpoint: the phase in force and the run's length."""
+        """Plain data for a checkpoint: the phase in force, the run's length, and where a
+        BiasWatch moved the final phase."""
         return {"version": _STATE_VERSION, "phase": self.current, "total_steps": self.total_steps,
-                "starts": list(self.starts)}
+                "starts": list(self.starts), "brought_forward": self.brought_forward}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Check a checkpoint's phase state against this run; the phase itself follows from the
@@ -147,6 +164,9 @@ class PhaseSwitcher:
         if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
             raise PolicyError(f"Not an autoprec phase state (version {_STATE_VERSION}): "
                               f"{type(state).__name__}; resume without it or from its run.")
+        moved = state.get("brought_forward")
+        if moved is not None and isinstance(moved, int) and 1 <= moved < self.starts[-1]:
+            self._move_final(moved)  # the next `at` switches to it
         starts = state.get("starts")
         if starts != list(self.starts):
             raise PolicyError(
