@@ -1,8 +1,9 @@
 """The gradient bias of a policy at a point of the certificate's reference run: the budget's
 measurement, taken where the run will be rather than on the untrained model.
 
-What the bias is and the rule that judges it (:data:`RULE_RATIO` = 1/sqrt(3), from "FP4 All
-the Way"): :mod:`autoprec.runtime.bias`, which also measures it during training. Here the
+What the bias is and the budget that judges it (:data:`DEFAULT_BIAS_BUDGET`, measured against
+certificates; the theory's :data:`RULE_RATIO`): :mod:`autoprec.runtime.bias`, which also
+measures it during training. Here the
 model is the certificate's own BF16 reference run (:func:`autoprec.certify`: same training
 stream, per-step seeds and cosine schedule) trained ``step`` steps in, and the held batches
 come from a stream of their own. Where in the run matters: at initialisation every format
@@ -19,12 +20,12 @@ from autoprec.certification import DEFAULT_STEPS, start_run, train_step, trainin
 from autoprec.formats import slow_16bit_dtypes
 from autoprec.measure.numerics import prepare_for_measurement
 from autoprec.policy import Policy
-from autoprec.runtime.bias import RULE_RATIO, GradientBias, measure_bias
+from autoprec.runtime.bias import DEFAULT_BIAS_BUDGET, RULE_RATIO, GradientBias, measure_bias
 from autoprec.runtime.fp8 import emulating
 from autoprec.runtime.rewrite import apply, remove
 from autoprec.task import Task
 
-__all__ = ["gradient_bias", "RULE_RATIO", "GradientBias"]
+__all__ = ["gradient_bias", "DEFAULT_BIAS_BUDGET", "RULE_RATIO", "GradientBias"]
 
 DEFAULT_BATCHES = 8
 

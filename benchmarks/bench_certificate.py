@@ -2,8 +2,10 @@
 
     python benchmarks/bench_certificate.py --part width     [--models llama gpt2] [--steps 200]
     python benchmarks/bench_certificate.py --part verdicts  [--models llama gpt2] [--steps 200]
+    python benchmarks/bench_certificate.py --part verdicts --models llama-64 gpt2-64
 
-Models: HF Llama and HF GPT-2 byte LMs, 2 layers, 128 wide (batch 8x64, AdamW, cosine LR).
+Models: HF Llama and HF GPT-2 byte LMs, 2 layers, 128 wide (``llama-64``/``gpt2-64``: 64
+wide, the held-out pair), batch 8x64, AdamW, cosine LR.
 Policies put every Linear (lm_head included) in one format, the rest in bf16; fp32 and fp16
 are whole-model.
 
@@ -22,10 +24,14 @@ unpaired s.d., or the paired s.d.). The table gives each and the ratio to the ce
 **verdicts**: the certificate (its defaults) of each of 9 policies against bf16, beside the
 tune's proxies measured on the calibration batches at init (whole-model gradient error and
 one-step loss change vs FP32) and a candidate for a budget that predicts the certificate: the
-persistent gradient bias (the error of the gradient averaged over 8 training batches, relative
-to the averaged gradient) at init and halfway through a bf16 run, with how persistent the error
-is. Then the old budget's admission (gradient error <= 0.25, loss change <= 1%) against the
-certificate's verdict (a confusion table), and each proxy's Spearman with the certified gap.
+persistent gradient bias (``autoprec.budget.gradient_bias``: the error of the gradient
+averaged over 8 batches, relative to the averaged gradient) at init and halfway through the
+certificate's own bf16 reference run, with how persistent the error is. Then, against the
+certificate's verdict (confusion tables): the old budget (gradient error <= 0.25, loss change
+<= 1%), the "FP4 All the Way" rule (bias < 1/sqrt(3)) at init and mid-run, and a bias budget
+(``--threshold``, default ``DEFAULT_BIAS_BUDGET`` = 0.21: the value between the largest passing
+and the smallest non-passing bias of the 128-wide pair, tested on the 64-wide one); and each
+proxy's Spearman with the certified gap.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from _common import device_line
 from scipy import stats
 
 import autoprec
-from autoprec.budget import RULE_RATIO, gradient_bias
+from autoprec.budget import DEFAULT_BIAS_BUDGET, RULE_RATIO, gradient_bias
 from autoprec.certification import certify, held_out_loss, start_run, train_step, training_stream
 from autoprec.formats import slow_16bit_dtypes
 from autoprec.measure.numerics import Numerics, prepare_for_measurement
@@ -56,17 +62,21 @@ VERDICT_POLICIES = ("bf16", "fp32", "fp16", "fp8", "fp8:rowwise", "mxfp8", "nvfp
 
 
 def task(model: str) -> autoprec.Task:
-    if model == "llama":
+    """``llama``/``gpt2``: 2 layers, 128 wide; ``llama-64``/``gpt2-64``: 64 wide (held out:
+    a threshold fitted on the 128-wide pair is tested on these)."""
+    family, _, width = model.partition("-")
+    width = int(width or 128)
+    if family == "llama":
         from examples.llama_bytes import make_model as llama
 
         def build():
-            return llama(n_layer=2, hidden=128, intermediate=384, heads=4, kv_heads=2,
+            return llama(n_layer=2, hidden=width, intermediate=3 * width, heads=4, kv_heads=2,
                          seq_len=64)
     else:
         from examples.gpt2_bytes import make_model as gpt2
 
         def build():
-            return gpt2(n_layer=2, n_embd=128, n_head=2, seq_len=64)
+            return gpt2(n_layer=2, n_embd=width, n_head=2, seq_len=64)
     return autoprec.Task(model=build, batches=byte_batches(4, 8, 64, seed=1), name=model,
                          device="cpu",
                          train_batches=lambda n, seed: byte_batches(n, 8, 64, seed=seed),
@@ -76,7 +86,8 @@ def task(model: str) -> autoprec.Task:
 def policy(model: str, name: str) -> autoprec.Policy:
     if name in ("bf16", "fp32", "fp16"):
         return autoprec.Policy(default=name)
-    return autoprec.Policy(default="bf16", layers=dict.fromkeys(LINEARS[model], name))
+    return autoprec.Policy(default="bf16",
+                           layers=dict.fromkeys(LINEARS[model.partition("-")[0]], name))
 
 
 def whole_run(t: autoprec.Task, pol: autoprec.Policy | None, steps: int, order: int) -> float:
@@ -121,7 +132,7 @@ def policy_of_bf16() -> autoprec.Policy:
     return autoprec.Policy(default="bf16")
 
 
-def verdicts(models: list[str], steps: int) -> None:
+def verdicts(models: list[str], steps: int, threshold: float = DEFAULT_BIAS_BUDGET) -> None:
     rows, table = [], {}
     for m in models:
         t = task(m)
@@ -136,27 +147,30 @@ def verdicts(models: list[str], steps: int) -> None:
             bias0, bias_mid, persist = at_init.bias, mid.bias, mid.persistence
             cert = certify(t, pol, steps=steps, progress=False).certificate
             old = dev.finite and dev.grad_rel_error <= 0.25 and dev.loss_rel_change <= 0.01
-            table[m, name] = (cert, dev, old, bias0, bias_mid, at_init.admits, mid.admits)
+            table[m, name] = (cert, dev, old, bias0, bias_mid, bias0 < RULE_RATIO,
+                              bias_mid < RULE_RATIO, bias_mid < threshold)
             rows.append([m, name, cert.verdict, f"{cert.gap:+.3%}",
                          f"[{cert.low:+.3%}, {cert.high:+.3%}]", str(cert.branches),
                          f"{dev.grad_rel_error:.3f}", f"{dev.loss_rel_change:+.3%}",
                          f"{bias0:.3f}", f"{bias_mid:.3f}", f"{persist:.2f}",
-                         "admit" if old else "reject", "admit" if mid.admits else "reject",
+                         "admit" if old else "reject",
+                         "admit" if bias_mid < threshold else "reject",
                          f"{time.perf_counter() - t0:.0f}"])
             print(" | ".join(rows[-1]), flush=True)
     _print(["model", "policy", "certificate", "gap", "interval", "branches", "grad error",
             "loss change", "bias at init", f"bias at step {steps // 2}", "persistence",
-            "old budget", f"rule at step {steps // 2}", "s"], rows)
-    _confusion(table)
+            "old budget", f"bias budget {threshold:.2f} at step {steps // 2}", "s"], rows)
+    _confusion(table, threshold)
 
 
-def _confusion(table: dict) -> None:
+def _confusion(table: dict, threshold: float) -> None:
     """Each budget's admission against the certificate's verdict, then each proxy's Spearman
     with the certified gap."""
     rows = list(table.values())
     for label, column in (("old budget (gradient error <= 0.25, loss change <= 1%)", 2),
                           (f"rule at init (gradient bias < {RULE_RATIO:.3f})", 5),
-                          (f"rule mid-run (gradient bias < {RULE_RATIO:.3f})", 6)):
+                          (f"rule mid-run (gradient bias < {RULE_RATIO:.3f})", 6),
+                          (f"bias budget mid-run (gradient bias < {threshold:.3f})", 7)):
         counts: dict[tuple[str, str], int] = {}
         for r in rows:
             key = ("admit" if r[column] else "reject", r[0].verdict)
@@ -187,12 +201,20 @@ def _print(header: list[str], rows: list[list[str]]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--part", choices=["width", "verdicts"], required=True)
-    ap.add_argument("--models", nargs="+", default=["llama", "gpt2"], choices=["llama", "gpt2"])
+    ap.add_argument("--models", nargs="+", default=["llama", "gpt2"],
+                    choices=["llama", "gpt2", "llama-64", "gpt2-64"])
+    ap.add_argument("--threshold", type=float, default=DEFAULT_BIAS_BUDGET,
+                    help="(verdicts) the gradient-bias budget to judge beside the rule "
+                         f"(default {DEFAULT_BIAS_BUDGET}: chosen on llama and gpt2, tested on "
+                         "llama-64 and gpt2-64)")
     ap.add_argument("--steps", type=int, default=200)
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(device_line(), flush=True)
-    (width if args.part == "width" else verdicts)(args.models, args.steps)
+    if args.part == "width":
+        width(args.models, args.steps)
+    else:
+        verdicts(args.models, args.steps, args.threshold)
 
 
 if __name__ == "__main__":

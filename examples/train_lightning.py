@@ -67,19 +67,21 @@ def lit_module(model: torch.nn.Module, *, lr: float = 1e-3, plant_at: int | None
 def train(model, policy, batches, *, steps: int, lr: float = 1e-3, guard=None,
           plant_at: int | None = None, amended_to: str | None = None,
           module: str | None = "model", root_dir: str = "runs/lightning", callbacks=(),
-          ckpt_path: str | None = None, recheck_every: int | None = None, **trainer_args):
+          ckpt_path: str | None = None, recheck_every: int | None = None, follow_bias=None,
+          **trainer_args):
     """Train ``model`` under ``policy`` with ``L.Trainer(precision="32-true")`` for ``steps``
     optimizer steps over ``batches`` (ready dicts, cycled by epochs). Returns
     ``(trainer, lit, callback)``; ``lit.losses`` are the step losses, ``callback.guard`` the
     guard (or None). ``module``: where the LightningModule holds the HF model (None: let the
-    callback find it). ``recheck_every``: re-check the policy's layers every N steps."""
+    callback find it). ``recheck_every``: re-check the policy's layers every N steps;
+    ``follow_bias``: the bias watch that may bring the final phase forward."""
     import lightning as L
 
     from autoprec.runtime.lightning import AutoprecCallback
 
     lit = lit_module(model.train(), lr=lr, plant_at=plant_at)
     callback = AutoprecCallback(policy, guard=guard, module=module, amended_to=amended_to,
-                                recheck_every=recheck_every)
+                                recheck_every=recheck_every, follow_bias=follow_bias)
     trainer = L.Trainer(max_steps=steps, precision="32-true", accelerator="cpu", devices=1,
                         callbacks=[callback, *callbacks], default_root_dir=root_dir,
                         logger=False, enable_progress_bar=False, enable_model_summary=False,

@@ -36,6 +36,13 @@ HF Trainer: pass ``PolicyCallback(policy)`` in ``Trainer(callbacks=[...])`` (it 
 policy in ``on_init_end``, before the Trainer's Accelerator prepares the model) and leave
 ``bf16`` and ``fp16`` False; or call ``use_policy(trainer, policy)`` before ``trainer.train()``.
 
+``PolicyCallback(policy, follow_bias=N)`` (a policy with phases, no guard) measures the
+gradient bias every N steps on the first batches of the run and brings the final phase forward
+when a reading reaches the budget (:class:`autoprec.runtime.bias.BiasWatch`; ``FollowBias``
+sets the threshold and the number of held batches); the checkpoint then carries where it
+moved it (``autoprec_phases.json``), and a resumed run keeps it. Lightning's callback takes
+the same argument.
+
 Checkpoints carry the guard's state (its demotions), so a resumed run starts with them: the
 Trainer callback writes ``autoprec_guard.json`` into each ``checkpoint-N`` folder and reads it
 back on ``train(resume_from_checkpoint=...)``; with Accelerate, ``training_kit`` registers the
@@ -68,12 +75,14 @@ from autoprec.runtime.rewrite import unwrap as rewrite_unwrap
 # PolicyCallback is built on first access (module __getattr__ below)
 __all__ = ["TrainingKit", "training_kit", "PolicyCallback", "use_policy",  # noqa: F822
            "GUARD_STATE_FILE", "save_guard_state", "load_guard_state", "start_phases",
-           "make_rechecker"]
+           "make_rechecker", "init_follow_bias", "follow_bias"]
 
 logger = logging.getLogger(__name__)
 
 # What the Trainer callback writes beside trainer_state.json in each checkpoint folder.
 GUARD_STATE_FILE = "autoprec_guard.json"
+# ... and, once a bias watch moved the final phase forward, where it moved it to.
+PHASES_STATE_FILE = "autoprec_phases.json"
 # where training_kit keeps the Rechecker it made, on the model
 _RECHECKER_ATTR = "_autoprec_rechecker"
 
@@ -290,9 +299,10 @@ def _make_policy_callback():
 
         ``recheck_every=N`` (with a guard) re-checks the policy's layers on the step's batch
         every N steps (:class:`autoprec.recheck.Rechecker`, on a private copy of the weights);
-        the guard demotes what breaks the budget at that step, on every rank. A policy with phases switches at ``state.global_step``
-        (``on_step_begin``), the run's length being ``max_steps`` (or what the Trainer computes
-        from ``num_train_epochs``); a resumed run starts in the phase of its resumed step.
+        the guard demotes what breaks the budget at that step, on every rank. A policy with
+        phases switches at ``state.global_step`` (``on_step_begin``), the run's length being
+        ``max_steps`` (or what the Trainer computes from ``num_train_epochs``); a resumed run
+        starts in the phase of its resumed step. ``follow_bias=N``: see the module docstring.
 
         Added later (``trainer.add_callback``) it applies the policy in ``on_train_begin``,
         after the model was prepared; refused when the Trainer runs in bf16/fp16 (Accelerate's
@@ -301,8 +311,9 @@ def _make_policy_callback():
 
         def __init__(self, policy: Policy | str | os.PathLike, *, strict: bool = True,
                      guard: bool | GuardConfig | Guard | None = None,
-                     recheck_every: int | None = None):
+                     recheck_every: int | None = None, follow_bias: Any = None):
             _init_callback(self, policy, strict, guard, recheck_every)
+            init_follow_bias(self, follow_bias)
 
         def _apply(self, model: nn.Module) -> None:
             _apply_in_callback(self, model)
@@ -325,15 +336,27 @@ def _make_policy_callback():
                 self.phases.at(state.global_step)
 
         def on_step_end(self, args, state, control, **kwargs):
-            if self.rechecker is not None and self._batch is not None:
-                self.rechecker.maybe(self.guard.model, self._batch, state.global_step)
-            if self.guard is not None:
-                self.guard.step(step=state.global_step, scaler=self._scaler(args))
+            _end_step(self, args, state)
 
         def on_save(self, args, state, control, **kwargs):
-            _save_guard(self, args, state)
+            _save_state(self, args, state)
 
     return PolicyCallback
+
+
+def _end_step(callback: Any, args: Any, state: Any) -> None:
+    """PolicyCallback.on_step_end: the re-check, the guard's step, the bias watch."""
+    if callback.rechecker is not None and callback._batch is not None:
+        callback.rechecker.maybe(callback.guard.model, callback._batch, state.global_step)
+    if callback.guard is not None:
+        callback.guard.step(step=state.global_step, scaler=callback._scaler(args))
+    follow_bias(callback, callback._model, callback._batch, state.global_step)
+
+
+def _save_state(callback: Any, args: Any, state: Any) -> None:
+    """PolicyCallback.on_save: the guard's state and a moved phase, into the checkpoint."""
+    _save_guard(callback, args, state)
+    _save_phases(callback, args, state)
 
 
 def _init_callback(callback: Any, policy, strict: bool, guard, recheck_every) -> None:
@@ -347,7 +370,7 @@ def _init_callback(callback: Any, policy, strict: bool, guard, recheck_every) ->
     callback.guard = None
     # the policy's phases, switched at the Trainer's global_step (None: no phases)
     callback.phases = None
-    callback._trainer = None
+    callback._trainer = callback._model = None
     callback._warned = callback._restored = False  # restored: the guard's state was loaded
 
 
@@ -356,12 +379,93 @@ def _begin_training(callback: Any, args: Any, state: Any, model: nn.Module | Non
     callback._apply(model)
     _resume_guard(callback, args, state)
     callback.phases = start_phases(callback, model, state.max_steps, state.global_step)
-    if callback.rechecker is not None and model is not None:
+    _resume_phases(callback, args, state)
+    callback._model = model
+    if (callback.rechecker is not None or callback.follow_bias is not None) and model is not None:
         _capture_batches(callback, model)
     if callback.policy.uses(Format.FP16) and callback._scaler(args) is None \
             and not callback._warned:
         callback._warned = True
         _warn_unscaled_fp16()
+
+
+def init_follow_bias(owner: Any, value: Any) -> None:
+    """An integration's ``follow_bias`` fields, checked: a policy with phases, no guard."""
+    from autoprec.runtime.bias import FollowBias
+
+    try:
+        owner.follow_bias = FollowBias.coerce(value)
+    except ValueError as e:
+        raise PolicyError(f"{e}.") from None
+    owner.bias_watch, owner._held = None, []
+    if owner.follow_bias is None:
+        return
+    if not owner.policy.phases:
+        raise PolicyError("follow_bias brings the policy's final phase forward: give a policy "
+                          "with phases (autoprec tune --final-phase 0.9:bf16 writes one).")
+    if owner.guard_arg:
+        raise PolicyError("follow_bias does not run with a runtime guard: pass guard=None.")
+
+
+def follow_bias(owner: Any, model: nn.Module | None, batch: Any, step: int) -> None:
+    """After optimizer step ``step``, for an integration with ``follow_bias``: keep the run's
+    first batches as the held set, then a reading every N steps (which may move the final
+    phase forward)."""
+    cfg = owner.follow_bias
+    if cfg is None or batch is None or model is None:
+        return
+    if owner.bias_watch is None:
+        owner._held.append(_detached(batch))
+        if len(owner._held) < cfg.batches:
+            return
+        from autoprec.runtime.bias import BiasWatch  # measurement code: when asked for
+
+        owner.bias_watch = BiasWatch(model, owner._held, _model_loss, every=cfg.every,
+                                     threshold=cfg.threshold)
+    owner.bias_watch.after_step(step)
+
+
+def _detached(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.detach().clone()
+    if isinstance(batch, dict):
+        return {k: _detached(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_detached(v) for v in batch)
+    return batch
+
+
+def _model_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The loss of an HF model called as the Trainer calls it (labels in the batch)."""
+    out = model(**batch) if isinstance(batch, dict) else model(*batch) \
+        if isinstance(batch, (list, tuple)) else model(batch)
+    return out["loss"] if isinstance(out, dict) else out[0] if isinstance(out, tuple) else out
+
+
+def _save_phases(callback: Any, args: Any, state: Any) -> None:
+    """Where a bias watch moved the final phase, beside trainer_state.json."""
+    phases, folder = callback.phases, _checkpoint_dir(args, state)
+    if phases is None or phases.brought_forward is None or not args.should_save \
+            or not os.path.isdir(folder):
+        return
+    atomic_write(os.path.join(folder, PHASES_STATE_FILE),
+                 json.dumps(phases.state_dict(), indent=1) + "\n")
+
+
+def _resume_phases(callback: Any, args: Any, state: Any) -> None:
+    """Resumed at step N: a final phase a bias watch had moved is moved again, and the model
+    put in the phase in force at N."""
+    if callback.phases is None or not state.global_step:
+        return
+    path = os.path.join(_checkpoint_dir(args, state), PHASES_STATE_FILE)
+    if not os.path.isfile(path):
+        return
+    try:
+        callback.phases.load_state_dict(read_json(path, "phase state"))
+    except (ValueError, KeyError, TypeError) as e:  # PolicyError is a ValueError
+        raise PolicyError(f"{path} is not a readable phase state ({type(e).__name__}: {e}); "
+                          "delete it to resume with the phases the policy plans.") from None
+    callback.phases.at(state.global_step)
 
 
 def make_rechecker(policy: Policy, every: int | None, guard: Any):

@@ -20,7 +20,12 @@ every layer's format). The callback
   re-applies the demotions already made;
 - writes the amended policy when ``fit`` ends;
 - switches a policy's phases at ``global_step`` (the run's length: ``max_steps``, else
-  Lightning's ``estimated_stepping_batches``); a resumed fit starts in its step's phase.
+  Lightning's ``estimated_stepping_batches``); a resumed fit starts in its step's phase;
+- with ``follow_bias=N`` (a policy with phases, no guard; the batches as the LightningModule
+  hands them, which the model must take as keyword arguments with labels, as HF models do),
+  measures the gradient bias every N optimizer steps and brings the final phase forward when
+  it reaches the budget (:class:`autoprec.runtime.bias.BiasWatch`); the checkpoint carries the
+  move.
 
 ``precision``: ``"32-true"`` (recommended), ``"bf16-mixed"`` (harmless: Lightning's autocast
 wraps the policy's root region and the innermost region wins, but it adds casts) or
@@ -48,7 +53,7 @@ from autoprec.formats import Format
 from autoprec.policy import Policy, PolicyError, load_policy
 from autoprec.runtime import apply
 from autoprec.runtime.guard import Guard, GuardConfig, get_guard
-from autoprec.runtime.integrations import make_rechecker, start_phases
+from autoprec.runtime.integrations import follow_bias, init_follow_bias, make_rechecker, start_phases
 from autoprec.runtime.phases import PhaseSwitcher
 from autoprec.runtime.rewrite import applied_policy
 
@@ -85,11 +90,14 @@ class AutoprecCallback(pl.Callback):
 
     def __init__(self, policy: Policy | str | os.PathLike, *, guard: bool | GuardConfig | None = None,
                  module: str | None = None, strict: bool = True, engine: str | None = None,
-                 amended_to: str | os.PathLike | None = None, recheck_every: int | None = None):
+                 amended_to: str | os.PathLike | None = None, recheck_every: int | None = None,
+                 follow_bias: Any = None):
         self.policy = policy if isinstance(policy, Policy) else load_policy(policy)
         self.guard_arg = guard
         # re-check the policy's layers every N steps on the step's batch (autoprec.recheck)
         self.rechecker = make_rechecker(self.policy, recheck_every, guard)
+        init_follow_bias(self, follow_bias)
+        self._pending_phases: dict[str, Any] | None = None
         self.module = module
         self.strict = strict
         self.engine = engine
@@ -162,6 +170,10 @@ class AutoprecCallback(pl.Callback):
         total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else \
             int(trainer.estimated_stepping_batches)
         self.phases = start_phases(self, self.target, total, trainer.global_step)
+        if self.phases is not None and self._pending_phases is not None:
+            self.phases.load_state_dict(self._pending_phases)  # a final phase a watch moved
+            self.phases.at(trainer.global_step)
+        self._pending_phases = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                              batch: Any, batch_idx: int) -> None:
@@ -171,9 +183,12 @@ class AutoprecCallback(pl.Callback):
     # ---------------------------------------------------------------- the guard
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.guard is None or trainer.global_step == self._last_step:
-            return  # no guard, or a micro-batch of gradient accumulation
+        if trainer.global_step == self._last_step:
+            return  # a micro-batch of gradient accumulation
         self._last_step = trainer.global_step
+        follow_bias(self, self.target, batch, trainer.global_step)
+        if self.guard is None:
+            return
         if self.rechecker is not None:
             self.rechecker.maybe(self.target, batch, trainer.global_step)
         self.guard.step(step=trainer.global_step, scaler=trainer.scaler)
@@ -190,9 +205,13 @@ class AutoprecCallback(pl.Callback):
 
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        return {"guard": self.guard.state_dict()} if self.guard is not None else {}
+        state = {"guard": self.guard.state_dict()} if self.guard is not None else {}
+        if self.phases is not None and self.phases.brought_forward is not None:
+            state["phases"] = self.phases.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._pending_phases = state_dict.get("phases")  # taken up when training starts
         state = state_dict.get("guard")
         if state is None:
             return
