@@ -104,9 +104,11 @@ def test_a_moved_phase_survives_a_checkpoint_and_a_bad_state_is_one_line(task):
     again = BiasWatch(fresh.model, training_stream(task, 2, 1), task.loss, every=6)
     again.load_state_dict(watch_state)
     assert again.switched_at == 6 and again.after_step(12) is None  # no second switch
-    with pytest.raises(PolicyError) as e:
-        again.load_state_dict({"version": 1, "switched_at": "soon"})
-    assert "\n" not in str(e.value)
+    for bad in ({"version": 1, "switched_at": "soon"},
+                {"version": 1, "switched_at": None, "readings": [[6, "high"]]}):
+        with pytest.raises(PolicyError) as e:
+            again.load_state_dict(bad)
+        assert "\n" not in str(e.value)
 
 
 def test_misuse_is_one_line(task):

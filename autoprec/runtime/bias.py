@@ -254,8 +254,12 @@ class BiasWatch:
                 or not (at is None or (isinstance(at, int) and at >= 1)):
             raise PolicyError(f"Not an autoprec bias-watch state (version {_STATE_VERSION}): "
                               "resume without it or from its run.")
-        self.switched_at = at
-        self.readings = [GradientBias(bias=float(b), persistence=float(p),
-                                      batches=len(self.batches), step=int(s),
-                                      threshold=self.threshold)
-                         for s, b, p in state.get("readings", [])]
+        try:
+            readings = [GradientBias(bias=float(b), persistence=float(p),
+                                     batches=len(self.batches), step=int(s),
+                                     threshold=self.threshold)
+                        for s, b, p in state.get("readings", [])]
+        except (TypeError, ValueError):
+            raise PolicyError("A bias-watch state whose `readings` are not (step, bias, "
+                              "persistence) triples: resume without it or from its run.") from None
+        self.switched_at, self.readings = at, readings
