@@ -63,7 +63,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from autoprec._util import atomic_write, device_of, read_json
+from autoprec._util import atomic_write, call_model, device_of, read_json
 from autoprec.formats import Format
 from autoprec.policy import Policy, PolicyError, load_policy
 from autoprec.runtime import apply
@@ -436,9 +436,9 @@ def _detached(batch: Any) -> Any:
 
 
 def _model_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    """The loss of an HF model called as the Trainer calls it (labels in the batch)."""
-    out = model(**batch) if isinstance(batch, dict) else model(*batch) \
-        if isinstance(batch, (list, tuple)) else model(batch)
+    """The loss of an HF model called as the Trainer calls it (labels in the batch), the
+    call dispatched as everywhere else (``_util.call_model``)."""
+    out = call_model(model, batch)
     return out["loss"] if isinstance(out, dict) else out[0] if isinstance(out, tuple) else out
 
 
