@@ -176,7 +176,9 @@ def _cmd_tune(args) -> int:
     _more_than_fp32(args.formats, "choose")
     _check_tune_files(args)
     search = SearchConfig(formats=tuple(args.formats),
-                          budget=Budget(args.max_loss_increase, args.max_grad_error),
+                          budget=Budget(args.max_loss_increase, args.max_grad_error,
+                                        args.max_grad_bias),
+                          budget_at=args.budget_at,
                           max_memory=args.max_memory, n_trials=args.n_trials,
                           timeout=args.timeout, target=args.target, seed=args.seed,
                           grouping=args.groups, sensitivity=args.sensitivity,
@@ -345,9 +347,10 @@ def _provenance_text(prov) -> str:
         if getattr(prov, key):
             lines.append(f"  {key}: {shown(getattr(prov, key), 200)}")
     if prov.budget is not None:
-        grad = prov.budget.max_grad_error
+        grad, bias = prov.budget.max_grad_error, prov.budget.max_grad_bias
         lines.append(f"  budget: loss change <= {_num(prov.budget.max_loss_increase, '.2%')}, "
-                     f"gradient error <= {'-' if grad is None else _num(grad, 'g')}")
+                     f"gradient error <= {'-' if grad is None else _num(grad, 'g')}"
+                     + ("" if bias is None else f", gradient bias <= {_num(bias, 'g')}"))
     if prov.speedup is not None:
         rounds = (f" ({prov.speedup.rounds} timing rounds; 95% of re-timings as long land in "
                   "the interval)" if prov.speedup.rounds else "")
@@ -379,6 +382,7 @@ def _provenance_text(prov) -> str:
                         else shown(peak)))
     elif memory is not None:
         lines.append(f"  memory: {shown(memory)}")
+    lines += _bias_lines(extra.pop("bias", None))
     timing = extra.pop("timing", None)
     if isinstance(timing, dict):
         drift = timing.get("fp32_drift")
@@ -394,6 +398,16 @@ def _provenance_text(prov) -> str:
     for key, value in extra.items():
         lines.append(f"  {shown(key)}: {shown(value)}")
     return "\n".join(lines)
+
+
+def _bias_lines(bias) -> list[str]:
+    """The winner's gradient bias and where the tune measured it (``tuned.bias``)."""
+    if not isinstance(bias, dict):
+        return [] if bias is None else [f"  bias: {shown(bias)}"]
+    where = (f"step {_num(bias.get('step'), 'd')} of a {_num(bias.get('run_steps'), 'd')}-"
+             "step bf16 reference run" if bias.get("run_steps") else "the untrained model")
+    return [f"  gradient bias vs fp32: {_num(bias.get('grad_bias'), '.3g')} on "
+            f"{_num(bias.get('batches'), 'd')} held-out batches, measured at {where}"]
 
 
 def _layer_reasons(policy, prof, prof_path: str) -> str:
@@ -624,7 +638,7 @@ def _size(text: str) -> int:
 
 
 def _tune_parser(sub, common: dict) -> None:
-    from autoprec.policy import Budget
+    from autoprec.policy import DEFAULT_BIAS_BUDGET, Budget
     from autoprec.tuning.config import default
 
     budget = Budget()
@@ -640,6 +654,15 @@ def _tune_parser(sub, common: dict) -> None:
     p.add_argument("--max-grad-error", type=_nonneg_float, default=budget.max_grad_error,
                    help="relative gradient error allowed vs FP32 (default "
                         f"{budget.max_grad_error:g})")
+    p.add_argument("--max-grad-bias", type=_nonneg_float, default=None,
+                   help="gradient bias allowed vs FP32 (the error of the gradients summed over "
+                        "the held-out batches; default: no limit, with --budget-at "
+                        f"{DEFAULT_BIAS_BUDGET:g})")
+    p.add_argument("--budget-at", type=_positive_int, default=None, metavar="STEPS",
+                   help="profile and judge trials on the model trained STEPS steps into a "
+                        "2*STEPS-step bf16 reference run, where the bias budget was measured "
+                        "against certificates; the default budget becomes the gradient bias "
+                        f"<= {DEFAULT_BIAS_BUDGET:g} (default: measure the untrained model)")
     p.add_argument("--n-trials", type=_positive_int, default=default("n_trials"),
                    help="distinct policies to measure, warm starts included (default "
                         f"{default('n_trials')})")

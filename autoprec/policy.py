@@ -62,6 +62,7 @@ __all__ = [
     "LossScaling",
     "PolicyError",
     "DEFAULT_MAX_LOSS_INCREASE",
+    "DEFAULT_BIAS_BUDGET",
     "load_policy",
     "model_fingerprint",
 ]
@@ -81,6 +82,9 @@ _FP8_KEYS = ("recipe", "engine")
 # The error budget when nobody names one: a relative loss change of 1% vs FP32 on held-out
 # batches. Every default budget (Budget, the CLI, validation, the profile's verdicts) reads it.
 DEFAULT_MAX_LOSS_INCREASE = 0.01
+# The largest gradient bias (relative to the gradient, over a few batches, on the run's trained
+# state) that trains like BF16, as measured against certificates (autoprec.runtime.bias).
+DEFAULT_BIAS_BUDGET = 0.21
 _LOSS_SCALING_KEYS = ("init_scale", "growth_interval")
 
 
@@ -126,26 +130,44 @@ class Budget:
     max_loss_increase: float = DEFAULT_MAX_LOSS_INCREASE
     # Relative L2 error of all parameter gradients vs FP32 allowed; None: no limit.
     max_grad_error: float | None = 0.25
+    # Gradient bias vs FP32 allowed (the error of the gradients summed over the held-out
+    # batches, relative to their sum: autoprec.runtime.bias); None: no limit. It predicts the
+    # certificate when measured on a trained state (a tune's ``budget_at``), not at init.
+    max_grad_bias: float | None = None
 
     def __post_init__(self):
-        for name in ("max_loss_increase", "max_grad_error"):
+        for name in ("max_loss_increase", "max_grad_error", "max_grad_bias"):
             value = getattr(self, name)
-            if value is None and name == "max_grad_error":
+            if value is None and name != "max_loss_increase":
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not (0 <= value < math.inf):
                 raise ValueError(f"{name} must be a finite number >= 0, got {brief(value)}.")
             object.__setattr__(self, name, float(value))
 
-    def allows(self, loss_increase: float, grad_error: float) -> bool:
-        """Whether a policy with these measured numbers is within the budget."""
+    @classmethod
+    def trained(cls, max_loss_increase: float = DEFAULT_MAX_LOSS_INCREASE) -> Budget:
+        """The budget measured against certificates: the gradient bias within
+        :data:`DEFAULT_BIAS_BUDGET` (no separate gradient-error limit)."""
+        return cls(max_loss_increase, max_grad_error=None, max_grad_bias=DEFAULT_BIAS_BUDGET)
+
+    def allows(self, loss_increase: float, grad_error: float,
+               grad_bias: float | None = None) -> bool:
+        """Whether a policy with these measured numbers is within the budget (a bias limit
+        with no bias measured is not met)."""
+        if self.max_grad_bias is not None and (grad_bias is None or not math.isfinite(grad_bias)
+                                               or grad_bias > self.max_grad_bias):
+            return False
         return (math.isfinite(loss_increase) and math.isfinite(grad_error)
                 and loss_increase <= self.max_loss_increase
                 and (self.max_grad_error is None or grad_error <= self.max_grad_error))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"max_loss_increase": self.max_loss_increase,
-                "max_grad_error": self.max_grad_error}
+        out = {"max_loss_increase": self.max_loss_increase,
+               "max_grad_error": self.max_grad_error}
+        if self.max_grad_bias is not None:
+            out["max_grad_bias"] = self.max_grad_bias
+        return out
 
 
 @dataclass(frozen=True)
@@ -302,6 +324,7 @@ _EXTRA_SCHEMA: dict[str, dict[str, str]] = {
     "validation": {"steps": _INT, "gap": _NUM, "noise": _NUM, "passed": _BOOL, "trial": _INT,
                    "note": _TEXT},
     "fp8_runs_bf16": {"*": _TEXT},
+    "bias": {"grad_bias": _NUM, "step": _INT, "run_steps": _INT, "batches": _INT},
 }
 # How deep a free-form value of `tuned:` may nest (the guard's events: a list of mappings).
 _EXTRA_DEPTH = 3

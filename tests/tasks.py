@@ -94,3 +94,12 @@ def tiny_llama_task() -> autoprec.Task:
         batches=byte_batches(4, 8, 64, seed=1), name="tiny-llama", device="cpu",
         train_batches=lambda n, seed: byte_batches(n, 8, 64, seed=seed),
         eval_batches=byte_batches(4, 8, 64, seed=10_000, skip=3_000_000))
+
+
+def tiny_llama_priced_task() -> autoprec.Task:
+    """:func:`tiny_llama_task` priced at a production batch (16x2048 tokens): the cost model
+    of a GPU finds bf16 faster than fp32 on its layers, so a priced tune has choices."""
+    task = tiny_llama_task()
+    task.shape_batch = byte_batches(1, 16, 2048, seed=2)[0]
+    task.name = "tiny-llama-priced"
+    return task

@@ -8,6 +8,10 @@ the same everywhere:
 - ``grad_rel_error``: ``||g - g_fp32|| / ||g_fp32||`` over every trainable parameter's
   gradient, all batches concatenated (not the error of the summed gradients, which lets errors
   of opposite sign on two batches cancel);
+- ``grad_bias``: the error of the summed gradients, ``||sum_b (g_b - g_fp32,b)|| /
+  ||sum_b g_fp32,b||``: the part of the error training does not average away, the quantity
+  :mod:`autoprec.runtime.bias` defines and the bias budget judges (with one batch it is the
+  gradient error);
 - gradients come from ``torch.autograd.grad`` (no ``.grad`` is written, no weight moves);
 - a policy with fp16 layers back-propagates ``loss * scale`` with the policy's
   ``loss_scaling.init_scale`` and divides the gradients by it, halving the scale while the
@@ -20,6 +24,7 @@ the same everywhere:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -78,6 +83,8 @@ class Reference:
     grads: list[list[torch.Tensor]]
     # Per batch, float64 squared norm of each parameter's gradient, shape [n_params].
     grad_sq: list[torch.Tensor]
+    # Float64 squared norm of each parameter's gradient summed over the batches, [n_params].
+    sum_sq: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,11 @@ class Deviation:
     ref_sq: tuple[float, ...]
     # Batches compared.
     n_batches: int
+    # ||sum_b (g - g_fp32)|| / ||sum_b g_fp32|| over every trainable parameter (nan: not
+    # measured), and per parameter the squared norms of both sums.
+    grad_bias: float = math.nan
+    bias_sq: tuple[float, ...] = ()
+    ref_sum_sq: tuple[float, ...] = ()
 
     def grad_error_of(self, indices: Sequence[int]) -> float | None:
         """The gradient error over the parameters at ``indices`` (None when there are none)."""
@@ -104,6 +116,14 @@ class Deviation:
             return None
         return relative(math.fsum(self.diff_sq[i] for i in indices),
                         math.fsum(self.ref_sq[i] for i in indices))
+
+    def grad_bias_of(self, indices: Sequence[int]) -> float | None:
+        """The gradient bias over the parameters at ``indices`` (None when there are none or
+        the bias was not measured)."""
+        if not indices or not self.bias_sq:
+            return None
+        return relative(math.fsum(self.bias_sq[i] for i in indices),
+                        math.fsum(self.ref_sum_sq[i] for i in indices))
 
 
 class Numerics:
@@ -149,6 +169,7 @@ class Numerics:
         if self._reference is not None:
             return self._reference
         losses, grads, grad_sq = [], [], []
+        total: list[torch.Tensor] | None = None
         with _fp32(self.model):
             for b, batch in enumerate(self.batches):
                 ctx = around(b) if around is not None else contextlib.nullcontext()
@@ -166,20 +187,24 @@ class Numerics:
                 losses.append(value)
                 grads.append(g)
                 grad_sq.append(_sq_norms(g))
-        self._reference = Reference(losses=losses, grads=grads, grad_sq=grad_sq)
+                total = _accumulate(total, g)
+        self._reference = Reference(losses=losses, grads=grads, grad_sq=grad_sq,
+                                    sum_sq=_sq_norms(total))
         return self._reference
 
     # ---------------------------------------------------------------- a candidate
-    def compare(self, policy: Policy, *, after_forward: Callable[[int], None] | None = None
-                ) -> Deviation:
+    def compare(self, policy: Policy, *, after_forward: Callable[[int], None] | None = None,
+                bias: bool = False) -> Deviation:
         """Run every batch under ``policy`` and compare with the reference.
-        ``after_forward(b)`` is called after batch ``b``'s forward (to read probes)."""
+        ``after_forward(b)`` is called after batch ``b``'s forward (to read probes); ``bias``
+        also measures the gradient bias (one more gradient-sized buffer while it runs)."""
         ref = self.reference()
         scale = policy.loss_scaling.init_scale if policy.uses(Format.FP16) else 1.0
         changes: list[float] = []
         diff_sq = torch.zeros(len(self.params), dtype=torch.float64,
                               device=ref.grad_sq[0].device)
         finite = True
+        total: list[torch.Tensor] | None = None
         with warnings.catch_warnings():
             # apply() warns that emulated fp8 is slow; numerics are exact, which is all we use.
             warnings.filterwarnings("ignore", message=r".*can only emulate.*")
@@ -197,15 +222,24 @@ class Numerics:
                     r = ref.losses[b]
                     changes.append((value - r) / abs(r) if r != 0 else value - r)
                     finite = finite and math.isfinite(value) and all_finite(g)
-                    diff_sq += _sq_norms(_minus(g, ref.grads[b]))
+                    diff = _minus(g, ref.grads[b])
+                    diff_sq += _sq_norms(diff)
+                    if bias:
+                        total = _accumulate(total, diff)
         finally:
             rewrite.remove(self.model)
         ref_sq = torch.stack(ref.grad_sq).sum(0).tolist()
         diff = diff_sq.tolist()
-        return Deviation(loss_rel_change=math.fsum(changes) / len(changes),
-                         grad_rel_error=relative(math.fsum(diff), math.fsum(ref_sq)),
-                         finite=finite, diff_sq=tuple(diff), ref_sq=tuple(ref_sq),
-                         n_batches=len(self.batches))
+        dev = Deviation(loss_rel_change=math.fsum(changes) / len(changes),
+                        grad_rel_error=relative(math.fsum(diff), math.fsum(ref_sq)),
+                        finite=finite, diff_sq=tuple(diff), ref_sq=tuple(ref_sq),
+                        n_batches=len(self.batches))
+        if total is None:
+            return dev
+        bias_sq, ref_sum_sq = _sq_norms(total).tolist(), ref.sum_sq.tolist()
+        return dataclasses.replace(
+            dev, grad_bias=relative(math.fsum(bias_sq), math.fsum(ref_sum_sq)),
+            bias_sq=tuple(bias_sq), ref_sum_sq=tuple(ref_sum_sq))
 
     def _loss(self, batch: Any) -> torch.Tensor:
         loss = self.loss_fn(self.model, batch)
@@ -271,6 +305,17 @@ def _minus(grads: list[torch.Tensor], ref: list[torch.Tensor]) -> list[torch.Ten
         out.append(g - r if key in seen else g.sub_(r))
         seen.add(key)
     return out
+
+
+def _accumulate(total: list[torch.Tensor] | None,
+                grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``total + grads`` element by element: a copy of ``grads`` the first time (they may be
+    kept, or changed in place later), in place after. One extra set of gradient-sized tensors
+    for the whole comparison: what the summed (bias) error needs."""
+    if total is None:
+        return [g.clone() for g in grads]
+    torch._foreach_add_(total, grads)
+    return total
 
 
 def _sq_norms(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import Any
 
 from autoprec.formats import FORMAT_ORDER, Format, Support, expand_formats, per_gemm
 from autoprec.measure.sensitivity import check_sensitivity_mode
-from autoprec.policy import Budget
+from autoprec.policy import DEFAULT_BIAS_BUDGET, Budget
 from autoprec.pricing import CostSource
 
 __all__ = ["TuneConfig", "SearchConfig", "StudyConfig", "TimingConfig", "Grouping", "TunePaths",
@@ -122,6 +122,13 @@ class SearchConfig:
     # Also offer per-GEMM mixes of the scaled formats (per_gemm_candidates): a forward in one,
     # both backward GEMMs in a more precise one or bf16; needs a cost-model target.
     per_gemm: bool = False
+    # Measure where the run will be, not on the untrained model: the profile and every trial
+    # on the model trained this many steps into a BF16 reference run twice as long (the
+    # certificate's run: its stream, seeds and cosine schedule; autoprec.budget.trained_model),
+    # trials on BUDGET_BATCHES batches of that stream it has not trained on. The default
+    # budget then becomes Budget.trained() (the gradient bias, measured against certificates
+    # at this point of the run); a budget of one's own gets the bias limit added. None: at init.
+    budget_at: int | None = None
 
     def __post_init__(self):
         self._check_formats()
@@ -145,6 +152,12 @@ class SearchConfig:
         if self.max_memory is not None:
             _positive_int("max_memory (bytes)", self.max_memory)
         _positive_int("n_holdout", self.n_holdout)
+        if self.budget_at is not None:
+            _positive_int("budget_at (steps)", self.budget_at)
+            budget = Budget.trained() if self.budget == Budget() else self.budget
+            if budget.max_grad_bias is None:
+                budget = dataclasses.replace(budget, max_grad_bias=DEFAULT_BIAS_BUDGET)
+            object.__setattr__(self, "budget", budget)
         if self.timeout is not None and not (isinstance(self.timeout, (int, float))
                                              and self.timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}.")
@@ -228,6 +241,7 @@ class StudyConfig:
 
 # Each group's fields, by flat name: TuneConfig(n_trials=20, storage=...) sets them in their group.
 _GROUPS = {"search": SearchConfig, "study": StudyConfig, "timing": TimingConfig}
+_BUDGET_FIELDS = ("max_loss_increase", "max_grad_error", "max_grad_bias")
 _FLAT = {f.name: group for group in ("search", "study") for f in dataclasses.fields(_GROUPS[group])}
 
 
@@ -246,11 +260,16 @@ class TuneConfig:
 
     def __init__(self, search: SearchConfig | None = None, study: StudyConfig | None = None,
                  timing: TimingConfig | Mapping[str, Any] | None = None, **fields: Any):
+        # the budget's own fields by name too (max_grad_bias=0.1), before budget_at's rule
+        budget = {k: fields.pop(k) for k in _BUDGET_FIELDS if k in fields}
+        if budget:
+            base = fields.get("budget", (search or SearchConfig()).budget)
+            fields["budget"] = dataclasses.replace(base, **budget)
         unknown = [k for k in fields if k not in _FLAT]
         if unknown:
             raise TypeError(f"Unknown tune option(s) {', '.join(unknown)}; TuneConfig's fields "
-                            f"are {', '.join(_FLAT)} and timing, plus max_loss_increase and "
-                            "max_grad_error.")
+                            f"are {', '.join(_FLAT)} and timing, plus max_loss_increase, "
+                            "max_grad_error and max_grad_bias.")
         groups = {"search": search or SearchConfig(), "study": study or StudyConfig()}
         for name in groups:
             mine = {k: v for k, v in fields.items() if _FLAT[k] == name}
@@ -271,13 +290,8 @@ class TuneConfig:
         return getattr(object.__getattribute__(self, group), name)
 
     def replace(self, **changes: Any) -> TuneConfig:
-        """A copy with ``changes`` (fields by name, or whole groups); ``max_loss_increase``
-        and ``max_grad_error`` set the budget."""
-        budget = {k: changes.pop(k) for k in ("max_loss_increase", "max_grad_error")
-                  if k in changes}
-        if budget:
-            changes["budget"] = dataclasses.replace(changes.get("budget", self.search.budget),
-                                                    **budget)
+        """A copy with ``changes`` (fields by name, or whole groups); ``max_loss_increase``,
+        ``max_grad_error`` and ``max_grad_bias`` set the budget."""
         groups = {name: changes.pop(name, getattr(self, name)) for name in _GROUPS}
         return TuneConfig(**groups, **changes)
 

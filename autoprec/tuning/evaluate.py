@@ -112,7 +112,8 @@ class Evaluator:
 
     # ---------------------------------------------------------------- numerics
     def deviation(self, policy: Policy) -> Deviation:
-        return self.numerics.compare(policy)
+        """``policy`` against FP32 on the held-out batches, the gradient bias included."""
+        return self.numerics.compare(policy, bias=True)
 
     # ---------------------------------------------------------------- time
     def predicted_ratio(self, policy: Policy) -> float | None:

@@ -34,8 +34,8 @@ class TrialRecord:
     field): written by the trial, copied by a repeat of its policy, read back for the verdict.
     A study is a file anyone may have written, so :meth:`from_attrs` checks every value."""
 
-    # (loss, gradient, memory) over their limits, each <= 0 within the budget; studies from
-    # before the memory constraint have two
+    # (loss, gradient error, memory, gradient bias) over their limits, each <= 0 within the
+    # budget; studies from before the memory (bias) constraint have two (three)
     constraints: tuple[float, ...] = (1.0, 1.0)
     grad_error: float = math.nan
     finite: bool = False
@@ -44,6 +44,8 @@ class TrialRecord:
     predicted: float | None = None
     memory: int | None = None
     origin: str = "search"
+    # the gradient bias vs FP32 (None: not measured, as in studies from before it)
+    grad_bias: float | None = None
 
     @property
     def feasible(self) -> bool:
@@ -54,13 +56,15 @@ class TrialRecord:
         return {"constraints": list(self.constraints), "grad_error": self.grad_error,
                 "finite": self.finite,
                 "speedup": None if self.speedup is None else self.speedup.to_dict(),
-                "predicted": self.predicted, "memory": self.memory, "origin": self.origin}
+                "predicted": self.predicted, "memory": self.memory, "origin": self.origin,
+                "grad_bias": self.grad_bias}
 
     def write(self, trial: Any) -> None:
         """Store this record in ``trial`` (an ``optuna.Trial``), constraints included."""
         for key, value in self.to_attrs().items():
             trial.set_user_attr(key, value)
-        for name, value in zip(("loss_increase", "grad_error", "memory"), self.constraints):
+        for name, value in zip(("loss_increase", "grad_error", "memory", "grad_bias"),
+                               self.constraints):
             trial.set_constraint(name, float(value))
 
     @classmethod
@@ -85,8 +89,8 @@ class TrialRecord:
 
 
 def _constraints(value: Any, key: str) -> tuple[float, ...]:
-    if not isinstance(value, (list, tuple)) or not 2 <= len(value) <= 3:
-        raise ValueError(f"`{key}` must be a list of 2 or 3 numbers, got {brief(value)}.")
+    if not isinstance(value, (list, tuple)) or not 2 <= len(value) <= 4:
+        raise ValueError(f"`{key}` must be a list of 2 to 4 numbers, got {brief(value)}.")
     return tuple(number(v, f"`{key}`") for v in value)
 
 
@@ -113,7 +117,8 @@ def _text(value: Any, key: str) -> str:
 # How each of a record's keys is read back (None, or missing: the field's default).
 _READERS = {"constraints": _constraints, "grad_error": lambda v, k: number(v, f"`{k}`"),
             "finite": _flag, "speedup": lambda v, k: Interval.from_value(v, f"`{k}`"),
-            "predicted": lambda v, k: number(v, f"`{k}`"), "memory": _count, "origin": _text}
+            "predicted": lambda v, k: number(v, f"`{k}`"), "memory": _count, "origin": _text,
+            "grad_bias": lambda v, k: number(v, f"`{k}`")}
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,8 @@ class TrialResult:
     predicted: float | None = None
     # predicted peak training-step memory in bytes (autoprec.memory; None: not predicted)
     memory: int | None = None
+    # the gradient bias vs FP32 on the held-out batches (nan: not measured)
+    grad_bias: float = math.nan
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -155,7 +162,8 @@ class TrialResult:
         speedup = rec.speedup or Interval(fp32_seconds / sec, fp32_seconds / sec,
                                           fp32_seconds / sec, 0)
         return cls(trial.number, dict(trial.params), sec, speedup, li, rec.grad_error,
-                   rec.feasible, rec.finite, rec.origin, rec.predicted, rec.memory)
+                   rec.feasible, rec.finite, rec.origin, rec.predicted, rec.memory,
+                   math.nan if rec.grad_bias is None else rec.grad_bias)
 
 
 def pareto(trials: list[TrialResult]) -> list[TrialResult]:
@@ -237,7 +245,8 @@ class TuneResult:
         w = csv.writer(out)
         w.writerow(["trial", "origin", "step_seconds", "speedup_vs_fp32", "speedup_low",
                     "speedup_high", "timing_rounds", "predicted_ratio", "loss_increase",
-                    "grad_error", "peak_memory_bytes", "feasible", "on_front", "assignment"])
+                    "grad_error", "grad_bias", "peak_memory_bytes", "feasible", "on_front",
+                    "assignment"])
         front = {t.number for t in self.pareto}
         for t in sorted(self.trials, key=lambda t: t.step_seconds):
             s = t.speedup
@@ -245,6 +254,7 @@ class TuneResult:
                         f"{s.low:.4f}", f"{s.high:.4f}", s.rounds,
                         "" if t.predicted is None else f"{t.predicted:.4f}",
                         f"{t.loss_increase:.6g}", f"{t.grad_error:.6g}",
+                        "" if math.isnan(t.grad_bias) else f"{t.grad_bias:.6g}",
                         "" if t.memory is None else t.memory, t.feasible,
                         t.number in front, json.dumps(t.assignment, sort_keys=True)])
         return out.getvalue()
@@ -285,9 +295,11 @@ def _plot_front(result: TuneResult, path: str) -> str | None:
 
 
 def provenance(task: Task, result: TuneResult, budget: Budget, target: str | None,
-               prof: Profile) -> Provenance:
+               prof: Profile, *, bias_batches: int = 0, at: int | None = None) -> Provenance:
     """The policy's ``tuned:`` section: where and how it was tuned, its measured speed-up with
-    its interval, and the verdict."""
+    its interval, and the verdict; where the budget has a bias limit, the winner's bias with
+    where it was measured (``at`` steps into a run of twice as many, or at init, on
+    ``bias_batches`` held-out batches)."""
     device = CostSource.of(target).provenance_device(task.device, prof.device)
     distinct = len({json.dumps(t.assignment, sort_keys=True) for t in result.trials})
     extra: dict[str, Any] = {"study": {"name": result.study_name, "trials": len(result.trials),
@@ -308,6 +320,9 @@ def provenance(task: Task, result: TuneResult, budget: Budget, target: str | Non
     if result.best.memory is not None:
         # predicted for one training step on the calibration batch (autoprec.memory)
         extra["memory"] = {"predicted_peak_bytes": int(result.best.memory)}
+    if budget.max_grad_bias is not None and math.isfinite(result.best.grad_bias):
+        extra["bias"] = {"grad_bias": round(result.best.grad_bias, 4), "step": at or 0,
+                         "run_steps": None if at is None else 2 * at, "batches": bias_batches}
     return Provenance(device=device, torch=str(torch.__version__), task=task.name, budget=budget,
                       speedup=_bounded(result.speedup), loss_increase=result.best.loss_increase,
                       grad_error=result.best.grad_error,
@@ -368,6 +383,8 @@ def fallback_provenance(result: TuneResult, policy: Policy, trial: TrialResult |
             extra.setdefault("timing", {})["fp32_drift"] = [round(x, 3) for x in sel.drift]
         if trial.memory is not None:
             extra["memory"] = {"predicted_peak_bytes": int(trial.memory)}
+        if isinstance(old.extra.get("bias"), dict) and math.isfinite(trial.grad_bias):
+            extra["bias"] = {**old.extra["bias"], "grad_bias": round(trial.grad_bias, 4)}
     blocked = _fp8_runs_bf16(policy, result.profile)
     if blocked:
         extra["fp8_runs_bf16"] = blocked

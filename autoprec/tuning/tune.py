@@ -83,7 +83,7 @@ def _tune(task: Task, config: TuneConfig, prof: Profile | None, log: Reporter,
         raise ValueError("tune needs at least 2 calibration batches: some to profile, "
                          f"some held out to judge policies; the task has {len(task.batches)}.")
     _note_emulated(task, config, log)
-    n_holdout = min(config.n_holdout, len(task.batches) - 1)
+    task, calibration, holdout = _measured_on(task, config, log)
     # the study's identity and the evaluator share one build of the model (a seeded build:
     # the same weights whenever it is built)
     model = task.build_model()
@@ -92,7 +92,7 @@ def _tune(task: Task, config: TuneConfig, prof: Profile | None, log: Reporter,
     # host memory: a tune's device peak holds no model beyond the profile's; .to() moves the
     # same tensors back bit for bit
     with _parked(model, task.device):
-        prof = _stored_profile(handle, task, config, prof, task.batches[:-n_holdout], log)
+        prof = _stored_profile(handle, task, config, prof, calibration, log)
     space = SearchSpace.build(prof, config.formats, config.grouping, config.couple)
     log(f"search space: {len(space.units)} units over {len(prof.layers)} layers x "
         f"{len(config.formats)} formats")
@@ -103,7 +103,7 @@ def _tune(task: Task, config: TuneConfig, prof: Profile | None, log: Reporter,
     if lone:
         log("the search space holds one policy, all-fp32: it is the reference, so it is not "
             "timed against fp32 (its numerics are still measured)")
-    ev = Evaluator(task, task.batches[-n_holdout:], prof=prof, target=config.target,
+    ev = Evaluator(task, holdout, prof=prof, target=config.target,
                    timing=config.timing, model=model, reference_only=lone)
     del model  # the evaluator owns it now (prepared for measurement in place)
     if ev.aa is not None:
@@ -130,6 +130,26 @@ def _note_emulated(task: Task, config: TuneConfig, log: Reporter) -> None:
 
 
 # ------------------------------------------------------------------------- study
+def _measured_on(task: Task, config: TuneConfig, log: Reporter
+                 ) -> tuple[Task, Sequence[Any], Sequence[Any]]:
+    """The task to measure (its model trained ``budget_at`` steps when that is set), the
+    calibration batches the profile measures on and the held-out batches trials are judged on
+    (with ``budget_at``: every calibration batch, and the held batches of the run's stream
+    the bias budget was measured on)."""
+    if config.budget_at is None:
+        n_holdout = min(config.n_holdout, len(task.batches) - 1)
+        return task, task.batches[:-n_holdout], task.batches[-n_holdout:]
+    from autoprec.budget import DEFAULT_BATCHES, held_batches, trained_model
+
+    step = config.budget_at
+    log(f"training {step} steps of a {2 * step}-step bf16 reference run: the profile and every "
+        f"trial measure there, trials on {DEFAULT_BATCHES} held batches of its stream "
+        f"(budget_at)")
+    trained = trained_model(task, step, strict=False)
+    return (dataclasses.replace(task, model=trained), task.batches,
+            held_batches(task, DEFAULT_BATCHES))
+
+
 def _identity(task: Task, model: nn.Module) -> dict[str, Any]:
     """What a study's trials are only valid for: the model's layers and the batches' shapes."""
     def shapes(batch: Any) -> list:
@@ -154,6 +174,8 @@ def _study_name(task: Task, config: TuneConfig, identity: dict[str, Any]) -> str
         key["sensitivity"] = search.sensitivity
     if search.max_memory is not None:  # feasibility depends on it
         key["max_memory"] = search.max_memory
+    if search.budget_at is not None:  # every measurement depends on it
+        key["budget_at"] = search.budget_at
     key = json.dumps(key, sort_keys=True)
     return f"{task.name}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
 
@@ -351,18 +373,24 @@ class _Objective:
             li, ge, sec = _PENALTY, _PENALTY, self.ev.fp32_seconds * 10
             speedup, predicted = Interval(0.1, 0.1, 0.1, 0), None
         mem, limit = self.memory.predict(policy), self.config.max_memory
+        bias = dev.grad_bias if finite and math.isfinite(dev.grad_bias) else _PENALTY
         cons = (li - budget.max_loss_increase,
                 (ge - budget.max_grad_error) if budget.max_grad_error is not None else -1.0,
                 (mem - limit) / limit if limit is not None else -1.0)
+        if budget.max_grad_bias is not None:
+            # only then: a study's trials keep one number of constraints (the bias limit is
+            # part of the study's name), which Optuna's samplers need
+            cons += (bias - budget.max_grad_bias,)
         # the origin a warm start was enqueued with, else the sampler's
         origin = trial.user_attrs.get("origin")
         record = TrialRecord(constraints=cons, grad_error=ge, finite=finite, speedup=speedup,
                              predicted=predicted, memory=mem,
-                             origin=shown(origin) if isinstance(origin, str) else "search")
+                             origin=shown(origin) if isinstance(origin, str) else "search",
+                             grad_bias=bias)
         record.write(trial)
         self.log(f"trial {trial.number:3d}  {speedup}  loss {li:+.3%}  grad err {ge:.3g}  "
-                 f"memory {format_size(mem)}  {'ok' if record.feasible else 'over budget'}  "
-                 f"[{record.origin}]")
+                 f"bias {bias:.3g}  memory {format_size(mem)}  "
+                 f"{'ok' if record.feasible else 'over budget'}  [{record.origin}]")
         return sec, li
 
 
@@ -592,8 +620,9 @@ def _decide(handle: StudyHandle, task: Task, ev: Evaluator, space: SearchSpace,
                         pareto=pareto(feasible), trials=trials, best_warm_start=best_warm,
                         study_name=study.study_name, storage=handle.url, profile=ev.prof,
                         units=space.units, selection=sel)
-    result.policy = with_provenance(policy, provenance(task, result, config.budget,
-                                                       config.target, ev.prof))
+    result.policy = with_provenance(policy, provenance(
+        task, result, config.budget, config.target, ev.prof,
+        bias_batches=len(ev.numerics.batches), at=config.budget_at))
     return result
 
 
@@ -646,14 +675,17 @@ def evaluate_policy(task: Task, policy: Policy, *, prof: Profile | None = None,
                     config: TuneConfig | None = None) -> TrialResult:
     """Evaluate one policy as a trial of tune() would."""
     config = config or TuneConfig(target=target)
+    task, _, held = _measured_on(task, config, Reporter(False))
     prof = prof if prof is not None else run_profile(task, progress=False, target=target,
                                                      only_winnable=True)
-    ev = Evaluator(task, holdout if holdout is not None else task.batches[-2:], prof=prof,
+    ev = Evaluator(task, holdout if holdout is not None else held, prof=prof,
                    target=target, timing=config.timing)
     timed = ev.time(policy)
     dev = ev.deviation(policy)
     finite = dev.finite
-    feasible = finite and config.budget.allows(dev.loss_rel_change, dev.grad_rel_error)
+    feasible = finite and config.budget.allows(dev.loss_rel_change, dev.grad_rel_error,
+                                               dev.grad_bias)
     return TrialResult(-1, {}, timed.seconds, timed.speedup, dev.loss_rel_change,
-                       dev.grad_rel_error, feasible, finite, "evaluate", timed.predicted)
+                       dev.grad_rel_error, feasible, finite, "evaluate", timed.predicted,
+                       grad_bias=dev.grad_bias)
 
