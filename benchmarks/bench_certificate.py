@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
+import tempfile
 import time
 
 import _common  # noqa: F401  (path and environment set-up)
@@ -59,6 +61,11 @@ LINEARS = {"llama": ("model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_pr
                     "transformer.h.*.mlp.c_fc", "transformer.h.*.mlp.c_proj", "lm_head")}
 VERDICT_POLICIES = ("bf16", "fp32", "fp16", "fp8", "fp8:rowwise", "mxfp8", "nvfp4",
                     "nvfp4/bf16/bf16", "nvfp4:plain")
+# Beyond the nine: fp16 with its loss scale held at 1 (no scaling: what a GradScaler is for),
+# and autoprec's own policy, tuned for a B200 by the bias budget at the certificate's halfway
+# point (tune(budget_at=steps // 2); priced at 512 x 64 tokens a step).
+EXTRA_POLICIES = ("fp16:scale-1", "autoprec")
+TUNE_FORMATS = ("bf16", "fp8", "mxfp8", "nvfp4")
 
 
 def task(model: str) -> autoprec.Task:
@@ -83,11 +90,31 @@ def task(model: str) -> autoprec.Task:
                          eval_batches=byte_batches(4, 8, 64, seed=10_000, skip=3_000_000))
 
 
-def policy(model: str, name: str) -> autoprec.Policy:
+def policy(model: str, name: str, steps: int = 200) -> autoprec.Policy:
     if name in ("bf16", "fp32", "fp16"):
         return autoprec.Policy(default=name)
+    if name == "fp16:scale-1":
+        return autoprec.Policy(default="fp16", loss_scaling=autoprec.policy.LossScaling(
+            init_scale=1.0, growth_interval=2 ** 31 - 1))
+    if name == "autoprec":
+        return tuned(model, steps)
     return autoprec.Policy(default="bf16",
                            layers=dict.fromkeys(LINEARS[model.partition("-")[0]], name))
+
+
+def tuned(model: str, steps: int) -> autoprec.Policy:
+    """autoprec's policy for ``model``: a tune for a B200 (per-GEMM mixes offered) judged by
+    the bias budget measured halfway through the certificate's run."""
+    t = task(model)
+    t.shape_batch = byte_batches(1, 512, 64, seed=2)[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        res = autoprec.tune(t, formats=TUNE_FORMATS, target="b200", per_gemm=True,
+                            budget_at=steps // 2, n_trials=16, seed=0, progress=False,
+                            output=os.path.join(tmp, f"{model}.yaml"))
+    used = sorted(f.label for f in res.policy.formats_used())
+    print(f"autoprec's policy for {model}: {', '.join(used)}; winner's bias "
+          f"{res.best.grad_bias:.3f}, priced {res.best.speedup}", flush=True)
+    return res.policy
 
 
 def whole_run(t: autoprec.Task, pol: autoprec.Policy | None, steps: int, order: int) -> float:
@@ -132,14 +159,15 @@ def policy_of_bf16() -> autoprec.Policy:
     return autoprec.Policy(default="bf16")
 
 
-def verdicts(models: list[str], steps: int, threshold: float = DEFAULT_BIAS_BUDGET) -> None:
+def verdicts(models: list[str], steps: int, threshold: float = DEFAULT_BIAS_BUDGET,
+             policies: tuple[str, ...] = VERDICT_POLICIES) -> None:
     rows, table = [], {}
     for m in models:
         t = task(m)
         numerics = Numerics(prepare_for_measurement(t.build_model()), list(t.batches),
                             t.loss_fn or autoprec.task.default_loss)
-        for name in VERDICT_POLICIES:
-            pol = policy(m, name)
+        for name in policies:
+            pol = policy(m, name, steps)
             t0 = time.perf_counter()
             dev = numerics.compare(pol)
             at_init = gradient_bias(t, pol, step=0, run_steps=steps)
@@ -208,13 +236,17 @@ def main() -> None:
                          f"(default {DEFAULT_BIAS_BUDGET}: chosen on llama and gpt2, tested on "
                          "llama-64 and gpt2-64)")
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--policies", nargs="+", default=list(VERDICT_POLICIES),
+                    choices=[*VERDICT_POLICIES, *EXTRA_POLICIES],
+                    help="(verdicts) the policies to certify (default: the nine; also "
+                         "fp16:scale-1 and autoprec, the tune's own with --budget-at)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(device_line(), flush=True)
     if args.part == "width":
         width(args.models, args.steps)
     else:
-        verdicts(args.models, args.steps, args.threshold)
+        verdicts(args.models, args.steps, args.threshold, tuple(args.policies))
 
 
 if __name__ == "__main__":
