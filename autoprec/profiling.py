@@ -11,7 +11,6 @@ by the search (its integer program treats it as additive) and by ``autoprec show
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import gc
@@ -56,6 +55,7 @@ from autoprec.policy import DEFAULT_MAX_LOSS_INCREASE, Budget
 from autoprec.pricing import CostSource
 from autoprec.reporter import Reporter
 from autoprec.runtime.calls import COMPUTING_KINDS
+from autoprec.task import default_loss
 from autoprec.verdict import Verdict, can_win
 
 __all__ = [
@@ -423,6 +423,10 @@ class ProfileOptions:
     # measure the numerics only of the formats that can win on the device (the tune's
     # economy); off, every requested format is measured on every layer it runs
     only_winnable: bool = False
+    # a build of the task's model to measure on instead of building one (the tune's own):
+    # captured, timed and measured in place, and left as it was (no weight moves; its mode,
+    # dropout and BatchNorm momenta are put back)
+    model: Any = None
 
     @classmethod
     def of(cls, options: ProfileOptions | None, keywords: dict[str, Any]) -> ProfileOptions:
@@ -535,7 +539,7 @@ class _Context:
     @classmethod
     def build(cls, task, fmts: tuple[Format, ...], source: CostSource, batches, layers,
               opts: ProfileOptions) -> _Context:
-        model = task.build_model()
+        model = opts.model if opts.model is not None else task.build_model()
         # what the loss function runs the model on: `(inputs, labels)` batches whose loss_fn
         # calls model(inputs) are captured and timed as model(inputs)
         example = task.model_call(model, task.example_batch())
@@ -545,11 +549,7 @@ class _Context:
             chosen = _at_production_shapes(model, task.model_call(model, task.shape_batch),
                                            [L.fqn for L in chosen])
         calib = list(batches) if batches is not None else list(task.batches[:opts.n_batches])
-        # every unit's sensitivity copies this model instead of building a fresh one (a
-        # seconds-long init on a large model, once per unit)
-        copying = copy.copy(task)
-        copying.model = model
-        return cls(copying, fmts, source, model, example, graph, chosen, calib,
+        return cls(task, fmts, source, model, example, graph, chosen, calib,
                    Reporter.of(opts.progress))
 
     def release(self) -> None:
@@ -571,10 +571,14 @@ def _profile_unit(ctx: _Context, opts: ProfileOptions, fqns: list[str]) -> list[
     low = [f for f in fmts if f is not Format.FP32]
     only = {f: [x for x in low if x not in skipped[f]] for f in fqns}
     if any(only.values()):
-        errors = measure_sensitivity(ctx.task, fqns, low, batches=ctx.calib,
+        # on the profile's own model (no copy of it: a policy's regions are installed and
+        # removed, no weight moves, and its dropout and mode are put back afterwards)
+        errors = measure_sensitivity(ctx.model, fqns, low, batches=ctx.calib,
+                                     loss_fn=ctx.task.loss_fn or default_loss,
                                      options=SensitivityOptions(
                                          progress=ctx.reporter.bar("sensitivity"), only=only,
-                                         mode=opts.sensitivity, budget=opts.budget or Budget()))
+                                         mode=opts.sensitivity, budget=opts.budget or Budget(),
+                                         seed=ctx.task.seed, in_place=True))
         # The unit's measurement (its model copy, FP32 reference gradients per batch: 5 model
         # sizes) sits in reference cycles that outlive it until a full collection, which
         # Python runs by object counts, not bytes: at Llama-3-8B width the next unit's reference

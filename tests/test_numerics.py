@@ -3,6 +3,8 @@ trials of the search."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -60,6 +62,25 @@ def test_compare_is_deterministic_and_fp32_against_itself_is_exact(gpt2_batch):
     own = numerics.index_of(model.get_submodule(LAYER).parameters())
     assert len(own) == 2 and 0 < a.grad_error_of(own) and a.grad_error_of([]) is None
     assert autoprec.applied_formats(model) == {}, "compare must leave no policy applied"
+
+
+def test_a_reference_without_its_gradients_runs_again_to_the_same_bias(gpt2_batch):
+    torch.manual_seed(0)
+    model = prepare_for_measurement(make_model(n_layer=1, n_embd=64, n_head=2, seq_len=32))
+    loss = lambda m, b: m(**b).loss  # noqa: E731
+    batches = [gpt2_batch, {k: v.flip(0) for k, v in gpt2_batch.items()}]
+    kept, lazy = Numerics(model, batches, loss), Numerics(model, batches, loss, keep_grads=False)
+    # without its gradients the reference holds what the estimates read: losses and norms
+    assert lazy.reference().grads == [] and lazy.reference().sum_sq is None
+    assert lazy.reference().losses == kept.reference().losses
+    a, b = kept.compare(Policy(default="bf16"), bias=True), \
+        lazy.compare(Policy(default="bf16"), bias=True)
+    assert a == b and 0 < a.grad_bias < 0.1 and 0 < a.grad_rel_error < 0.1
+    # the bias of two batches: the error of the summed gradients, per parameter too
+    own = kept.index_of(model.get_submodule(LAYER).parameters())
+    assert 0 < a.grad_bias_of(own) and a.grad_bias_of([]) is None
+    # without bias=True it is not measured
+    assert math.isnan(kept.compare(Policy(default="bf16")).grad_bias)
 
 
 def test_bad_inputs_are_clear_errors(gpt2_batch):

@@ -123,6 +123,37 @@ def test_two_runs_are_identical_and_dropout_is_off(gpt2_batch):
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("mode", ["exact", "auto", "fast"])
+def test_in_place_measures_what_a_copy_measures_and_puts_the_model_back(gpt2_batch, mode):
+    # the profile measures on its own model (no copy of it): the same numbers as on a copy,
+    # bit for bit, in every mode (auto and fast keep no reference gradients and run the
+    # reference again for an exact pair), and the model's weights, mode and dropout after
+    layers = ["transformer.h.0.attn.c_attn", "transformer.h.1.mlp.c_fc", "lm_head"]
+    formats = ["bf16", "fp16", "fp8"]
+    model = _gpt2_with_dropout(0.3).train()
+    before = copy.deepcopy(model.state_dict())
+    dump = lambda r: {k: {str(f): e.to_dict() for f, e in v.items()} for k, v in r.items()}
+    kw = dict(batches=[gpt2_batch, gpt2_batch], mode=mode)
+    copied = measure_sensitivity(model, layers, formats, **kw)
+    in_place = measure_sensitivity(model, layers, formats, in_place=True, **kw)
+    assert dump(in_place) == dump(copied)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert model.training and model.transformer.drop.p == 0.3
+    assert model.config.resid_pdrop == 0.3 and model.transformer.h[0].attn.attn_dropout.p == 0.3
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_in_place_refuses_a_model_with_a_policy_applied(gpt2_batch):
+    import autoprec
+
+    model = _gpt2_with_dropout(0.0)
+    autoprec.apply(model, autoprec.Policy(default="bf16"))
+    with pytest.raises(ValueError, match="policy is applied") as e:
+        measure_sensitivity(model, ["lm_head"], ["bf16"], batches=[gpt2_batch], in_place=True)
+    assert "\n" not in str(e.value)
+    assert autoprec.runtime.rewrite.applied_policy(model) is not None  # left as it was
+
+
 # --------------------------------------------------------------------------- numerics
 MINILM_ENCODER = [f"bert.encoder.layer.{i}.{part}" for i in (0, 5) for part in (
     "attention.self.query", "attention.self.key", "attention.self.value",

@@ -62,6 +62,9 @@ class SensitivityOptions:
     mode: str = "exact"
     # the error budget "auto" measures the near-budget estimates exactly against
     budget: Budget | None = None
+    # measure a model given as such on itself, not on a copy: its dropout, BatchNorm momentum
+    # and train/eval mode are put back afterwards (measurements move no weight)
+    in_place: bool = False
 
 
 def with_keywords(options: _T | None, cls: type[_T], keywords: Mapping[str, Any],

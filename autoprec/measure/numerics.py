@@ -39,7 +39,7 @@ from autoprec.policy import Policy
 from autoprec.runtime import rewrite
 from autoprec.runtime.fp8 import emulating
 
-__all__ = ["Reference", "Deviation", "Numerics", "prepare_for_measurement"]
+__all__ = ["Reference", "Deviation", "Numerics", "prepare_for_measurement", "prepared"]
 
 
 def prepare_for_measurement(model: nn.Module) -> nn.Module:
@@ -66,6 +66,29 @@ def prepare_for_measurement(model: nn.Module) -> nn.Module:
     return model
 
 
+@contextlib.contextmanager
+def prepared(model: nn.Module):
+    """:func:`prepare_for_measurement` on ``model`` itself for the ``with`` block, and its
+    train/eval mode, dropout probabilities and BatchNorm momenta as they were afterwards: a
+    measurement on the caller's model instead of a copy of it."""
+    saved = [(m, m.training) for m in model.modules()]
+    fields = []
+    for obj in [model, *model.modules(), getattr(model, "config", None),
+                *(getattr(m, "config", None) for m in model.modules())]:
+        if obj is None or not hasattr(obj, "__dict__"):
+            continue
+        fields += [(obj, k, v) for k, v in vars(obj).items()
+                   if k in ("p", "momentum") or "dropout" in k.lower() or "pdrop" in k.lower()]
+    prepare_for_measurement(model)
+    try:
+        yield model
+    finally:
+        for obj, key, value in fields:
+            setattr(obj, key, value)
+        for m, training in saved:
+            m.training = training
+
+
 def _zero_dropout_fields(obj: Any) -> None:
     for key, value in list(vars(obj).items()):
         name = key.lower()
@@ -83,7 +106,8 @@ class Reference:
     grads: list[list[torch.Tensor]]
     # Per batch, float64 squared norm of each parameter's gradient, shape [n_params].
     grad_sq: list[torch.Tensor]
-    # Float64 squared norm of each parameter's gradient summed over the batches, [n_params].
+    # Float64 squared norm of each parameter's gradient summed over the batches, [n_params]
+    # (None, and no ``grads``: the gradients were not kept, Numerics(keep_grads=False)).
     sum_sq: torch.Tensor | None = None
 
 
@@ -132,11 +156,18 @@ class Numerics:
     ``model`` must be a private copy in FP32 (see :func:`prepare_for_measurement`), ``batches``
     already on its device; ``loss_fn(model, batch)`` returns a scalar tensor. The FP32
     reference is computed once, on first use.
+
+    ``keep_grads=False``: the reference keeps its losses and gradient norms but not the
+    gradients themselves (one model's worth per batch) until a comparison needs them, when
+    they are computed again (the same seeds, so the same values): a profile whose estimates
+    never lead to an exact comparison never holds them.
     """
 
     def __init__(self, model: nn.Module, batches: Sequence[Any],
-                 loss_fn: Callable[[nn.Module, Any], torch.Tensor], *, seed: int = 0):
+                 loss_fn: Callable[[nn.Module, Any], torch.Tensor], *, seed: int = 0,
+                 keep_grads: bool = True):
         self.model = model
+        self.keep_grads = keep_grads
         self.batches = list(batches)
         if not self.batches:
             raise ValueError("Measuring numerics needs at least one batch; got none.")
@@ -166,8 +197,18 @@ class Numerics:
     def reference(self, *, around: Callable[[int], Any] | None = None) -> Reference:
         """The FP32 run (computed on the first call; later calls return it). ``around(b)``
         gives a context manager to run batch ``b``'s forward in (probes watching it)."""
-        if self._reference is not None:
-            return self._reference
+        if self._reference is None:
+            self._reference = self._run_reference(around, self.keep_grads)
+        return self._reference
+
+    def _reference_grads(self) -> Reference:
+        """The reference with its gradients (run again when they were not kept)."""
+        ref = self.reference()
+        if ref.sum_sq is None:
+            self._reference = ref = self._run_reference(None, keep=True)
+        return ref
+
+    def _run_reference(self, around: Callable[[int], Any] | None, keep: bool) -> Reference:
         losses, grads, grad_sq = [], [], []
         total: list[torch.Tensor] | None = None
         with _fp32(self.model):
@@ -185,12 +226,13 @@ class Numerics:
                                      "error is measured against a finite FP32 run, so fix the "
                                      "model or the batch first.")
                 losses.append(value)
-                grads.append(g)
                 grad_sq.append(_sq_norms(g))
-                total = _accumulate(total, g)
-        self._reference = Reference(losses=losses, grads=grads, grad_sq=grad_sq,
-                                    sum_sq=_sq_norms(total))
-        return self._reference
+                if keep:
+                    grads.append(g)
+                    total = _accumulate(total, g)
+                del g
+        return Reference(losses=losses, grads=grads, grad_sq=grad_sq,
+                         sum_sq=_sq_norms(total) if keep else None)
 
     # ---------------------------------------------------------------- a candidate
     def compare(self, policy: Policy, *, after_forward: Callable[[int], None] | None = None,
@@ -198,7 +240,7 @@ class Numerics:
         """Run every batch under ``policy`` and compare with the reference.
         ``after_forward(b)`` is called after batch ``b``'s forward (to read probes); ``bias``
         also measures the gradient bias (one more gradient-sized buffer while it runs)."""
-        ref = self.reference()
+        ref = self._reference_grads()
         scale = policy.loss_scaling.init_scale if policy.uses(Format.FP16) else 1.0
         changes: list[float] = []
         diff_sq = torch.zeros(len(self.params), dtype=torch.float64,

@@ -64,7 +64,7 @@ from autoprec._util import check_keys, decode_float, encode_float, floating, mov
 from autoprec.formats import FP8_E4M3, FP8_E5M2, Format
 from autoprec.measure.config import SensitivityOptions, with_keywords
 from autoprec.measure.estimate import estimate_during_reference, needs_exact
-from autoprec.measure.numerics import Deviation, Numerics, prepare_for_measurement
+from autoprec.measure.numerics import Deviation, Numerics, prepare_for_measurement, prepared
 from autoprec.policy import DEFAULT_MAX_LOSS_INCREASE, Budget, LossScaling, Policy
 from autoprec.runtime import calls, rewrite
 from autoprec.runtime.fp8 import rowwise_scale, tensorwise_scale
@@ -473,9 +473,19 @@ class _Plan:
 def _run(task_or_model, layers, formats, batches, loss_fn,
          opts: SensitivityOptions) -> SensitivityResults:
     fmts = _check_options(formats, opts.loss_scale, opts.mode)
-    model, calib, fn, base_seed = _setup(task_or_model, batches, loss_fn, opts.n_batches)
-    numerics = Numerics(prepare_for_measurement(model), calib, fn,
-                        seed=base_seed if opts.seed is None else opts.seed)
+    in_place = opts.in_place and isinstance(task_or_model, nn.Module)
+    model, calib, fn, base_seed = _setup(task_or_model, batches, loss_fn, opts.n_batches,
+                                         copy_model=not in_place)
+    with prepared(model) if in_place else contextlib.nullcontext(prepare_for_measurement(model)):
+        return _measure_all(model, layers, fmts, calib, fn,
+                            base_seed if opts.seed is None else opts.seed, opts)
+
+
+def _measure_all(model, layers, fmts, calib, fn, seed: int,
+                 opts: SensitivityOptions) -> SensitivityResults:
+    # the estimates need the reference's gradient norms only; the exact comparisons (all of
+    # them in "exact", those near the budget in "auto") run it again with its gradients
+    numerics = Numerics(model, calib, fn, seed=seed, keep_grads=opts.mode == "exact")
     plan = _Plan.build(numerics, model, _check_layers(model, layers), fmts, opts)
     results: dict[str, dict[Format, LayerSensitivity]] = {name: {} for name in plan.names}
     exact_why: dict[str, dict[Format, tuple[str, float]]] = {}
@@ -584,7 +594,7 @@ def _exact_pairs(estimates: Mapping, ranges: Mapping, budget: Budget,
     return todo
 
 
-def _setup(task_or_model, batches, loss_fn, n_batches):
+def _setup(task_or_model, batches, loss_fn, n_batches, *, copy_model: bool = True):
     if isinstance(task_or_model, Task):
         task = task_or_model
         model = task.build_model()
@@ -597,7 +607,11 @@ def _setup(task_or_model, batches, loss_fn, n_batches):
             raise ValueError(f"measure_sensitivity got a model ({type(task_or_model).__name__}) "
                              "without batches; pass batches=[...] (and loss_fn= if the model "
                              "does not return .loss), or pass an autoprec.Task.")
-        model = copy.deepcopy(task_or_model)
+        if not copy_model and rewrite.applied_policy(task_or_model) is not None:
+            raise ValueError("measure_sensitivity(in_place=True) measures the model's own "
+                             "forwards, but a policy is applied to it; remove it first "
+                             "(autoprec.remove), or measure a copy (in_place=False).")
+        model = copy.deepcopy(task_or_model) if copy_model else task_or_model
         rewrite.remove(model)  # measure the model's own forwards, not a policy already applied
         source, limit = batches, n_batches
         fn = loss_fn or default_loss

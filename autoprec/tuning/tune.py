@@ -30,11 +30,10 @@ import signal
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import optuna
-import torch
 from torch import nn
 
 from autoprec._util import shown, tensors, worker_id
@@ -84,15 +83,11 @@ def _tune(task: Task, config: TuneConfig, prof: Profile | None, log: Reporter,
                          f"some held out to judge policies; the task has {len(task.batches)}.")
     _note_emulated(task, config, log)
     task, calibration, holdout = _measured_on(task, config, log)
-    # the study's identity and the evaluator share one build of the model (a seeded build:
-    # the same weights whenever it is built)
+    # the study's identity, the profile and the evaluator share one build of the model (a
+    # seeded build: the same weights whenever it is built); the profile leaves it as it was
     model = task.build_model()
     handle = _open_study(task, model, config, log)
-    # while the profile runs (its own copies on the device), the evaluator's build waits in
-    # host memory: a tune's device peak holds no model beyond the profile's; .to() moves the
-    # same tensors back bit for bit
-    with _parked(model, task.device):
-        prof = _stored_profile(handle, task, config, prof, calibration, log)
+    prof = _stored_profile(handle, task, config, prof, calibration, log, model)
     space = SearchSpace.build(prof, config.formats, config.grouping, config.couple)
     log(f"search space: {len(space.units)} units over {len(prof.layers)} layers x "
         f"{len(config.formats)} formats")
@@ -208,23 +203,10 @@ def _open_study(task: Task, model: nn.Module, config: TuneConfig, log: Reporter)
     return StudyHandle(study, storage, url)
 
 
-@contextlib.contextmanager
-def _parked(model: nn.Module, device: torch.device) -> Iterator[None]:
-    """``model`` in host memory for the block when it lives on an accelerator."""
-    if device.type == "cpu":
-        yield
-        return
-    model.to("cpu")
-    try:
-        yield
-    finally:
-        model.to(device)
-
-
 def _stored_profile(handle: StudyHandle, task: Task, config: TuneConfig, prof: Profile | None,
-                    batches: Sequence[Any], log: Reporter) -> Profile:
-    """The study's profile (a resumed tune, a second worker), else the given or a new one,
-    stored in the study."""
+                    batches: Sequence[Any], log: Reporter, model: nn.Module) -> Profile:
+    """The study's profile (a resumed tune, a second worker), else the given or a new one
+    (measured on ``model``), stored in the study."""
     study = handle.study
     if prof is None and "profile" in study.user_attrs:
         prof = Profile.from_dict(json.loads(study.user_attrs["profile"]))
@@ -239,7 +221,8 @@ def _stored_profile(handle: StudyHandle, task: Task, config: TuneConfig, prof: P
                             progress=log.enabled)
         prof = run_profile(task, formats=config.formats, target=config.target, batches=batches,
                            progress=log, sensitivity=config.sensitivity,
-                           budget=config.budget, share=share, only_winnable=True)
+                           budget=config.budget, share=share, only_winnable=True,
+                           model=model)
         log(prof.sensitivity_summary())
     if "profile" not in study.user_attrs:
         study.set_user_attr("profile", json.dumps(prof.to_dict()))

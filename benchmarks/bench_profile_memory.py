@@ -1,0 +1,145 @@
+"""Peak host memory of a profile and of a tune, against the same model's FP32 AdamW training
+step measured the same way, in the same run (issue 38's anchor).
+
+Models: HF Llama-style (LlamaForCausalLM, SwiGLU 2.6875x, 8 heads / 4 KV heads, vocabulary
+32,000 so the embedding and head weigh what a real LM's do), ``--sizes HIDDENxLAYERS``.
+Calibration: 4 batches of 2x64 random token ids (a profile measures the first 2, a tune holds
+the last 2 out). Each measurement runs in a process of its own, 1 thread, with
+``MALLOC_MMAP_THRESHOLD_=131072`` so that RSS follows live bytes, and reports the peak RSS
+(``ru_maxrss``) above the RSS after every import: so one figure per process, no interference.
+
+- ``step``: the task's model built, then two FP32 AdamW training steps on one calibration
+  batch (the first creates the optimizer's state): what training this model costs;
+- ``fast`` / ``exact``: ``autoprec.profile(task, target="h100", sensitivity=...)`` with the
+  formats fp32, bf16, fp8 (priced by the cost model: no timing, only the numerics);
+- ``tune``: ``autoprec.tune(task, target="h100", sensitivity="fast", n_trials=4)``.
+
+Each figure is printed in bytes, as a multiple of P (the model's FP32 parameter bytes) and as
+a multiple of ``step``. One process per figure: its spread is the allocator's, a few MB;
+rerun to see it.
+
+    python benchmarks/bench_profile_memory.py [--sizes 512x4 512x8 1024x4]
+                                              [--parts step fast exact tune]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+VOCAB = 32_000
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def _task(hidden: int, layers: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import autoprec
+
+    def build():
+        config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden,
+                             intermediate_size=hidden * 43 // 16, num_hidden_layers=layers,
+                             num_attention_heads=8, num_key_value_heads=4,
+                             max_position_embeddings=64, tie_word_embeddings=False,
+                             attn_implementation="eager", use_cache=False)
+        return LlamaForCausalLM(config)
+
+    gen = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(4):
+        ids = torch.randint(0, VOCAB, (2, 64), generator=gen)
+        batches.append({"input_ids": ids, "labels": ids})
+    return autoprec.Task(model=build, batches=batches, name=f"llama-{hidden}x{layers}",
+                         device="cpu")
+
+
+def child(part: str, size: str) -> None:
+    """One measurement (see the module docstring); prints one JSON line."""
+    import torch
+    import transformers  # noqa: F401  (imported before the baseline, as every part needs it)
+
+    import autoprec
+    from autoprec.tuning import tune
+
+    torch.set_num_threads(1)
+    hidden, layers = (int(x) for x in size.split("x"))
+    task = _task(hidden, layers)
+    base = _rss()
+    if part == "step":
+        model = task.build_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        for _ in range(2):
+            task.loss(model, task.batches[0]).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+    elif part in ("fast", "exact"):
+        prof = autoprec.profile(task, ("fp32", "bf16", "fp8"), target="h100",
+                                sensitivity=part, n_batches=2, progress=False)
+        assert prof.layers
+        params = None
+    elif part == "tune":
+        with tempfile.TemporaryDirectory() as tmp:
+            tune(task, target="h100", sensitivity="fast", n_trials=4, progress=False,
+                 output=os.path.join(tmp, "p.yaml"))
+        params = None
+    else:
+        raise SystemExit(f"unknown part {part!r}")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    print(json.dumps({"part": part, "size": size, "peak": peak, "params": params}))
+
+
+def measure(part: str, size: str) -> dict:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS="1",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(HERE),
+                                           os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, __file__, "--child", part, size], env=env,
+                         capture_output=True, text=True, check=False)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode != 0 or not lines:
+        raise SystemExit(f"{part} {size} failed:\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", nargs="+", default=["512x4", "512x8", "1024x4"])
+    ap.add_argument("--parts", nargs="+", default=["step", "fast", "exact", "tune"],
+                    choices=["step", "fast", "exact", "tune"])
+    ap.add_argument("--child", nargs=2, metavar=("PART", "SIZE"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(*args.child)
+        return
+    sys.path.insert(0, HERE)
+    from _common import device_line
+
+    print(device_line().replace("threads 2", "threads 1 per measurement"), flush=True)
+    parts = ["step", *[p for p in args.parts if p != "step"]]
+    print("| model | P (fp32 params) | " + " | ".join(f"{p} (x P, x step)" for p in parts)
+          + " |\n|" + "---|" * (len(parts) + 2), flush=True)
+    for size in args.sizes:
+        got = {p: measure(p, size) for p in parts}
+        P, step = got["step"]["params"], got["step"]["peak"]
+        cells = [f"{got[p]['peak'] / 2**20:.0f} MiB ({got[p]['peak'] / P:.2f} P, "
+                 f"{got[p]['peak'] / step:.2f}x)" for p in parts]
+        print(f"| {size} | {P / 2**20:.0f} MiB | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
