@@ -26,6 +26,7 @@ from torch import nn
 __all__ = [
     "ModelCall",
     "call_model",
+    "loss_of",
     "split_batch",
     "tensors",
     "floating",
@@ -70,6 +71,21 @@ def call_model(model: nn.Module, batch: Any) -> Any:
     of a :class:`ModelCall`, else ``model(batch)``: the one convention for what a batch is."""
     args, kwargs = split_batch(batch)
     return model(*args, **kwargs)
+
+
+def loss_of(out: Any) -> torch.Tensor | None:
+    """The loss in a model's output: its ``.loss``, ``["loss"]``, the first element of a
+    tuple (HF models called with labels and ``return_dict=False``), or the output itself when
+    it is a scalar tensor; None when there is none."""
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, Mapping):
+        loss = out.get("loss")
+    if loss is None and isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor) \
+            and out[0].dim() == 0:
+        loss = out[0]
+    if loss is None and isinstance(out, torch.Tensor) and out.dim() == 0:
+        loss = out
+    return loss
 
 
 def split_batch(batch: Any) -> tuple[tuple, dict]:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec._util import ModelCall, call_model, move_to, split_batch
+from autoprec._util import ModelCall, call_model, loss_of, move_to, split_batch
 from autoprec.runtime.engines import torchao_available
 
 __all__ = ["Task", "TaskError", "load_task", "check_batches", "default_loss", "move_to",
@@ -51,14 +51,11 @@ def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer,
 
 
 def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    """Call the model on the batch (``**dict``, ``*tuple`` or the tensor) and return the
-    output's ``.loss``, ``["loss"]``, or the output itself when it is a scalar tensor."""
+    """Call the model on the batch (``**dict``, ``*tuple`` or the tensor) and return the loss
+    in its output (:func:`autoprec._util.loss_of`: ``.loss``, ``["loss"]``, a tuple's scalar
+    first element, or the output itself when it is a scalar tensor)."""
     out = call_model(model, batch)
-    loss = getattr(out, "loss", None)
-    if loss is None and isinstance(out, Mapping):
-        loss = out.get("loss")
-    if loss is None and isinstance(out, torch.Tensor) and out.dim() == 0:
-        loss = out
+    loss = loss_of(out)
     if loss is None:
         raise ValueError(
             f"The model returned {type(out).__name__}, which has no `.loss` and is not a "

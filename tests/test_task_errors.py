@@ -231,3 +231,25 @@ def test_batches_given_to_profile_are_checked_like_the_tasks():
     with pytest.raises(TaskError, match=r"profile\(batches=\.\.\.\) batch 1 .*0 rows"):
         autoprec.profile(task, batches=[torch.randn(4, 16), torch.randn(0, 16)],
                          target="h100", progress=False)
+
+
+def test_the_default_loss_reads_every_output_form_of_a_real_hf_model():
+    # one reading of "the loss in a model's output" (autoprec._util.loss_of) for the task's
+    # default loss and the training integrations' held batches: ModelOutput, a tuple
+    # (return_dict=False), a scalar; an output without a loss is a one-line error
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from autoprec.task import default_loss
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1,
+                                       n_head=2)).eval()  # no dropout: one loss per batch
+    ids = torch.randint(0, 64, (2, 16))
+    expected = model(input_ids=ids, labels=ids).loss
+    assert torch.equal(default_loss(model, {"input_ids": ids, "labels": ids}), expected)
+    plain = {"input_ids": ids, "labels": ids, "return_dict": False}
+    assert torch.equal(default_loss(model, plain), expected)
+    assert torch.equal(default_loss(lambda x: x.sum(), torch.ones(3)), torch.tensor(3.0))
+    with pytest.raises(ValueError, match="no `.loss`") as e:
+        default_loss(model, {"input_ids": ids})
+    assert "\n" not in str(e.value)

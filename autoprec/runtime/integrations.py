@@ -63,7 +63,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from autoprec._util import atomic_write, call_model, device_of, read_json
+from autoprec._util import atomic_write, call_model, device_of, loss_of, read_json
 from autoprec.formats import Format
 from autoprec.policy import Policy, PolicyError, load_policy
 from autoprec.runtime import apply
@@ -438,8 +438,12 @@ def _detached(batch: Any) -> Any:
 def _model_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     """The loss of an HF model called as the Trainer calls it (labels in the batch), the
     call dispatched as everywhere else (``_util.call_model``)."""
-    out = call_model(model, batch)
-    return out["loss"] if isinstance(out, dict) else out[0] if isinstance(out, tuple) else out
+    loss = loss_of(call_model(model, batch))
+    if loss is None:
+        raise ValueError("follow_bias: the model's output on a held batch has no loss; the "
+                         "held batches are the run's own, so give them labels as the Trainer "
+                         "does.")
+    return loss
 
 
 def _save_phases(callback: Any, args: Any, state: Any) -> None:
