@@ -54,8 +54,9 @@ def trained_model(task: Task, step: int, run_steps: int | None = None, *,
 
 
 def held_batches(task: Task, batches: int = DEFAULT_BATCHES) -> list:
-    """``batches`` batches of the task's training stream the reference run does not train on
-    (a stream of their own seed): where the bias is measured."""
+    """``batches`` batches of the task's training stream drawn with a seed of their own, apart
+    from the ones the reference run trains on (with a task that has no ``train_batches``,
+    both come from its calibration batches, so they overlap): where the bias is measured."""
     return list(training_stream(task, batches, task.seed + _HELD_SEED))
 
 
