@@ -408,17 +408,18 @@ class MemoryModel:
         return out
 
 
-def memory_model(task: Any, prof: Any = None) -> MemoryModel:
+def memory_model(task: Any, prof: Any = None, model: nn.Module | None = None) -> MemoryModel:
     """A :class:`MemoryModel` of ``task`` at its first calibration batch: the layers of
     ``prof`` when they were captured there (no ``shape_batch``), else captured again; steps
-    measured on a private copy of the model."""
+    measured on private copies of ``model`` (a build of the task's model prepared for
+    measurement, e.g. the tune's own, left as it was; None: a new build)."""
     import copy
 
     from autoprec.measure.capture import capture
     from autoprec.measure.numerics import prepare_for_measurement
     from autoprec.task import default_loss
 
-    model = prepare_for_measurement(task.build_model())
+    model = model if model is not None else prepare_for_measurement(task.build_model())
     batch = task.example_batch()
     if prof is not None and task.shape_batch is None:
         layers, edges = [lp.layer for lp in prof.layers], prof.edges

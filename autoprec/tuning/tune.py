@@ -302,7 +302,8 @@ class _Objective:
         # the trial an interrupt stopped mid-way, if one did
         self.abandoned: int | None = None
         # every trial's predicted peak memory (reported; a constraint under max_memory)
-        self.memory = memory_model(ev.task, ev.prof)
+        # copies of the evaluator's model, not a build of its own beside it
+        self.memory = memory_model(ev.task, ev.prof, ev.numerics.model)
         self.memory_start = memory_warm_start(self.memory, space)
         limit = config.max_memory
         if limit is not None and self.memory_start[2] > limit:
