@@ -52,48 +52,50 @@ def prepare_for_measurement(model: nn.Module) -> nn.Module:
     ``nn.Dropout``, float ``*dropout*``/``*pdrop*`` attributes of modules and HF configs are
     zeroed: HF attention reads ``attention_dropout`` at call time and passes it to SDPA."""
     model.train()
-    configs = [getattr(model, "config", None)]
-    for module in model.modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd):
-            module.p = 0.0
-        elif isinstance(module, nn.modules.batchnorm._BatchNorm):
-            # momentum=None would average with num_batches_tracked; 0.0 keeps the stats put.
-            module.momentum = 0.0
-        _zero_dropout_fields(module)
-        configs.append(getattr(module, "config", None))
-    for config in {id(c): c for c in configs if c is not None and hasattr(c, "__dict__")}.values():
-        _zero_dropout_fields(config)
+    for obj, key, value in _measurement_settings(model):
+        setattr(obj, key, value)
     return model
 
 
 @contextlib.contextmanager
 def prepared(model: nn.Module):
-    """:func:`prepare_for_measurement` on ``model`` itself for the ``with`` block, and its
-    train/eval mode, dropout probabilities and BatchNorm momenta as they were afterwards: a
-    measurement on the caller's model instead of a copy of it."""
-    saved = [(m, m.training) for m in model.modules()]
-    fields = []
-    for obj in [model, *model.modules(), getattr(model, "config", None),
-                *(getattr(m, "config", None) for m in model.modules())]:
-        if obj is None or not hasattr(obj, "__dict__"):
-            continue
-        fields += [(obj, k, v) for k, v in vars(obj).items()
-                   if k in ("p", "momentum") or "dropout" in k.lower() or "pdrop" in k.lower()]
+    """:func:`prepare_for_measurement` on ``model`` itself for the ``with`` block, and every
+    field it sets (train/eval mode, dropout probabilities, BatchNorm momenta) as it was
+    afterwards: a measurement on the caller's model instead of a copy of it."""
+    modes = [(m, m.training) for m in model.modules()]
+    saved = [(obj, key, getattr(obj, key)) for obj, key, _ in _measurement_settings(model)]
     prepare_for_measurement(model)
     try:
         yield model
     finally:
-        for obj, key, value in fields:
+        for obj, key, value in saved:
             setattr(obj, key, value)
-        for m, training in saved:
+        for m, training in modes:
             m.training = training
 
 
-def _zero_dropout_fields(obj: Any) -> None:
-    for key, value in list(vars(obj).items()):
-        name = key.lower()
-        if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
-            setattr(obj, key, 0.0)
+def _measurement_settings(model: nn.Module) -> list[tuple[Any, str, float]]:
+    """(object, attribute, value) for every field :func:`prepare_for_measurement` sets besides
+    the train mode: the one list it applies and :func:`prepared` restores."""
+    out: list[tuple[Any, str, float]] = []
+    configs = [getattr(model, "config", None)]
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            out.append((module, "p", 0.0))
+        elif isinstance(module, nn.modules.batchnorm._BatchNorm):
+            # momentum=None would average with num_batches_tracked; 0.0 keeps the stats put.
+            out.append((module, "momentum", 0.0))
+        out += _dropout_fields(module)
+        configs.append(getattr(module, "config", None))
+    for config in {id(c): c for c in configs if c is not None and hasattr(c, "__dict__")}.values():
+        out += _dropout_fields(config)
+    return out
+
+
+def _dropout_fields(obj: Any) -> list[tuple[Any, str, float]]:
+    """The float ``*dropout*`` / ``*pdrop*`` attributes of ``obj``, each to be set to 0."""
+    return [(obj, key, 0.0) for key, value in vars(obj).items()
+            if ("dropout" in key.lower() or "pdrop" in key.lower()) and isinstance(value, float)]
 
 
 @dataclass(frozen=True)
@@ -102,13 +104,11 @@ class Reference:
 
     # Loss per batch.
     losses: list[float]
-    # Per batch, the FP32 gradient of every trainable parameter (zeros where unused).
+    # Per batch, the FP32 gradient of every trainable parameter (zeros where unused); empty
+    # when they were not kept (Numerics(keep_grads=False)).
     grads: list[list[torch.Tensor]]
     # Per batch, float64 squared norm of each parameter's gradient, shape [n_params].
     grad_sq: list[torch.Tensor]
-    # Float64 squared norm of each parameter's gradient summed over the batches, [n_params]
-    # (None, and no ``grads``: the gradients were not kept, Numerics(keep_grads=False)).
-    sum_sq: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -183,6 +183,9 @@ class Numerics:
             raise ValueError(f"{type(model).__name__} has no parameter with requires_grad=True, "
                              "so there are no gradients to compare; unfreeze the parameters.")
         self._reference: Reference | None = None
+        # per parameter, the squared norm of the reference gradients summed over the batches
+        # (the bias's denominator; computed on the first comparison that measures the bias)
+        self._ref_sum_sq: list[float] | None = None
         # 16-bit GEMMs the device has no units for compute by FP32 emulation: the same values
         # (runtime.fp8.emulating), at FP32's speed rather than ~120x slower on a Zen 3
         device = next((p.device for p in self.params), torch.device("cpu"))
@@ -204,13 +207,20 @@ class Numerics:
     def _reference_grads(self) -> Reference:
         """The reference with its gradients (run again when they were not kept)."""
         ref = self.reference()
-        if ref.sum_sq is None:
+        if not ref.grads:
             self._reference = ref = self._run_reference(None, keep=True)
         return ref
 
+    def _summed_reference_sq(self, ref: Reference) -> list[float]:
+        if self._ref_sum_sq is None:
+            total = None
+            for g in ref.grads:
+                total = _accumulate(total, g)
+            self._ref_sum_sq = _sq_norms(total).tolist()
+        return self._ref_sum_sq
+
     def _run_reference(self, around: Callable[[int], Any] | None, keep: bool) -> Reference:
         losses, grads, grad_sq = [], [], []
-        total: list[torch.Tensor] | None = None
         with _fp32(self.model):
             for b, batch in enumerate(self.batches):
                 ctx = around(b) if around is not None else contextlib.nullcontext()
@@ -229,10 +239,8 @@ class Numerics:
                 grad_sq.append(_sq_norms(g))
                 if keep:
                     grads.append(g)
-                    total = _accumulate(total, g)
                 del g
-        return Reference(losses=losses, grads=grads, grad_sq=grad_sq,
-                         sum_sq=_sq_norms(total) if keep else None)
+        return Reference(losses=losses, grads=grads, grad_sq=grad_sq)
 
     # ---------------------------------------------------------------- a candidate
     def compare(self, policy: Policy, *, after_forward: Callable[[int], None] | None = None,
@@ -278,7 +286,7 @@ class Numerics:
                         n_batches=len(self.batches))
         if total is None:
             return dev
-        bias_sq, ref_sum_sq = _sq_norms(total).tolist(), ref.sum_sq.tolist()
+        bias_sq, ref_sum_sq = _sq_norms(total).tolist(), self._summed_reference_sq(ref)
         return dataclasses.replace(
             dev, grad_bias=relative(math.fsum(bias_sq), math.fsum(ref_sum_sq)),
             bias_sq=tuple(bias_sq), ref_sum_sq=tuple(ref_sum_sq))
@@ -352,8 +360,8 @@ def _minus(grads: list[torch.Tensor], ref: list[torch.Tensor]) -> list[torch.Ten
 def _accumulate(total: list[torch.Tensor] | None,
                 grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """``total + grads`` element by element: a copy of ``grads`` the first time (they may be
-    kept, or changed in place later), in place after. One extra set of gradient-sized tensors
-    for the whole comparison: what the summed (bias) error needs."""
+    kept, or changed in place later), in place after: one extra set of gradient-sized tensors
+    for a sum over the batches (what the bias needs)."""
     if total is None:
         return [g.clone() for g in grads]
     torch._foreach_add_(total, grads)
