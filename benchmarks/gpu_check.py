@@ -74,6 +74,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 FORMATS = ("fp32", "bf16", "fp16", "fp8")
+SECTIONS = ("numerics", "layers", "step", "recipes", "certificate", "memory")
 
 
 # ============================================================================ configuration
@@ -100,12 +101,18 @@ class Config:
     trials: int
     tune_timeout: float
     budget_s: float
+    # the certificate's reference run (steps) and the memory section's Llama sizes (hidden x
+    # layers), largest first: the first that fits is measured
+    cert_steps: int = 200
+    mem_sizes: tuple = ("4096x16", "2048x16")
     lr: float = 6e-4
     eval_batches: int = 2
 
     @classmethod
     def full(cls) -> Config:
-        return cls(dry_run=False, device="cuda", n_layer=12, n_embd=768, n_head=12, batch=8,
+        # examples/gpt2_bytes.py:gpu_task's model and batch: the model `autoprec tune --target
+        # h200` tuned on CPU (benchmarks/gpu/gpt2_4x1024_h200.yaml)
+        return cls(dry_run=False, device="cuda", n_layer=4, n_embd=1024, n_head=16, batch=8,
                    seq=1024,
                    numeric_shapes=[(8192, 768, 2304), (8192, 768, 3072), (8192, 3072, 768),
                                    (8192, 768, 256), (4096, 4096, 4096), (8, 12, 1024, 64)],
@@ -113,8 +120,8 @@ class Config:
                                  (16384, 8192, 8192)],
                    recipe_shapes=[(16384, 4096, 4096), (16384, 4096, 1024), (16384, 4096, 512),
                                   (16384, 4096, 14336), (16384, 14336, 4096), (1024, 1024, 1024)],
-                   warmup=3, repeats=10, layer_budget_s=20.0, step_rounds=10, steps=150,
-                   trials=12, tune_timeout=150.0, budget_s=450.0)
+                   warmup=3, repeats=10, layer_budget_s=12.0, step_rounds=10, steps=150,
+                   trials=12, tune_timeout=150.0, budget_s=400.0)
 
     @classmethod
     def dry(cls) -> Config:
@@ -123,7 +130,8 @@ class Config:
                    linear_sweep=[(64, 64, 64), (128, 128, 128)],
                    recipe_shapes=[(64, 64, 64), (128, 64, 32)],
                    warmup=1, repeats=3, layer_budget_s=5.0, step_rounds=4, steps=6,
-                   trials=4, tune_timeout=60.0, budget_s=150.0)
+                   trials=4, tune_timeout=60.0, budget_s=240.0, cert_steps=8,
+                   mem_sizes=("128x2",))
 
 
 # ============================================================================ output
@@ -205,8 +213,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _model(cfg: Config):
     from examples.gpt2_bytes import make_model
 
-    return make_model(n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head, seq_len=cfg.seq,
-                      attn_implementation="eager")
+    return make_model(n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head, seq_len=cfg.seq)
 
 
 def _batches(cfg: Config, n: int, seed: int, skip: int = 0):
@@ -376,10 +383,13 @@ def _shape_text(shapes: list[tuple]) -> str:
     return ", ".join(parts) + (f" +{len(shapes) - 2}" if len(shapes) > 2 else "")
 
 
-def _speed_rows(times: dict, shapes: dict, labels: dict) -> tuple[list[list], list[str]]:
+def _speed_rows(times: dict, shapes: dict, labels: dict,
+                priced: dict | None = None) -> tuple[list[list], list[str], list[tuple]]:
+    """Rows of section 2; ``priced`` (fqn -> format -> cost-model seconds) adds the price of
+    bf16 over fp32 and fp8 over bf16 beside the measured ones, and their ratio."""
     from autoprec.formats import Format
 
-    rows, gains = [], []
+    rows, gains, checks = [], [], []
     for fqn, per in times.items():
         t = {f: per[Format(f)] for f in FORMATS}
         raw = {f: (t[f].raw_seconds if t[f].ok else math.inf) for f in FORMATS}
@@ -401,20 +411,67 @@ def _speed_rows(times: dict, shapes: dict, labels: dict) -> tuple[list[list], li
         for f in ("bf16", "fp16", "fp8"):
             star = "*" if t[f].emulated else ""
             cells.append(_x(fp32 / raw[f]) + star if math.isfinite(raw[f]) else "failed")
+        p = (priced or {}).get(fqn)
+        if p:
+            bf_p, f8_p = p["fp32"] / p["bf16"], p["bf16"] / p["fp8"]
+            bf_m = fp32 / raw["bf16"]
+            cells += [_x(bf_p), _f(bf_m / bf_p, ".2f"), _x(f8_p), _f(fp8_vs_bf16 / f8_p, ".2f")]
+            checks.append((labels.get(fqn, fqn), bf_m / bf_p, fp8_vs_bf16 / f8_p))
+        elif priced is not None:
+            cells += ["-", "-", "-", "-"]
         rows.append([labels.get(fqn, fqn), _shape_text(shapes.get(fqn, [])),
-                     f"{flops * 3 / 1e9:.3g}", _f(fp32 * 1e3, ".3g"), *cells,
-                     _x(fp8_vs_bf16) + ("*" if t["fp8"].emulated else ""),
+                     f"{flops * 3 / 1e9:.3g}", _f(fp32 * 1e3, ".3g"), *cells[:3],
+                     _x(fp8_vs_bf16) + ("*" if t["fp8"].emulated else ""), *cells[3:],
                      _f(max((t[f].spread for f in FORMATS
                              if t[f].ok and math.isfinite(t[f].spread)), default=math.nan), ".2f"),
                      verdict])
-    return rows, gains
+    return rows, gains, checks
+
+
+def _priced_layers(prof, fqns: list[str], target: str) -> dict[str, dict[str, float]]:
+    """Cost-model seconds (forward + backward) of each fqn in fp32/bf16/fp8 on ``target``,
+    from the layers the CPU profile captured: a layer alone pays its casts in and out (as
+    measure_layers runs it); a module holding several (a whole block) is priced as its layers
+    with the casts on the edges between them. Elementwise work the profile does not capture
+    (norms, GELU, softmax) is not priced."""
+    from autoprec.costmodel import estimate_layer, estimate_step
+    from autoprec.formats import Format
+
+    out = {}
+    for fqn in fqns:
+        inside = [lp for lp in prof.layers if lp.fqn == fqn or lp.fqn.startswith(fqn + ".")]
+        if not inside:
+            continue
+        names = {lp.fqn for lp in inside}
+        edges = [(a, b) for a, b in prof.edges if a in names and b in names]
+        per = {}
+        for f in ("fp32", "bf16", "fp8"):
+            fmt = Format.parse(f)
+            if len(inside) == 1:
+                per[f] = estimate_layer(inside[0].layer, fmt, target).seconds
+            else:
+                per[f] = estimate_step([lp.layer for lp in inside],
+                                       {n: fmt for n in names}, target, edges=edges)
+        out[fqn] = per
+    return out
+
+
+def _priced_linear(m: int, k: int, n: int, target: str) -> dict[str, float]:
+    """A lone nn.Linear (with bias, FP32 input) priced as measure_layers runs it."""
+    from autoprec.costmodel import estimate_layer
+    from autoprec.graph import Layer
+
+    layer = Layer(fqn="linear", kind="linear", module_type="Linear", matmuls=((1, m, k, n),),
+                  calls=("linear",), params=k * n + n, bytes=4 * (m * k + k * n + m * n))
+    return {f: estimate_layer(layer, f, target).seconds for f in ("fp32", "bf16", "fp8")}
 
 
 _SPEED_HEADER = ["layer", "matmuls (MxKxN)", "GFLOP f+b", "fp32 ms", "bf16", "fp16", "fp8",
-                 "fp8 vs bf16", "max IQR/med", "verdict"]
+                 "fp8 vs bf16", "bf16 priced", "meas/priced", "fp8 vs bf16 priced",
+                 "meas/priced", "max IQR/med", "verdict"]
 
 
-def section_layers(cfg: Config, dev: torch.device, ctx: dict) -> None:
+def section_layers(cfg: Config, dev: torch.device, ctx: dict, prof) -> None:
     from autoprec.measure.timing import measure_layers
     from autoprec.task import move_to
 
@@ -425,6 +482,10 @@ def section_layers(cfg: Config, dev: torch.device, ctx: dict) -> None:
           "interleaved; columns bf16/fp16/fp8 are speed-ups over fp32 (fp32 time / format time, "
           ">1 is faster); 'fp8 vs bf16' is bf16 time / fp8 time. attn includes its c_attn and "
           "c_proj; block includes everything in transformer.h.0.")
+    target = prof.target or "h200"
+    print(f"priced: the {target} cost model's ratio for the same layer at the same shapes (from "
+          f"the layers the CPU profile captured; norms, GELU and softmax are not priced); "
+          f"meas/priced = measured ratio / priced ratio (1.00 = the model was right).")
     if dev.type == "cpu":
         print("* emulated: on CPU fp8 is quantize -> dequantize -> fp32 matmul, slower than fp32 "
               "by construction; these ratios are not a speed measurement.")
@@ -441,7 +502,7 @@ def section_layers(cfg: Config, dev: torch.device, ctx: dict) -> None:
     t0 = time.perf_counter()
     times = measure_layers(model, batch, fqns, FORMATS, warmup=cfg.warmup, repeats=cfg.repeats,
                            budget_s=cfg.layer_budget_s)
-    rows, gains = _speed_rows(times, shapes, labels)
+    rows, gains, checks = _speed_rows(times, shapes, labels, _priced_layers(prof, fqns, target))
     _table(rows, _SPEED_HEADER)
     print(f"({time.perf_counter() - t0:.1f} s)")
     fp8_notes = sorted({per[k].note for per in times.values() for k in per
@@ -460,14 +521,17 @@ def section_layers(cfg: Config, dev: torch.device, ctx: dict) -> None:
         tl = measure_layers(lin, x, [""], FORMATS, warmup=cfg.warmup, repeats=cfg.repeats,
                             budget_s=cfg.layer_budget_s)
         label = f"linear {m}x{k}x{n}"
-        r, g = _speed_rows({label: tl[""]}, {label: [(1, m, k, n)]}, {})
+        r, g, c = _speed_rows({label: tl[""]}, {label: [(1, m, k, n)]}, {},
+                              {label: _priced_linear(m, k, n, target)})
         rows += r
         sweep_gains += g
+        checks += c
         del lin, x, tl
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     _table(rows, _SPEED_HEADER)
     ctx["sweep_fp8_gains"] = sweep_gains
+    ctx["layer_checks"] = checks
 
 
 # ============================================================================ 3. whole step
@@ -528,6 +592,20 @@ def _step_fn(model, opt, scaler, variant: Variant, dev: torch.device):
     return step
 
 
+def _fwd_bwd_fn(model, scaler, variant: Variant, dev: torch.device):
+    """Forward + backward alone (what the cost model prices), gradients dropped after."""
+    ac = torch.autocast(dev.type, dtype=torch.bfloat16) if variant.autocast \
+        else contextlib.nullcontext()
+
+    def fwd_bwd(batch):
+        with ac:
+            loss = model(**batch).loss
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        for p in model.parameters():
+            p.grad = None
+    return fwd_bwd
+
+
 def _eval_loss(model, variant: Variant, batches, dev: torch.device) -> float:
     ac = torch.autocast(dev.type, dtype=torch.bfloat16) if variant.autocast \
         else contextlib.nullcontext()
@@ -538,60 +616,57 @@ def _eval_loss(model, variant: Variant, batches, dev: torch.device) -> float:
     return statistics.fmean(losses)
 
 
-def _tune(cfg: Config, dev: torch.device, outdir: str, stamp: str, clock: _Clock, ctx: dict):
+def cpu_tuned(cfg: Config, args, outdir: str, stamp: str, ctx: dict):
+    """The policy ``autoprec tune --target h200`` wrote on CPU for this model, and the profile
+    it was priced with. The full run reads both from the files the CPU tune wrote
+    (``--policy``, ``--profile``); the dry run makes them the same way at its tiny size."""
     import autoprec
-    from autoprec.task import Task
+    from autoprec import Profile, load_policy
 
-    task = Task(model=lambda: _model(cfg), batches=_batches(cfg, 3, seed=1), device=dev,
-                name=f"gpt2-{cfg.n_layer}x{cfg.n_embd}-b{cfg.batch}x{cfg.seq}")
-    timeout = max(20.0, min(cfg.tune_timeout, clock.left() * 0.4))
-    policy_path = os.path.join(outdir, f"gpu_check-{stamp}-tuned.yaml")
-    log_path = os.path.join(outdir, f"gpu_check-{stamp}-tune.log")
-    print(f"tune: {cfg.trials} trials max, grouped by role, formats {', '.join(FORMATS)}, trial "
-          f"phase capped at {timeout:.0f} s; log -> {log_path}", flush=True)
-    t0 = time.perf_counter()
-    real_err = sys.stderr
-    with tempfile.TemporaryDirectory() as tmp, open(log_path, "w", buffering=1) as log:
-        sys.stderr = log
-        try:
-            result = autoprec.tune(task, n_trials=cfg.trials, grouping="role", timeout=timeout,
-                                   storage=f"sqlite:///{os.path.join(tmp, 'study.db')}",
-                                   output=policy_path, progress=True)
-        finally:
-            sys.stderr = real_err
-    written = result.save(policy_path)
-    print(f"tune took {time.perf_counter() - t0:.0f} s; {result.summary()}")
-    print("profile measured by tune on this device (per layer; err = relative loss change "
-          "with that layer alone in the format):")
-    print(result.profile.table())
-    print("tuned policy:")
-    print(result.policy.to_yaml().rstrip())
-    ctx["files"] += written + [log_path]
-    return result.policy
+    if not cfg.dry_run:
+        policy, prof = load_policy(args.policy), Profile.load(args.profile)
+        print(f"policy tuned on CPU for {prof.target}: {os.path.relpath(args.policy, ROOT)} "
+              f"(profile {os.path.relpath(args.profile, ROOT)}, numerics on {prof.device})")
+        return policy, prof
+    task = autoprec.Task(model=lambda: _model(cfg), batches=_batches(cfg, 2, seed=1),
+                         device="cpu", name=f"gpt2-{cfg.n_layer}x{cfg.n_embd}-dry")
+    path = os.path.join(outdir, f"gpu_check-{stamp}-cpu-tuned.yaml")
+    with tempfile.TemporaryDirectory() as tmp:
+        result = autoprec.tune(task, target="h200", n_trials=cfg.trials, progress=False,
+                               storage=f"sqlite:///{os.path.join(tmp, 'study.db')}",
+                               output=path)
+    ctx["files"] += result.save(path)
+    print(f"dry run: tuned on CPU for h200 -> {path}")
+    return result.policy, result.profile
 
 
-def section_step(cfg: Config, dev: torch.device, ctx: dict, *, outdir: str, stamp: str,
-                 clock: _Clock, skip_tune: bool) -> None:
+def _priced_steps(prof, variants: list) -> dict[str, float]:
+    """The cost model's seconds of the profiled layers' forward + backward under each variant
+    (autocast priced as the bf16 policy: the cost model knows no autocast)."""
+    from autoprec import Policy
+    from autoprec.tuning.space import expand
+
+    out = {}
+    for v in variants:
+        policy = v.policy if v.policy is not None else Policy(
+            default="bf16" if v.autocast else "fp32")
+        out[v.name] = prof.estimate_step(expand(policy, prof), prof.target or "h200")
+    return out
+
+
+def section_step(cfg: Config, dev: torch.device, ctx: dict, *, clock: _Clock, tuned,
+                 prof) -> None:
     from autoprec import Policy
     from autoprec.task import move_to
 
     _section(f"3. Whole training step: HF GPT-2 {cfg.n_layer}x{cfg.n_embd}, batch "
-             f"{cfg.batch}x{cfg.seq}, AdamW + grad clip")
+             f"{cfg.batch}x{cfg.seq}, AdamW + grad clip; the policy tuned on CPU for "
+             f"{prof.target}")
     variants = [Variant("fp32"), Variant("autocast(bf16)", autocast=True),
-                Variant("fp8 uniform", policy=Policy(default="fp8"))]
-    if skip_tune:
-        print("tuned policy: skipped (--skip-tune)")
-    else:
-        try:
-            variants.append(Variant("tuned policy", policy=_tune(cfg, dev, outdir, stamp, clock,
-                                                                 ctx)))
-        except Exception:  # noqa: BLE001 - the other rows are still worth measuring
-            print("tune FAILED; the tuned row is missing:")
-            traceback.print_exc(file=sys.stdout)
-            ctx["failed"].append("tune")
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+                Variant("bf16 policy", policy=Policy(default="bf16")),
+                Variant("fp8 uniform", policy=Policy(default="fp8")),
+                Variant("tuned (CPU, h200)", policy=tuned)]
+    priced = _priced_steps(prof, variants)
     if dev.type == "cpu":
         print("CPU dry run: fp8 is emulated (quantize -> dequantize -> fp32 matmul), so its time "
               "is not a speed; peak memory is a CUDA measurement (n/a here).")
@@ -639,6 +714,7 @@ def section_step(cfg: Config, dev: torch.device, ctx: dict, *, outdir: str, stam
     for v in variants:
         model, opt, scaler = _prepare(v, base, dev, cfg)
         steps[v.name] = _step_fn(model, opt, scaler, v, dev)
+        steps[f"{v.name} f+b"] = _fwd_bwd_fn(model, scaler, v, dev)
     model = opt = scaler = None
     times = interleaved({k: (lambda s=s: s(batch)) for k, s in steps.items()},
                         warmup=cfg.warmup, rounds=cfg.step_rounds, device=dev.type)
@@ -647,6 +723,7 @@ def section_step(cfg: Config, dev: torch.device, ctx: dict, *, outdir: str, stam
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     sec = {k: times.seconds(k) for k in times.active}
+    fb = {v.name: times.ratio("fp32 f+b", f"{v.name} f+b") for v in variants}
 
     # -- training runs: same init, same batches (order A); fp32 again with order B for noise
     runs = [(v, 0) for v in variants] + [(variants[0], 1)]
@@ -704,13 +781,17 @@ def section_step(cfg: Config, dev: torch.device, ctx: dict, *, outdir: str, stam
         pbf = mem.get("autocast(bf16)", (math.nan,))[0]
         train_l, ev, note = losses[v.name]
         sp = times.speedup(v.name, "fp32")
+        price = priced["fp32"] / priced[v.name]
         rows.append([v.name, f"{s * 1e3:.1f}", f"{sp.low:.2f}-{sp.high:.2f}", _x(ref_t / s),
-                     _x(bf_t / s), _f(peak / 2**30, ".2f"), _f(act / 2**30, ".2f"),
+                     _x(bf_t / s), f"{fb[v.name].value:.2f} [{fb[v.name].low:.2f}-"
+                     f"{fb[v.name].high:.2f}]", _x(price), _f(fb[v.name].value / price, ".2f"),
+                     _f(peak / 2**30, ".2f"), _f(act / 2**30, ".2f"),
                      _f(peak / p32, ".2f"), _f(peak / pbf, ".2f"), _f(train_l, ".4f"),
                      _f(ev, ".4f"), _f((ev - ref_l) / ref_l, "+.2%"),
                      _f((ev - bf_l) / bf_l, "+.2%"), calls[v.name], note])
     train_b, ev_b, note_b = losses["fp32 (order B)"]
-    rows.append(["fp32 (order B)", "-", "-", "-", "-", "-", "-", "-", "-", _f(train_b, ".4f"),
+    rows.append(["fp32 (order B)", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
+                 _f(train_b, ".4f"),
                  _f(ev_b, ".4f"), _f((ev_b - ref_l) / ref_l, "+.2%"),
                  _f((ev_b - bf_l) / bf_l, "+.2%"), "-", note_b or "run-to-run noise"])
     print(f"\nstep = forward + backward + clip + AdamW, {cfg.step_rounds} interleaved rounds, "
@@ -722,13 +803,20 @@ def section_step(cfg: Config, dev: torch.device, ctx: dict, *, outdir: str, stam
           f"warmup + cosine, same init and batches): train = mean of the last tenth, held-out = "
           f"{cfg.eval_batches} batches in the variant's precision; Δ = relative to fp32 / "
           f"autocast(bf16).")
-    _table(rows, ["variant", "step ms", "95% int.", "vs fp32", "vs bf16", "peak GiB", "act GiB",
+    print(f"f+b: forward + backward alone (no clip, no optimizer), speed-up over fp32 with its "
+          f"95% interval; priced: the {prof.target} cost model's speed-up of the profiled "
+          f"layers' forward + backward over fp32, as the CPU tune priced it (autocast priced "
+          f"as the bf16 policy); meas/priced = f+b measured / priced.")
+    _table(rows, ["variant", "step ms", "95% int.", "vs fp32", "vs bf16", "f+b vs fp32",
+                  "priced", "meas/priced", "peak GiB", "act GiB",
                   "mem/fp32", "mem/bf16", "train loss", "held-out", "Δ vs fp32", "Δ vs bf16",
                   "_scaled_mm/step", "note"])
     noise = abs(ev_b - ref_l) / ref_l if math.isfinite(ev_b) and ref_l else math.nan
     print(f"fp32 run-to-run noise (batch order only): {_f(noise, '.2%')} of held-out loss")
-    ctx["step"] = {k: ref_t / s for k, s in sec.items()}
-    ctx["step_bf16"] = {k: bf_t / s for k, s in sec.items()}
+    ctx["step"] = {v.name: ref_t / sec[v.name] for v in variants}
+    ctx["step_bf16"] = {v.name: bf_t / sec[v.name] for v in variants}
+    ctx["step_checks"] = {v.name: (fb[v.name].value, priced["fp32"] / priced[v.name])
+                          for v in variants}
     ctx["loss"] = {k: v[1] for k, v in losses.items()}
     ctx["scaled_mm"] = calls
     ctx["noise"] = noise
@@ -806,9 +894,118 @@ def section_recipes(cfg: Config, dev: torch.device, ctx: dict) -> None:
     ctx["recipes"] = summary
 
 
-def _check_deps(skip_tune: bool) -> None:
+# ============================================================================ 5. certificate
+def section_certificate(cfg: Config, dev: torch.device, ctx: dict, *, tuned, clock: _Clock) -> None:
+    """A paired loss certificate of the CPU-tuned policy against BF16, on this device."""
+    import autoprec
+
+    _section(f"5. Paired loss certificate: the policy tuned on CPU vs BF16, "
+             f"{cfg.cert_steps}-step reference run")
+    task = autoprec.Task(
+        model=lambda: _model(cfg), batches=_batches(cfg, 2, seed=1), device=dev,
+        name=f"gpt2-{cfg.n_layer}x{cfg.n_embd}",
+        train_batches=lambda n, seed: _batches(cfg, n, seed=seed),
+        eval_batches=_batches(cfg, cfg.eval_batches, seed=99, skip=3_000_000))
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*can only emulate.*")
+        res = autoprec.certify(task, tuned, steps=cfg.cert_steps, strict=False, progress=True)
+    cert = res.certificate
+    print(cert.describe())
+    rows = [[start, _f(ref, ".4f"), _f(pol, ".4f"), _f((pol - ref) / ref, "+.3%")]
+            for start, (ref, pol) in sorted(res.losses.items())]
+    _table(rows, ["branch from step", "bf16 held-out", "policy held-out", "gap"])
+    print(f"verdict {cert.verdict}: gap {cert.gap:+.3%} [{cert.low:+.3%}, {cert.high:+.3%}] "
+          f"({cert.confidence:.0%}), tolerance {cert.tolerance:.2%}, {cert.branches} branches "
+          f"of {cert.horizon} steps ({time.perf_counter() - t0:.0f} s)")
+    ctx["certificate"] = (cert.verdict, cert.gap, cert.low, cert.high, cert.branches)
+
+
+# ============================================================================ 6. memory
+def _llama_task(hidden: int, layers: int, dev: torch.device):
+    """bench_profile_memory's Llama (vocab 32k, GQA, 2 x 64-token batches) on ``dev``."""
+    from bench_profile_memory import _task
+
+    return _task(hidden, layers, device=str(dev))
+
+
+def _cuda_peak(fn, dev: torch.device) -> tuple[float, object]:
+    """Bytes allocated at the peak of ``fn()`` above what was allocated before it."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    out = fn()
+    _sync(dev)
+    return torch.cuda.max_memory_allocated(dev) - base, out
+
+
+def _train_steps(task) -> int:
+    model = task.build_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for _ in range(2):
+        task.loss(model, task.batches[0]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def section_memory(cfg: Config, dev: torch.device, ctx: dict, *, clock: _Clock) -> None:
+    """The profile's peak memory against a training step's, on the largest Llama that fits."""
+    import autoprec
+
+    _section("6. Profile peak memory vs a training step's (torch.cuda.max_memory_allocated)")
+    if dev.type != "cuda":
+        print("CPU dry run: CUDA peak memory is not measured here (benchmarks/"
+              "bench_profile_memory.py measures RSS on CPU); the code path still runs.")
+    print("step: build + 2 AdamW steps (fp32 weights, grads, optimizer state, activations); "
+          "fast / exact: autoprec.profile(fp32, bf16, fp8; target h200; sensitivity fast / "
+          "exact; 2 batches of 2x64 tokens). P = the model's fp32 weights.")
+    rows = []
+    if clock.left() < 60:
+        print(f"skipped: {clock.left():.0f} s left of the {cfg.budget_s:.0f} s budget")
+        return
+    for size in cfg.mem_sizes:
+        hidden, layers = (int(x) for x in size.split("x"))
+        task = _llama_task(hidden, layers, dev)
+        try:
+            if dev.type == "cuda":
+                step, params = _cuda_peak(lambda task=task: _train_steps(task), dev)
+            else:
+                step, params = math.nan, _train_steps(task)
+            figures = {"step": step}
+            for mode in ("fast", "exact"):
+                if clock.left() < 30:
+                    print(f"{size} {mode}: skipped, {clock.left():.0f} s left of the budget")
+                    continue
+                t0 = time.perf_counter()
+
+                def run(mode=mode, task=task):
+                    return autoprec.profile(task, ("fp32", "bf16", "fp8"), target="h200",
+                                            sensitivity=mode, n_batches=2, progress=False)
+                if dev.type == "cuda":
+                    figures[mode] = _cuda_peak(run, dev)[0]
+                else:
+                    run()
+                    figures[mode] = math.nan
+                print(f"{size} {mode}: {time.perf_counter() - t0:.0f} s", flush=True)
+        except torch.OutOfMemoryError:
+            print(f"llama {size}: out of memory; trying the next size")
+            gc.collect()
+            torch.cuda.empty_cache()
+            continue
+        for part, peak in figures.items():
+            rows.append([f"llama {size}", f"{params / 4 / 1e9:.2f}B", part,
+                         _f(peak / 2**30, ".2f"), _f(peak / params, ".2f"),
+                         _f(peak / step, ".2f")])
+        ctx["memory"] = {part: (peak / params, peak / step) for part, peak in figures.items()}
+        break
+    _table(rows, ["model", "params", "part", "peak GiB", "x P", "x step"])
+
+
+def _check_deps(dry_run: bool) -> None:
     missing = []
-    for mod in ("yaml", "transformers") + (() if skip_tune else ("optuna", "scipy")):
+    for mod in ("yaml", "transformers", "scipy") + (("optuna",) if dry_run else ()):
         try:
             importlib.import_module(mod)
         except ImportError:
@@ -820,9 +1017,7 @@ def _check_deps(skip_tune: bool) -> None:
               f"  No network on this machine? On one with network: "
               f"pip download {' '.join(missing)} -d wheels/ ; carry wheels/ over, then:\n"
               f"    pip install --no-index --find-links wheels/ {' '.join(missing)}\n"
-              + ("" if {"yaml", "pyyaml", "transformers"} & set(missing) else
-                 "  Or rerun with --skip-tune to measure everything except the tuned policy.\n"),
-              file=sys.stderr, flush=True)
+              , file=sys.stderr, flush=True)
         sys.exit(2)
 
 
@@ -831,9 +1026,13 @@ def _parse(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true",
                     help="the same code path on CPU at tiny sizes (tests the script)")
-    ap.add_argument("--skip-tune", action="store_true", help="no optuna: leave out the tuned row")
-    ap.add_argument("--sections", default="numerics,layers,step,recipes",
-                    help="comma-separated subset of numerics,layers,step,recipes")
+    ap.add_argument("--policy", default=os.path.join(ROOT, "benchmarks", "gpu",
+                                                     "gpt2_4x1024_h200.yaml"),
+                    help="the policy `autoprec tune --target h200` wrote on CPU for this model")
+    ap.add_argument("--profile", default=None,
+                    help="the profile that tune priced it with (default: beside --policy)")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"comma-separated subset of {','.join(SECTIONS)}")
     ap.add_argument("--output-dir", default=None, help="default: $OUT, else benchmarks/results")
     for name, typ in (("layers", int), ("width", int), ("heads", int), ("batch", int),
                       ("seq", int), ("steps", int), ("trials", int), ("budget-s", float)):
@@ -843,7 +1042,9 @@ def _parse(argv=None):
 
 def main(argv=None) -> int:
     args = _parse(argv)
-    _check_deps(args.skip_tune)
+    if args.profile is None:
+        args.profile = os.path.splitext(args.policy)[0] + ".profile.json"
+    _check_deps(args.dry_run)
     cfg = Config.dry() if args.dry_run else Config.full()
     for arg, attr in (("layers", "n_layer"), ("width", "n_embd"), ("heads", "n_head"),
                       ("batch", "batch"), ("seq", "seq"), ("steps", "steps"),
@@ -886,11 +1087,15 @@ def main(argv=None) -> int:
                   "'real' column (CPU torch._scaled_mm via native=True); no number here is a GPU "
                   "measurement.")
         sections = {s.strip() for s in args.sections.split(",") if s.strip()}
+        tuned, prof = cpu_tuned(cfg, args, outdir, stamp, ctx)
         for name, fn in (("numerics", lambda: section_numerics(cfg, dev, ctx)),
-                         ("layers", lambda: section_layers(cfg, dev, ctx)),
-                         ("step", lambda: section_step(cfg, dev, ctx, outdir=outdir, stamp=stamp,
-                                                       clock=clock, skip_tune=args.skip_tune)),
-                         ("recipes", lambda: section_recipes(cfg, dev, ctx))):
+                         ("layers", lambda: section_layers(cfg, dev, ctx, prof)),
+                         ("step", lambda: section_step(cfg, dev, ctx, clock=clock, tuned=tuned,
+                                                       prof=prof)),
+                         ("recipes", lambda: section_recipes(cfg, dev, ctx)),
+                         ("certificate", lambda: section_certificate(cfg, dev, ctx, tuned=tuned,
+                                                                     clock=clock)),
+                         ("memory", lambda: section_memory(cfg, dev, ctx, clock=clock))):
             if name not in sections:
                 continue
             t0 = time.perf_counter()
@@ -921,8 +1126,20 @@ def main(argv=None) -> int:
                 f"{k} {_x(v)}" for k, v in ctx["step_bf16"].items()))
             print("held-out loss: " + ", ".join(f"{k} {_f(v, '.4f')}" for k, v in
                                                 ctx["loss"].items()))
+        if "layer_checks" in ctx:
+            print("layers, measured / priced: " + "; ".join(
+                f"{k} bf16 {_f(a, '.2f')} fp8 {_f(b, '.2f')}" for k, a, b in ctx["layer_checks"]))
+        if "step_checks" in ctx:
+            print("f+b speed-up vs fp32, measured / priced: " + ", ".join(
+                f"{k} {_f(m, '.2f')}/{_f(p, '.2f')}" for k, (m, p) in ctx["step_checks"].items()))
         if "recipes" in ctx:
             print("fp8 recipes vs bf16 (measured / priced): " + "; ".join(ctx["recipes"]))
+        if "certificate" in ctx:
+            v, gap, lo, hi, n = ctx["certificate"]
+            print(f"certificate: {v}, gap {gap:+.3%} [{lo:+.3%}, {hi:+.3%}], {n} branches")
+        if "memory" in ctx:
+            print("memory (x P, x step): " + ", ".join(
+                f"{k} {_f(a, '.2f')}P {_f(b, '.2f')}x" for k, (a, b) in ctx["memory"].items()))
         print(f"failed sections: {', '.join(ctx['failed']) or 'none'}; "
               f"total {clock.elapsed():.0f} s")
         print("files: " + ", ".join(ctx["files"]))
