@@ -61,6 +61,8 @@ __all__ = [
     "gemm_seconds",
     "STEP_SPECS",
     "check_rows",
+    "measured_rows",
+    "MEASURED_H200",
     "memory_rows",
     "price_training_memory",
     "price_training_step",
@@ -151,6 +153,16 @@ class DeviceSpec:
     # their peak than its BF16 ones (Transformer Engine measured MXFP8 GEMMs at 1.44x BF16
     # on a B300, whose peak ratio is 2).
     scaled_efficiency: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    # Fraction of peak bandwidth the scaled formats' cast kernels reach (amax reductions,
+    # scaling casts, transposed copies); None: ``bandwidth_efficiency``, as for any copy.
+    cast_efficiency: float | None = None
+
+    @property
+    def cast_bandwidth(self) -> float:
+        """Bytes/s the cast kernels into a scaled format move."""
+        fraction = self.bandwidth_efficiency if self.cast_efficiency is None \
+            else self.cast_efficiency
+        return self.bandwidth * fraction
 
     def rate(self, gemm: Gemm) -> float:
         """Peak FLOP/s of one GEMM's kernel times its scaling's ``scaled_efficiency``."""
@@ -177,6 +189,9 @@ class DeviceSpec:
             if s is Support.NATIVE and not (rate or 0) > 0:
                 raise ValueError(f"DeviceSpec {self.name!r} runs {f} natively but gives no "
                                  f"positive matmul_flops for it (got {rate!r}).")
+        if self.cast_efficiency is not None and not 0 < self.cast_efficiency <= 1:
+            raise ValueError(f"DeviceSpec {self.name!r} needs cast_efficiency in (0, 1] or None, "
+                             f"got {self.cast_efficiency!r}.")
         for key in ("efficiency", "bandwidth_efficiency"):
             value = getattr(self, key)
             if not 0 < value <= 1:
@@ -261,8 +276,13 @@ DEVICES: dict[str, DeviceSpec] = {
 # NVIDIA H200 datasheet: the H100's compute (FP32 67, BF16/FP16 989, FP8 1979 TFLOP/s dense)
 # with HBM3e at 4.8 TB/s, and the H100 entry's calibrated efficiencies (measured on one: BF16
 # GEMM 790 TFLOP/s, 0.80 of peak; copy 4.3 TB/s, 0.90).
+# Measured on one (MEASURED_H200, benchmarks/gpu/h200-2026-12-04/): torchao's compiled FP8
+# linears gained less than the H100 entry's casts at 0.66 of bandwidth price (16384x4096x4096
+# tensorwise 1.08x, priced 1.56x; 16384x4096x1024 0.54x, priced 1.21x). The cast kernels'
+# fraction of the bandwidth is fitted to the three tensorwise rows: 0.19 (0.91 TB/s); the five
+# rowwise rows are held out (CALIBRATION["h200"]).
 DEVICES["h200"] = dataclasses.replace(DEVICES["h100"], name="NVIDIA H200 SXM 141GB",
-                                      bandwidth=4.8e12)
+                                      bandwidth=4.8e12, cast_efficiency=0.19)
 DEVICES["b200"] = DeviceSpec(
     name="NVIDIA B200 (HGX, 1000 W)",
     # NVIDIA HGX B200 datasheet per GPU, dense (half the sparse figures): BF16/FP16 2.25
@@ -414,7 +434,7 @@ def _scaled_casts(b: int, m: int, k: int, n: int, numerics: Numerics,
     tensor), and a tensor that a GEMM scales per tensor (FP8 tensorwise, NVFP4's FP32 scale)
     first has its amax taken, once per transform of it (NVFP4's Hadamard-transformed operands
     need their own)."""
-    bw = spec.bandwidth * spec.bandwidth_efficiency
+    bw = spec.cast_bandwidth
     total = 0.0
     for role, numel in (("input", b * m * k), ("weight", b * k * n), ("grad_output", b * m * n)):
         gemms = [numerics.gemms[name] for name, _ in _TAKEN_BY[role]]
@@ -448,7 +468,7 @@ def _fp8_casts(b: int, m: int, k: int, n: int, scheme: tuple, weight: bool,
 def _role_casts(numel: int, scheme: tuple, role: str, spec: DeviceSpec) -> float:
     """The cast kernels of one tensor of ``numel`` elements in ``role``, each max(traffic,
     launch)."""
-    bw = spec.bandwidth * spec.bandwidth_efficiency
+    bw = spec.cast_bandwidth
     return sum(max(per * numel / bw, spec.launch_s) for per in _CAST_KERNELS[(scheme, role)])
 
 
@@ -1264,6 +1284,40 @@ def memory_rows(target: str | DeviceSpec = "h100", step: StepSpec | None = None)
     return rows
 
 
+# FP8 linears measured on one H200 (issue 40's run, 2026-12-04; torch 2.11, CUDA 13, torchao
+# 0.17's Float8Linear under torch.compile; benchmarks/gpu_check.py section 4 with --compile,
+# its output in benchmarks/gpu/h200-2026-12-04/gpu_check-compile-recipes.txt): forward +
+# backward speed-up over the same compiled bf16 linear, 10 interleaved rounds, the 95% interval
+# in the figure's name. The tensorwise rows fitted DEVICES["h200"].cast_efficiency. Left out:
+# 16384x4096x1024 rowwise_with_gw_hp, which hit dynamo's recompile limit and ran eager.
+_H200_RUN = "gpu_check on one H200, torch.compile, torchao 0.17"
+MEASURED_H200: tuple[Published, ...] = tuple(
+    Published(where=_H200_RUN, run=f"{shape[0]}x{shape[1]}x{shape[2]} [{low}-{high}]",
+              fmt=fmt, value=value, shape=shape, fitted=fmt == "fp8:tensorwise")
+    for shape, fmt, value, low, high in (
+        ((16384, 4096, 4096), "fp8:tensorwise", 1.075, 1.052, 1.204),
+        ((16384, 4096, 4096), "fp8:rowwise", 0.889, 0.851, 0.976),
+        ((16384, 4096, 4096), "fp8:rowwise_with_gw_hp", 0.973, 0.930, 0.994),
+        ((16384, 4096, 14336), "fp8:tensorwise", 1.396, 1.360, 1.432),
+        ((16384, 4096, 14336), "fp8:rowwise", 1.185, 1.159, 1.202),
+        ((16384, 4096, 14336), "fp8:rowwise_with_gw_hp", 1.196, 1.184, 1.219),
+        ((16384, 4096, 1024), "fp8:tensorwise", 0.540, 0.480, 0.573),
+        ((16384, 4096, 1024), "fp8:rowwise", 0.461, 0.414, 0.511),
+    ))
+
+
+def measured_rows(target: str | DeviceSpec = "h200",
+                  rows: Iterable[Published] = MEASURED_H200) -> list[CheckRow]:
+    """Each measured linear of ``rows`` against ``target``'s price of its speed-up over bf16."""
+    out = []
+    for p in rows:
+        m, k, n = p.shape
+        priced = linear_seconds(m, k, n, "bf16", target) / linear_seconds(m, k, n, p.fmt, target)
+        out.append(CheckRow(f"{p.fmt.removeprefix('fp8:')} speed-up, {p.run} linear", p.where,
+                            p.value, priced, p.fitted, "linear"))
+    return out
+
+
 @dataclass(frozen=True)
 class Calibration:
     """What a target's cost model was checked against and how far off it was: the largest
@@ -1304,6 +1358,15 @@ CALIBRATION: dict[str, Calibration] = {
         # Transformer Engine's B300 FP8 current-scaling GEMMs
         linear_error=0.025),
 }
+# The H200's single linears were measured (MEASURED_H200); its whole steps were not: a step is
+# a sum of such linears and work priced as on the H100, so its speed-up is taken to be as
+# uncertain as the linears' (the H100's 3% holds for torchtitan's steps, which an H200 has not
+# been checked against).
+CALIBRATION["h200"] = Calibration(
+    target="h200",
+    checked_against="FP8 linears on one H200 under torch.compile (torchao 0.17; eager FP8 was "
+                    "slower than bf16 at every shape measured)",
+    speedup_error=0.17, time_error=CALIBRATION["h100"].time_error, linear_error=0.17)
 # The B300 model is the B200's with B300 peaks: its steps are as uncertain.
 CALIBRATION["b300"] = dataclasses.replace(
     CALIBRATION["b200"], target="b300",

@@ -47,10 +47,12 @@ from autoprec.costmodel import (
     DEVICES,
     LLAMA3_8B,
     LLAMA3_8B_GB200,
+    MEASURED_H200,
     PUBLISHED,
     STEP_SPECS,
     blackwell_rows,
     check_rows,
+    measured_rows,
     memory_rows,
     price_training_memory,
     price_training_step,
@@ -216,6 +218,29 @@ def main() -> None:
     print("(no memory error in it: autoprec prints no priced memory for a target; its memory "
           "model, autoprec.memory, is calibrated by steps measured on the task's device)")
     _blackwell()
+    _h200()
+
+
+def _h200() -> None:
+    """The h200 model against the linears measured on one (MEASURED_H200): before its cast
+    kernels' bandwidth was fitted to them (the H100's, with the H200's bandwidth) and after."""
+    before = measured_rows(dataclasses.replace(DEVICES["h200"], cast_efficiency=None))
+    after = measured_rows("h200")
+    table = [[a.figure, f"{a.published:.3f}", f"{b.priced:.2f}", f"{b.error:+.1%}",
+              f"{a.priced:.2f}", f"{a.error:+.1%}", "fitted" if a.fitted else "held out"]
+             for b, a in zip(before, after)]
+    print(f"\n=== H200 ===\n{MEASURED_H200[0].where}: FP8 linears, speed-up over bf16 (95% "
+          f"interval), priced before (cast kernels at {DEVICES['h100'].bandwidth_efficiency} of "
+          f"the bandwidth, as the H100's) and after the fit (cast_efficiency "
+          f"{DEVICES['h200'].cast_efficiency}):")
+    print_table(table, ["figure", "measured", "before", "error", "after", "error", "use"])
+    cal = CALIBRATION["h200"]
+    held = [abs(r.error) for r in after if not r.fitted]
+    ok = max(held) <= cal.linear_error < max(held) + 0.005
+    print(f"  {len(held)} held-out rows, max |error| {max(held):.1%} (before the fit "
+          f"{max(abs(r.error) for r in before if not r.fitted):.1%}); CALIBRATION states "
+          f"{cal.linear_error:.1%}: {'matches' if ok else 'DOES NOT MATCH'}")
+    print(f"what a priced figure says: {calibration_line('h200')}")
 
 
 def _blackwell() -> None:

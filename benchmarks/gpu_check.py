@@ -1,32 +1,38 @@
-"""The one GPU run of issue 5: real FP8 (``torch._scaled_mm``) against its emulation, per-layer
-speed of HF GPT-2 in every format, and whole training steps of FP32, ``torch.autocast(bf16)``,
-uniform FP8 and the policy ``tune`` finds on the device, all measured in one run.
+"""The prepared GPU run (issues 5 and 40): real FP8 (``torch._scaled_mm``) against its
+emulation, per-layer speed of HF GPT-2 beside the cost model's price, whole training steps of
+the policy ``autoprec tune --target h200`` wrote on CPU, FP8 recipes x engines, a paired loss
+certificate of that policy against BF16, and the profile's peak memory against a training
+step's, all measured in one run.
 
 For the runner, from the repository root of a checkout on the GPU machine:
 
-    # torch (CUDA build) and transformers are expected there; the tuned-policy row also needs
-    # optuna + scipy (+ pyyaml, which autoprec always needs). `autoprec` itself is imported
-    # from the checkout: no install is needed, `pip install -e . --no-deps` also works.
+    # torch (CUDA build), transformers, scipy and pyyaml are expected there; torchao (a release
+    # built for that torch) adds section 4's torchao engine. `autoprec` itself is imported from
+    # the checkout: no install is needed. The dry run also tunes, so it needs optuna:
     pip install optuna scipy pyyaml
-    pip install torchao      # optional: section 4's torchao engine (a release built for its torch)
     #   no network there? build wheels on a machine with one and carry them over:
     #   pip download optuna scipy pyyaml -d wheels/      (here)
     #   pip install --no-index --find-links wheels/ optuna scipy pyyaml     (there)
+    bash benchmarks/gpu/run_h200.sh               # tests/test_cuda.py, then every section
     python benchmarks/gpu_check.py                # < 8 min on one H200
-    python benchmarks/gpu_check.py --skip-tune    # without optuna: everything but the tuned row
+    python benchmarks/gpu_check.py --sections recipes --compile   # section 4 compiled
 
 Everything printed also goes to ``$OUT/gpu_check-<date>.txt`` when ``$OUT`` is set (the GPU
-runner collects ``$OUT``), else to ``benchmarks/results/``; the tuned policy (YAML), its
-Pareto front (CSV) and tune's log land beside it. No network is needed: the model is a
-randomly initialised HF GPT-2 from a config, the data the Python standard library's source.
+runner collects ``$OUT``), else to ``benchmarks/results/``. No network is needed: the models
+are randomly initialised from configs, the data the Python standard library's source.
 
-    python benchmarks/gpu_check.py --dry-run      # the same code path on CPU, tiny sizes, ~1-2 min
+The policy is the one ``autoprec tune examples/gpt2_bytes.py:gpu_task --target h200`` wrote on
+CPU (``--policy``, default ``benchmarks/gpu/gpt2_4x1024_h200.yaml``, with the profile it was
+priced with beside it): the run checks a CPU tune's price on the device it was made for.
 
-The dry run is how the script is tested before the one GPU run. On CPU the "real" FP8 of the
-numerics section is ``torch._scaled_mm`` forced with ``native=True`` at tiny shapes (the CPU
-kernel does the same arithmetic, so it checks the layouts, not the GPU's accumulation); every
-other FP8 number is the emulation (quantize -> dequantize -> FP32 matmul), which is slower
-than FP32 by construction: CPU speed and memory figures say nothing about a GPU.
+    python benchmarks/gpu_check.py --dry-run      # the same code path on CPU, tiny sizes, ~1 min
+
+The dry run is how the script is tested before the GPU run (it tunes its tiny model on CPU for
+h200 the same way). On CPU the "real" FP8 of the numerics section is ``torch._scaled_mm``
+forced with ``native=True`` at tiny shapes (the CPU kernel does the same arithmetic, so it
+checks the layouts, not the GPU's accumulation); every other FP8 number is the emulation
+(quantize -> dequantize -> FP32 matmul), slower than FP32 by construction: CPU speed and
+memory figures say nothing about a GPU.
 
 Sections (each runs even when an earlier one failed; a failure prints its traceback and makes
 the exit status 1):
@@ -34,20 +40,22 @@ the exit status 1):
 1. FP8 numerics: relative difference of ``_scaled_mm`` (native=True) and the emulation
    (native=False) on the same random operands, forward, dgrad and wgrad, next to the FP8
    error itself (emulation vs the exact FP64 product of the unrounded operands).
-2. Per-layer speed (``autoprec.measure.timing.measure_layers``, CUDA events on a GPU) of GPT-2's block 0
-   layers and lm_head in fp32/bf16/fp16/fp8, as speed-ups over fp32, and fp8 over bf16: which
-   layers are too small to gain from FP8; plus lone linear layers of growing size.
+2. Per-layer speed (``measure_layers``, CUDA events on a GPU) of GPT-2's block 0 layers and
+   lm_head in fp32/bf16/fp16/fp8, as speed-ups over fp32 and fp8 over bf16, each beside the
+   h200 cost model's price of the same layer (measured / priced per row); plus lone linears.
 3. Whole training step (forward, backward, grad clip, AdamW): robust time (variants
-   interleaved), peak memory (``torch.cuda.max_memory_allocated``) and the loss after a short
-   training run from the same init on the same data, for FP32, autocast(bf16), uniform FP8
-   (``Policy(default="fp8")``) and the tuned policy, as ratios vs FP32 and vs autocast(bf16);
-   a second FP32 run with another batch order gives the run-to-run noise of the loss.
+   interleaved), forward + backward alone beside its price, peak memory
+   (``torch.cuda.max_memory_allocated``) and the loss after a short training run from the same
+   init on the same data, for FP32, autocast(bf16), the bf16 policy, uniform FP8 and the
+   CPU-tuned policy; a second FP32 run with another batch order gives the batch-order noise.
 4. FP8 recipes and engines: lone ``nn.Linear`` layers at Llama-3-8B training shapes (16K
-   tokens; q/o, k/v, the GQA footgun N=512, MLP up/down), forward + backward in bf16 and in
-   each recipe (tensorwise, rowwise, rowwise_with_gw_hp) on each engine (autoprec's own
-   ``_scaled_mm`` path and torchao's ``Float8Linear``, when torchao is installed), interleaved:
-   measured speed-up over bf16 with its 95% interval next to the h100/h200 cost model's price,
-   and the two engines' outputs against each other (they compute the same recipe).
+   tokens), forward + backward in bf16 and in each recipe on each engine (autoprec's own
+   ``_scaled_mm`` path and torchao's ``Float8Linear``), interleaved, eager or (``--compile``)
+   compiled: measured speed-up over bf16 with its 95% interval next to the cost model's price,
+   and the two engines' outputs against each other.
+5. A paired loss certificate (``autoprec.certify``) of the CPU-tuned policy against BF16.
+6. Peak memory of ``autoprec.profile`` (fast and exact sensitivity) against a training step's
+   on a Llama built on the device, the first of ``mem_sizes`` that fits.
 """
 
 from __future__ import annotations
@@ -104,6 +112,8 @@ class Config:
     # the certificate's reference run (steps) and the memory section's Llama sizes (hidden x
     # layers), largest first: the first that fits is measured
     cert_steps: int = 200
+    # section 4 times torch.compile'd layers (the casts fused, as torchao's roofline assumes)
+    compile: bool = False
     mem_sizes: tuple = ("4096x16", "2048x16")
     lr: float = 6e-4
     eval_batches: int = 2
@@ -846,7 +856,7 @@ def section_recipes(cfg: Config, dev: torch.device, ctx: dict) -> None:
     target = "h200" if dev.type == "cuda" and "H200" in torch.cuda.get_device_name(dev) \
         else "h100"
     _section(f"4. FP8 recipes x engines: lone nn.Linear, forward + backward, vs bf16 "
-             f"(priced: {target} cost model)")
+             f"(priced: {target} cost model){', torch.compile' if cfg.compile else ', eager'}")
     if len(engines) == 1:
         print("torchao is not installed: only autoprec's engine (pip install 'autoprec[torchao]')")
     if dev.type == "cpu":
@@ -862,7 +872,7 @@ def section_recipes(cfg: Config, dev: torch.device, ctx: dict) -> None:
         fns, models, outs = {}, {}, {}
         base = torch.nn.Sequential(copy.deepcopy(lin))
         apply(base, Policy(default="bf16"))
-        fns["bf16"] = _linear_step(base, x, g)
+        fns["bf16"] = _linear_step(torch.compile(base) if cfg.compile else base, x, g)
         for recipe in FP8_RECIPES:
             for engine in engines:
                 model = torch.nn.Sequential(copy.deepcopy(lin))
@@ -870,7 +880,8 @@ def section_recipes(cfg: Config, dev: torch.device, ctx: dict) -> None:
                     warnings.simplefilter("ignore")
                     apply(model, Policy(default=f"fp8:{recipe}", fp8_engine=engine))
                 models[(recipe, engine)] = model
-                fns[f"{recipe}/{engine}"] = _linear_step(model, x, g)
+                fns[f"{recipe}/{engine}"] = _linear_step(
+                    torch.compile(model) if cfg.compile else model, x, g)
                 with torch.no_grad():
                     outs[(recipe, engine)] = model(x).float()
         cmp = interleaved(fns, warmup=cfg.warmup, rounds=cfg.repeats, device=dev.type)
@@ -1034,6 +1045,10 @@ def _parse(argv=None):
     ap.add_argument("--sections", default=",".join(SECTIONS),
                     help=f"comma-separated subset of {','.join(SECTIONS)}")
     ap.add_argument("--output-dir", default=None, help="default: $OUT, else benchmarks/results")
+    ap.add_argument("--compile", action="store_true",
+                    help="section 4: time torch.compile'd layers instead of eager ones")
+    ap.add_argument("--recipe-shapes", default=None,
+                    help="section 4's shapes, e.g. 16384x4096x4096,16384x4096x14336")
     for name, typ in (("layers", int), ("width", int), ("heads", int), ("batch", int),
                       ("seq", int), ("steps", int), ("trials", int), ("budget-s", float)):
         ap.add_argument(f"--{name}", type=typ, default=None, help="override the config")
@@ -1051,6 +1066,10 @@ def main(argv=None) -> int:
                       ("trials", "trials"), ("budget_s", "budget_s")):
         if getattr(args, arg) is not None:
             setattr(cfg, attr, getattr(args, arg))
+    cfg.compile = args.compile
+    if args.recipe_shapes:
+        cfg.recipe_shapes = [tuple(int(v) for v in shape.split("x"))
+                             for shape in args.recipe_shapes.split(",")]
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here. Run it on the GPU machine, or use --dry-run to "
               "test the script on CPU.", file=sys.stderr)

@@ -1,6 +1,6 @@
 """benchmarks/gpu_check.py: its CPU dry run prints every section with finite numbers and writes
-the same text under $OUT, so the one GPU run is not its first run; and a missing optuna stops
-it at once with the install instruction."""
+the same text under $OUT, so a GPU run is not its first run; and a missing optuna stops the dry
+run (which tunes) at once with the install instruction."""
 
 from __future__ import annotations
 
@@ -65,7 +65,8 @@ def test_dry_run_prints_every_section_with_finite_numbers(tmp_path):
         assert all(0.005 < v < 0.2 for v in errs), r  # FP8's own rounding error
         assert int(r[7]) > 0 and r[8] == "ok", r
 
-    # 2. per-layer speed: GPT-2 layers and the lone linears, finite fp32 times and ratios
+    # 2. per-layer speed: GPT-2 layers and the lone linears, finite fp32 times and ratios, the
+    # cost model's price of each beside it
     rows = _rows(out, "== 2. Per-layer speed", "layer")
     assert [r[0] for r in rows] == ["h.0.attn.c_attn", "h.0.attn.c_proj", "h.0.attn (whole)",
                                     "h.0.mlp.c_fc", "h.0.mlp.c_proj", "h.0 (whole block)",
@@ -73,21 +74,25 @@ def test_dry_run_prints_every_section_with_finite_numbers(tmp_path):
     sweep = _rows(out, "Lone linear layers", "layer")
     assert [r[0] for r in sweep] == ["linear 64x64x64", "linear 128x128x128"]
     for r in rows + sweep:
-        assert _num(r[3]) > 0 and all(math.isfinite(_num(c)) for c in r[4:8]), r
+        assert _num(r[3]) > 0 and all(math.isfinite(_num(c)) for c in r[4:12]), r
         assert r[6].endswith("*") and "emulated" in r[-1], r  # fp8 flagged as emulated on CPU
+        # measured / priced is the measured ratio over the priced one (each printed to 0.01)
+        assert abs(_num(r[9]) - _num(r[4]) / _num(r[8])) <= 0.006 + 0.006 / _num(r[8]), r
 
-    # 3. whole step: the four variants and the noise run, finite times and losses
-    assert "tune took" in out and "tuned policy:" in out and "autoprec: 2" in out
+    # 3. whole step: the five variants and the noise run, finite times, prices and losses
+    assert "dry run: tuned on CPU for h200" in out
     rows = _rows(out, "== 3. Whole training step", "variant")
     names = [r[0] for r in rows]
-    assert names == ["fp32", "autocast(bf16)", "fp8 uniform", "tuned policy", "fp32 (order B)"]
-    for r in rows[:4]:
+    assert names == ["fp32", "autocast(bf16)", "bf16 policy", "fp8 uniform",
+                     "tuned (CPU, h200)", "fp32 (order B)"]
+    for r in rows[:5]:
         assert _num(r[1]) > 0 and _num(r[3]) > 0 and _num(r[4]) > 0, r
-        assert r[5] == "n/a"  # peak memory is CUDA-only
-        assert all(math.isfinite(_num(c)) for c in r[9:13]), r
-        assert r[13] == "0", r  # no real FP8 kernel on CPU: emulated
-    assert rows[0][3] == "1.00x" and rows[1][4] == "1.00x"
-    assert math.isfinite(_num(rows[4][10]))
+        assert _num(r[5]) > 0 and _num(r[6]) > 0 and _num(r[7]) > 0, r  # f+b, priced, ratio
+        assert r[8] == "n/a"  # peak memory is CUDA-only
+        assert all(math.isfinite(_num(c)) for c in r[12:16]), r
+        assert r[16] == "0", r  # no real FP8 kernel on CPU: emulated
+    assert rows[0][3] == "1.00x" and rows[1][4] == "1.00x" and rows[0][6] == "1.00x"
+    assert math.isfinite(_num(rows[5][13]))
 
     # 4. recipes x engines: every recipe on both engines (torchao is in the test extra), the
     # engines agreeing on the output, the cost model's price beside each
@@ -105,15 +110,24 @@ def test_dry_run_prints_every_section_with_finite_numbers(tmp_path):
         assert 0 < _num(r[4]) < 1, r  # the cost model's price of an emulated recipe
         assert _num(r[5]) < 1e-3, r
 
+    # 5. the certificate: a verdict and every branch's finite gap
+    rows = _rows(out, "== 5. Paired loss certificate", "branch from step")
+    assert len(rows) >= 2 and all(math.isfinite(_num(r[3])) for r in rows), rows
+    assert re.search(r"^verdict (pass|fail|undecided): gap ", out, re.M)
+
+    # 6. memory: the step and both profiles ran (their CUDA peaks are n/a on CPU)
+    rows = _rows(out, "== 6. Profile peak memory", "model")
+    assert [r[2] for r in rows] == ["step", "fast", "exact"], rows
+    assert all(r[3] == "n/a" for r in rows)
+
     assert "failed sections: none" in out
-    # the same text in the file under $OUT, with the tuned policy and tune's log beside it
+    # the same text in the file under $OUT, with the CPU-tuned policy beside it
     files = sorted(os.listdir(tmp_path))
     report = [f for f in files if f.endswith("-dryrun.txt")]
     assert len(report) == 1, files
     with open(tmp_path / report[0]) as f:
         assert f.read() == out
-    assert any(f.endswith("-tuned.yaml") for f in files)
-    assert any(f.endswith("-tune.log") for f in files)
+    assert any(f.endswith("-cpu-tuned.yaml") for f in files)
 
 
 def test_missing_optuna_stops_at_once_with_the_install_instruction(tmp_path):
@@ -125,7 +139,6 @@ def test_missing_optuna_stops_at_once_with_the_install_instruction(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "optuna" in proc.stderr and "pip install" in proc.stderr
-    assert "--skip-tune" in proc.stderr
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".txt")]
 
 

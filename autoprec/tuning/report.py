@@ -217,12 +217,19 @@ class TuneResult:
 
         b = self.best
         distinct = len({json.dumps(t.assignment, sort_keys=True) for t in self.trials})
-        lines = [f"winner: trial {b.number} ({b.origin}): {self.speedup} fp32 step time, "
+        priced = self.profile is not None and self.profile.target is not None
+        # a price covers the profiled layers' forward + backward, not the rest of the step
+        what = "the fp32 time of the priced layers" if priced else "fp32 step time"
+        lines = [f"winner: trial {b.number} ({b.origin}): {self.speedup} {what}, "
                  f"loss {b.loss_increase:+.3%}, gradient error {b.grad_error:.3g}"
                  + ("" if b.memory is None else f", peak memory {format_size(b.memory)}"),
                  f"trials: {len(self.trials)} ({distinct} distinct policies, "
                  f"{sum(t.feasible for t in self.trials)} feasible), Pareto front: "
                  f"{len(self.pareto)}"]
+        if priced:
+            lines.append("  priced: the searched layers' products and casts, forward + backward; "
+                         "norms, softmax, the loss and the optimizer are not, so a whole step "
+                         "gains less")
         if self.selection is not None:
             lines += [f"  {note}" for note in self.selection.notes]
         return "\n".join(lines)
