@@ -199,3 +199,28 @@ def test_an_undecided_report_says_what_would_decide_it():
     text = CertifyResult(certificate=cert, losses={0: (2.0, 2.012)}).report()
     assert "UNDECIDED" in text and "more branches" in text and "--steps" in text
     assert "more branches" not in CertifyResult(certificate=_cert()).report()
+
+
+def test_a_loss_scaler_skipping_its_first_steps_trains_on_without_a_scheduler_warning():
+    """An fp16 policy's GradScaler skips the steps whose scaled gradients overflow (seen on an
+    H200: torch warned "lr_scheduler.step() before optimizer.step()" through a certificate). The
+    schedule counts the skipped steps, as in the reference run, and nothing is printed."""
+    import warnings
+
+    import torch
+
+    from autoprec import LossScaling
+    from autoprec.certification import start_run, train_step
+
+    task = tiny_gpt2_task()
+    policy = Policy(default="fp16", loss_scaling=LossScaling(init_scale=2.0**50))
+    run = start_run(task, policy, total_steps=4, strict=True)
+    before = [p.detach().clone() for p in run.model.parameters()]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_step(task, run, task.batches[0], 0)
+    assert run.scaler is not None and run.scaler.get_scale() < 2.0**50  # it overflowed
+    assert all(torch.equal(a, b) for a, b in zip(before, run.model.parameters()))  # skipped
+    assert run.schedule.last_epoch == 1
+    assert not [w for w in caught if "lr_scheduler" in str(w.message)], \
+        [str(w.message) for w in caught]
