@@ -149,3 +149,48 @@ def test_profile_records_estimated_and_measured_numbers_and_show_says_so(tmp_pat
     out = capsys.readouterr().out
     assert "bf16 est" in out and "fp16 meas (" in out, out
     assert "sensitivity (auto):" in out and "measured exactly" in out, out
+
+
+def test_the_curvature_is_folded_as_it_arrives_into_the_same_weight_terms(monkeypatch):
+    """Each reference parameter gradient's curvature is folded at once into the weight term of
+    the layers that round that parameter (issue 38: no parameter-sized curvature is kept). The
+    terms equal the unfolded formula, the curvature summed over batches then weighed, to float
+    rounding; nothing parameter-sized waits past the batch in which the roundings are known."""
+    import autoprec
+    from tasks import tiny_llama_task
+
+    from autoprec.measure import estimate
+
+    seen: dict = {"curvature": {}, "pending_after_first": []}
+    orig_grad, orig_finish = estimate._Estimator._param_grad, estimate._Estimator.finish_weights
+
+    def param_grad(self, i, g):
+        for plus in self.plus:  # the unfolded formula, as it was computed before the fold
+            if not self.local and self.probing is None and plus is not None \
+                    and plus[i] is not None:
+                d = ((plus[i] - g.detach().float()) / self.step).square() / self.n_probes
+                c = seen["curvature"]
+                c[i] = d if i not in c else c[i] + d
+        orig_grad(self, i, g)
+        if self.batch > 0:
+            seen["pending_after_first"].append(len(self.pending))
+
+    def finish(self):
+        orig_finish(self)
+        params = self.numerics.params
+        for watch in self.watches.values():
+            for fmt, est in watch.results.items():
+                unfolded = math.fsum(
+                    float((r.error_sq(params[i]) * seen["curvature"][i]).sum(dtype=torch.float64))
+                    for i, r in watch.roundings.get(fmt, {}).items() if i in seen["curvature"])
+                seen.setdefault("pairs", []).append((est.weight, unfolded))
+
+    monkeypatch.setattr(estimate._Estimator, "_param_grad", param_grad)
+    monkeypatch.setattr(estimate._Estimator, "finish_weights", finish)
+    autoprec.profile(tiny_llama_task(), ("fp32", "bf16", "fp8", "nvfp4"), sensitivity="fast",
+                     n_batches=3, progress=False)
+    pairs = seen["pairs"]
+    assert len(pairs) >= 20 and sum(u > 0 for u, _ in pairs) >= 20
+    for folded, unfolded in pairs:
+        assert folded == pytest.approx(unfolded, rel=1e-6, abs=1e-30)
+    assert seen["pending_after_first"] and max(seen["pending_after_first"]) == 0

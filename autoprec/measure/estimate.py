@@ -68,7 +68,8 @@ layer's local runs happen inside the backward as soon as its gradient arrives, s
 layer is kept beyond the numbers, except the probes': per probe until its layer's turn, copies
 of the layers' inputs and output gradients at the probe point (about what a training step saves)
 and its parameter gradient until the reference's arrives, plus a copy of the parameters while
-the probes run and the curvature (one float per parameter). Cost: the local runs (FP32, each
+the probes run. The curvature is folded, as each reference parameter gradient arrives, into one
+number per layer and format (no tensor of it is kept). Cost: the local runs (FP32, each
 format, each format's weights-only run) and :data:`PROBES` forward+backwards per batch, flat in
 depth per layer; 3-4x cheaper than exact mode on the 4-block examples (the bench).
 
@@ -378,10 +379,15 @@ class _Estimator:
         self.index = {id(p): i for i, p in enumerate(params)}
         rms = math.sqrt(math.fsum(_sq(p) for p in params) / max(1, sum(p.numel() for p in params)))
         self.step = PROBE_STEP * (rms or 1.0)
-        # per probe, its parameter gradients until the reference's arrive; then per parameter
-        # the squared finite difference, mean over probes, summed over batches
+        # per probe, its parameter gradients until the reference's arrive
         self.plus: list[list[torch.Tensor | None] | None] = []
-        self.curvature: list[torch.Tensor | None] = [None] * len(params)
+        # the curvature (each parameter's squared finite difference, mean over probes) is
+        # folded as it arrives into each layer x format's weight term (its rounding error
+        # squared, weighed by it): one float per layer and format, not one per parameter.
+        # Until a layer's roundings are known (its first local run) it waits in ``pending``.
+        self.users: dict[int, list[_Watch]] = {}
+        self.pending: dict[int, torch.Tensor] = {}
+        self.terms: dict[tuple[str, Format], list[float]] = {}
         self.probes_finite = True
 
     # ------------------------------------------------------------------ the probes
@@ -427,30 +433,62 @@ class _Estimator:
         return [p.register_hook(partial(self._param_grad, i))
                 for i, p in enumerate(self.numerics.params)]
 
+    def index_users(self) -> None:
+        """Which watched layers hold each parameter (only those can round it)."""
+        for watch in self.watches.values():
+            for p in watch.params:
+                if id(p) in self.index:
+                    self.users.setdefault(self.index[id(p)], []).append(watch)
+
     def _param_grad(self, i: int, g: torch.Tensor) -> None:
-        """A reference parameter gradient: the probes' finite differences against it."""
+        """A reference parameter gradient: the probes' finite differences against it, folded
+        into the weight terms of the layers that round this parameter."""
         if self.local or self.probing is not None:
             return
+        t2 = None
         for plus in self.plus:
             if plus is None or plus[i] is None:
                 continue
-            t2 = ((plus[i] - g.detach().to(torch.float32)) / self.step).square() / self.n_probes
+            d = ((plus[i] - g.detach().to(torch.float32)) / self.step).square() / self.n_probes
             plus[i] = None
-            self.curvature[i] = t2 if self.curvature[i] is None else self.curvature[i] + t2
+            t2 = d if t2 is None else t2 + d
+        users = self.users.get(i)
+        if t2 is None or not users:
+            return
+        if i in self.pending:
+            t2 = t2 + self.pending.pop(i)
+        if self._ready(i):
+            self._fold(i, t2)
+        else:
+            self.pending[i] = t2
+
+    def _ready(self, i: int) -> bool:
+        """Whether every layer that holds parameter ``i`` knows how each format rounds it."""
+        return all(fmt in w.roundings for w in self.users[i] for fmt in w.fmts)
+
+    def fold_ready(self) -> None:
+        """Fold the waiting curvature whose layers now know their roundings."""
+        for i in [i for i in self.pending if self._ready(i)]:
+            self._fold(i, self.pending.pop(i))
+
+    def _fold(self, i: int, t2: torch.Tensor) -> None:
+        p = self.numerics.params[i]
+        for watch in self.users[i]:
+            for fmt in watch.fmts:
+                r = watch.roundings.get(fmt, {}).get(i)
+                if r is not None:
+                    self.terms.setdefault((watch.name, fmt), []).append(
+                        float((r.error_sq(p) * t2).sum(dtype=torch.float64)))
 
     def finish_weights(self) -> None:
         """Each layer x format's weight term: its parameters' rounding error, squared, weighed
         by the curvature the probes measured."""
-        params = self.numerics.params
+        for i in list(self.pending):
+            self._fold(i, self.pending.pop(i))
         for watch in self.watches.values():
             for fmt, est in watch.results.items():
-                if not self.probes_finite:
-                    est.weight = math.nan
-                    continue
-                est.weight = math.fsum(
-                    float((r.error_sq(params[i]) * self.curvature[i]).sum(dtype=torch.float64))
-                    for i, r in watch.roundings.get(fmt, {}).items()
-                    if self.curvature[i] is not None)
+                est.weight = math.fsum(self.terms.get((watch.name, fmt), ())) \
+                    if self.probes_finite else math.nan
 
     # ------------------------------------------------------------------ local re-runs
     def process(self, watch: _Watch, call: _Call) -> None:
@@ -468,6 +506,7 @@ class _Estimator:
                 rewrite.remove(self.numerics.model)
             self.capturing, self.local = was, False
             call.args = call.kwargs = None  # drop the refs: this call is done
+        self.fold_ready()  # this layer's roundings are known now
         if self.progress is not None:
             self.progress(watch.name)
 
@@ -623,6 +662,7 @@ def estimate_during_reference(numerics: Numerics, names: Sequence[str],
         ids = {id(numerics.params[i]) for i in own[name]}
         est.watches[name] = _Watch(est, name, model.get_submodule(name), list(pinned[name]),
                                    list(formats[name]), ids)
+    est.index_users()
     handles = est.param_hooks()
 
     @contextlib.contextmanager
