@@ -4,6 +4,7 @@ trials of the search."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -92,3 +93,71 @@ def test_bad_inputs_are_clear_errors(gpt2_batch):
     half = make_model(n_layer=1, n_embd=64, n_head=2, seq_len=32).to(torch.bfloat16)
     with pytest.raises(ValueError, match="FP32 master weights"):
         Numerics(half, [gpt2_batch], lambda m, b: m(**b).loss)
+
+
+class _SharedGradient(torch.nn.Module):
+    """Two parameters added before a Linear: autograd hands both the same gradient tensor; a
+    third summed into the loss: its gradient is one value expanded (no element of its own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.randn(1, 8))
+        self.b = torch.nn.Parameter(torch.randn(1, 8))
+        self.proj = torch.nn.Linear(8, 8)
+        self.c = torch.nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        return self.proj(x + self.a + self.b).square().mean() + self.c.sum()
+
+
+def test_parameters_sharing_a_gradient_tensor_are_each_compared_with_their_own_reference():
+    torch.manual_seed(0)
+    model = _SharedGradient()
+    x = torch.randn(1, 8)
+    g = torch.autograd.grad(model(x), [model.a, model.b, model.c])
+    assert g[0].data_ptr() == g[1].data_ptr() and g[2].stride() == (0, 0)  # the cases here
+    numerics = Numerics(model, [x], lambda m, batch: m(batch))
+    same = numerics.compare(Policy(default="fp32"), bias=True)
+    # subtracting a's reference in place from the shared tensor used to leak into b's (and
+    # the expanded one could not be written in place)
+    assert same.diff_sq == (0.0,) * 5 and same.grad_rel_error == 0.0 and same.grad_bias == 0.0
+    bf16 = numerics.compare(Policy(default="bf16"))
+    own = numerics.index_of([model.a, model.b])
+    assert bf16.diff_sq[own[0]] == bf16.diff_sq[own[1]] > 0  # the same gradient, the same error
+
+
+def test_gradients_read_as_they_arrive_give_the_numbers_a_whole_set_gives(gpt2_batch):
+    # compare() no longer holds a batch's whole gradient set: each gradient is compared with
+    # the reference as autograd finishes it. The numbers are those of the whole set, exactly.
+    from autoprec.runtime import rewrite
+    from autoprec.runtime.fp8 import emulating
+
+    torch.manual_seed(0)
+    model = prepare_for_measurement(make_model(n_layer=2, n_embd=64, n_head=2, seq_len=32))
+    loss_fn = lambda m, b: m(**b).loss  # noqa: E731
+    batches = [gpt2_batch, {k: v.flip(0) for k, v in gpt2_batch.items()}]
+    numerics = Numerics(model, batches, loss_fn, seed=3)
+    ref = numerics.reference()
+    for fmt in ("bf16", "fp8"):
+        policy = Policy(default="fp32", layers={"transformer.h.*": fmt})
+        got = numerics.compare(policy, bias=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # emulated fp8 is slow: numerics are what we read
+            rewrite.apply(model, policy, strict=False)
+        diff_sq, total = torch.zeros(len(numerics.params), dtype=torch.float64), None
+        try:
+            for b, batch in enumerate(batches):
+                with torch.random.fork_rng(devices=[]), emulating(numerics.emulated):
+                    torch.manual_seed(3 + b)
+                    grads = torch.autograd.grad(loss_fn(model, batch), numerics.params,
+                                                allow_unused=True)
+                diff = [(torch.zeros_like(p) if g is None else g) - r
+                        for g, p, r in zip(grads, numerics.params, ref.grads[b])]
+                diff_sq += torch.stack(torch._foreach_norm(diff)).double().square()
+                total = diff if total is None else [t + d for t, d in zip(total, diff)]
+        finally:
+            rewrite.remove(model)
+        assert got.diff_sq == tuple(diff_sq.tolist())
+        assert got.bias_sq == tuple(torch.stack(torch._foreach_norm(total)).double().square()
+                                    .tolist())
+        assert 0 < got.grad_rel_error < 0.5 and 0 < got.grad_bias < 0.5

@@ -110,6 +110,9 @@ PROBES = 2
 # the gradient responds linearly, large enough that FP32 rounding of the gradients stays far
 # below the response (the estimate is the same from 1e-4 to 1e-2 on the examples).
 PROBE_STEP = 1e-3
+# Elements reduced at a time where a whole tensor's float64 copy (twice its size) or a few
+# temporaries of a parameter's size would be the profile's peak (a 32k-vocabulary head's).
+_CHUNK = 1 << 20
 
 
 @dataclass
@@ -190,6 +193,18 @@ class _Rounding:
 
     def error_sq(self, w: torch.Tensor) -> torch.Tensor:
         return (self.apply(w) - w.detach().to(torch.float32)).square()
+
+    def weighed_error_sq(self, w: torch.Tensor, weight: torch.Tensor) -> float:
+        """``sum(error_sq(w) * weight)`` summed in float64, holding the rounded ``w`` and a
+        chunk of the rest (not three more tensors of ``w``'s size)."""
+        rounded = self.apply(w).reshape(-1)
+        x, t = w.detach().reshape(-1), weight.reshape(-1)
+        total = 0.0
+        for start in range(0, rounded.numel(), _CHUNK):
+            part = slice(start, start + _CHUNK)
+            e = (rounded[part] - x[part].to(torch.float32)).square_()
+            total += float((e * t[part]).sum(dtype=torch.float64))
+        return total
 
 
 def _rounding_of(fmt: Format, call: calls.Call, args: tuple, kwargs: dict,
@@ -425,6 +440,13 @@ class _Estimator:
             self.probing = None
         out = [torch.zeros_like(p) if g is None else g.detach().to(torch.float32)
                for g, p in zip(grads, params)]
+        # each is changed in place later (_param_grad): a tensor autograd handed to several
+        # parameters, or an expanded one, is copied first
+        seen: set[int] = set()
+        for j, g in enumerate(out):
+            if g.data_ptr() in seen or not g.is_contiguous():
+                out[j] = g.clone(memory_format=torch.contiguous_format)
+            seen.add(g.data_ptr())
         self.probes_finite = self.probes_finite and math.isfinite(float(loss.detach())) \
             and all_finite(out)
         return out
@@ -446,17 +468,20 @@ class _Estimator:
         if self.local or self.probing is not None:
             return
         t2 = None
+        g = g.detach().to(torch.float32)
         for plus in self.plus:
             if plus is None or plus[i] is None:
                 continue
-            d = ((plus[i] - g.detach().to(torch.float32)) / self.step).square() / self.n_probes
-            plus[i] = None
-            t2 = d if t2 is None else t2 + d
+            # in place in the probe's own gradient (see _probe_pass)
+            d, plus[i] = plus[i], None
+            d.sub_(g).div_(self.step).square_().div_(self.n_probes)
+            t2 = d if t2 is None else t2.add_(d)
+            del d
         users = self.users.get(i)
         if t2 is None or not users:
             return
         if i in self.pending:
-            t2 = t2 + self.pending.pop(i)
+            t2.add_(self.pending.pop(i))
         if self._ready(i):
             self._fold(i, t2)
         else:
@@ -478,7 +503,7 @@ class _Estimator:
                 r = watch.roundings.get(fmt, {}).get(i)
                 if r is not None:
                     self.terms.setdefault((watch.name, fmt), []).append(
-                        float((r.error_sq(p) * t2).sum(dtype=torch.float64)))
+                        r.weighed_error_sq(p, t2))
 
     def finish_weights(self) -> None:
         """Each layer x format's weight term: its parameters' rounding error, squared, weighed
@@ -598,8 +623,17 @@ def _local_grads(out, wrt, g_out, scale: float):
         scale = max(1.0, scale / 2)
 
 
-def _sq(t: torch.Tensor) -> float:
-    return float(t.detach().to(torch.float64).square().sum())
+def _sq(t: torch.Tensor, minus: torch.Tensor | None = None) -> float:
+    """``sum (t - minus)^2`` (``minus`` absent: ``sum t^2``) in float64, a chunk at a time."""
+    a = t.detach().reshape(-1)
+    b = None if minus is None else minus.detach().reshape(-1)
+    total = 0.0
+    for start in range(0, a.numel(), _CHUNK):
+        c = a[start:start + _CHUNK].to(torch.float64)
+        if b is not None:
+            c = c - b[start:start + _CHUNK].to(torch.float64)
+        total += float(c.square().sum())
+    return total
 
 
 def _weighed(d: torch.Tensor, t: torch.Tensor) -> float:
@@ -630,7 +664,7 @@ def _accumulate(est: Estimate, b: int, runs: tuple, g_out: list, own: list[int],
         est.noise += float(d.square().sum())
     est.first[b] = est.first.get(b, 0.0) + first
     est.second[b] = est.second.get(b, 0.0) + second
-    diffs = [_sq(a - c) for a, c in zip(gp, ref_gp)]
+    diffs = [_sq(a, c) for a, c in zip(gp, ref_gp)]
     est.sub_diff += math.fsum(diffs)
     est.own_diff += math.fsum(diffs[i] for i in own)
     est.own_ref += math.fsum(_sq(ref_gp[i]) for i in own)

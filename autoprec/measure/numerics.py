@@ -23,12 +23,14 @@ the same everywhere:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -227,19 +229,22 @@ class Numerics:
                 with torch.random.fork_rng(devices=_rng_devices(self.model)), ctx:
                     torch.manual_seed(self.seed + b)
                     loss = self._loss(batch)
-                g = _grads(loss, self.params)
+                if keep:
+                    g = _grads(loss, self.params)
+                    sq, finite = _sq_norms(g), all_finite(g)
+                    grads.append(g)
+                    del g
+                else:  # only their norms: each gradient dropped as soon as it is read
+                    sq, finite = _sq_norms_as_they_arrive(loss, self.params)
                 value = float(loss.detach())
-                if not math.isfinite(value) or not all_finite(g):
+                if not math.isfinite(value) or not finite:
                     what = f"loss is {value}" if not math.isfinite(value) else \
                         "gradients are not finite"
                     raise ValueError(f"The FP32 reference {what} on calibration batch {b}; every "
                                      "error is measured against a finite FP32 run, so fix the "
                                      "model or the batch first.")
                 losses.append(value)
-                grad_sq.append(_sq_norms(g))
-                if keep:
-                    grads.append(g)
-                del g
+                grad_sq.append(sq)
         return Reference(losses=losses, grads=grads, grad_sq=grad_sq)
 
     # ---------------------------------------------------------------- a candidate
@@ -268,14 +273,12 @@ class Numerics:
                     if after_forward is not None:
                         after_forward(b)
                     value = float(loss.detach())
-                    g = _scaled_grads(loss, self.params, scale)
+                    sq, ok, total = _differences(loss, self.params, ref.grads[b], scale=scale,
+                                                 total=total if total or not bias else [])
                     r = ref.losses[b]
                     changes.append((value - r) / abs(r) if r != 0 else value - r)
-                    finite = finite and math.isfinite(value) and all_finite(g)
-                    diff = _minus(g, ref.grads[b])
-                    diff_sq += _sq_norms(diff)
-                    if bias:
-                        total = _accumulate(total, diff)
+                    finite = finite and math.isfinite(value) and ok
+                    diff_sq += sq
         finally:
             rewrite.remove(self.model)
         ref_sq = torch.stack(ref.grad_sq).sum(0).tolist()
@@ -284,7 +287,7 @@ class Numerics:
                         grad_rel_error=relative(math.fsum(diff), math.fsum(ref_sq)),
                         finite=finite, diff_sq=tuple(diff), ref_sq=tuple(ref_sq),
                         n_batches=len(self.batches))
-        if total is None:
+        if not bias:
             return dev
         bias_sq, ref_sum_sq = _sq_norms(total).tolist(), self._summed_reference_sq(ref)
         return dataclasses.replace(
@@ -323,11 +326,95 @@ def _grads(loss: torch.Tensor, params: list[torch.Tensor], *, scale: float = 1.0
            retain_graph: bool = False) -> list[torch.Tensor]:
     target = loss * scale if scale != 1.0 else loss
     grads = torch.autograd.grad(target, params, allow_unused=True, retain_graph=retain_graph)
-    out = []
-    for g, p in zip(grads, params):
-        g = torch.zeros_like(p) if g is None else g.to(torch.float32)
-        out.append(g / scale if scale != 1.0 else g)
+    out = [torch.zeros_like(p) if g is None else g.to(torch.float32)
+           for g, p in zip(grads, params)]
+    del grads
+    if scale != 1.0:
+        # unscaled in place, once per tensor (autograd may hand one to several parameters):
+        # a second set of gradients while the first is divided would double their memory
+        done: set[int] = set()
+        for i, g in enumerate(out):
+            if g._base is not None or not g.is_contiguous():  # a view: out of place
+                out[i] = g / scale
+            elif g.data_ptr() not in done:
+                g.div_(scale)
+                done.add(g.data_ptr())
     return out
+
+
+def _sq_norms_as_they_arrive(loss: torch.Tensor,
+                             params: list[torch.Tensor]) -> tuple[torch.Tensor, bool]:
+    """What :func:`_sq_norms` and :func:`all_finite` say of ``loss``'s gradients (zeros where
+    unused), each read as autograd finishes it and then dropped: no whole set of gradients is
+    ever held (``autograd.grad`` returns them all at once, at the end of the backward)."""
+    norms: list[torch.Tensor | None] = [None] * len(params)
+    finite = [True]
+
+    def read(i: int, g: torch.Tensor) -> None:
+        norms[i] = torch._foreach_norm([g])[0]
+        finite[0] = finite[0] and all_finite([g])
+
+    _as_they_arrive(loss, params, read)
+    zero = torch.zeros((), dtype=torch.float32, device=loss.device)
+    sq = torch.stack([zero if n is None else n for n in norms]).to(torch.float64).square()
+    return sq, finite[0]
+
+
+def _differences(loss: torch.Tensor, params: list[torch.Tensor], ref: list[torch.Tensor], *,
+                 scale: float, total: list | None) -> tuple[torch.Tensor, bool, list | None]:
+    """This batch's gradients of ``loss`` minus the reference's ``ref``: each difference's
+    squared norm (float64, per parameter), whether the gradients were finite, and ``total``
+    with the differences added (``[]``: the first batch, the sum starts; None: no sum).
+
+    Unscaled, each gradient is read as autograd finishes it and dropped (or kept as its part
+    of the sum): no whole set of this batch's gradients is held. A loss-scaled (fp16) batch
+    needs them all at once, to see an overflow before any is used."""
+    if scale != 1.0:
+        g = _scaled_grads(loss, params, scale)
+        finite, diff = all_finite(g), _minus(g, ref)
+        del g
+        sq = _sq_norms(diff)
+        if total is None:
+            return sq, finite, None
+        return sq, finite, diff if not total else _accumulate(total, diff)
+    norms: list[torch.Tensor | None] = [None] * len(params)
+    summed = None if total is None else (total or [None] * len(params))
+    finite = [True]
+
+    def read(i: int, d: torch.Tensor) -> None:
+        finite[0] = finite[0] and all_finite([d])
+        d = d.sub_(ref[i]) if d.is_contiguous() else d - ref[i]
+        norms[i] = torch._foreach_norm([d])[0]
+        if summed is not None:
+            summed[i] = d if summed[i] is None else summed[i].add_(d)
+
+    _as_they_arrive(loss, params, read)
+    for i, n in enumerate(norms):
+        if n is None:  # unused by this loss: its gradient is zero
+            read(i, torch.zeros_like(params[i], dtype=torch.float32))
+    return torch.stack(norms).to(torch.float64).square(), finite[0], summed
+
+
+def _as_they_arrive(loss: torch.Tensor, params: list[torch.Tensor],
+                    read: Callable[[int, torch.Tensor], None]) -> None:
+    """Back-propagate ``loss``, handing ``read(i, g)`` each parameter's FP32 gradient as
+    autograd finishes it (its own tensor, to change or keep), holding none of them after."""
+    def take(i: int, p: torch.Tensor) -> None:
+        g, p.grad = p.grad, None
+        read(i, g.to(torch.float32))
+
+    saved = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    hooks = [p.register_post_accumulate_grad_hook(partial(take, i))
+             for i, p in enumerate(params)]
+    try:
+        torch.autograd.backward(loss, inputs=params)
+    finally:
+        for h in hooks:
+            h.remove()
+        for p, g in zip(params, saved):
+            p.grad = g
 
 
 def _scaled_grads(loss: torch.Tensor, params: list[torch.Tensor],
@@ -341,20 +428,19 @@ def _scaled_grads(loss: torch.Tensor, params: list[torch.Tensor],
         g = _grads(loss, params, scale=scale, retain_graph=scale > 1.0)
         if scale <= 1.0 or all_finite(g):
             return g
+        del g  # an overflowed attempt is not kept while the next one runs
         scale = max(1.0, scale / 2)
 
 
 def _minus(grads: list[torch.Tensor], ref: list[torch.Tensor]) -> list[torch.Tensor]:
     """``grads - ref`` element by element, in place in ``grads`` (fresh gradients, used for
     nothing else; new memory for a billion-parameter model costs seconds in page faults), out
-    of place for a tensor autograd handed to two parameters (a + b)."""
-    seen: set[int] = set()
-    out = []
-    for g, r in zip(grads, ref):
-        key = g.data_ptr()
-        out.append(g - r if key in seen else g.sub_(r))
-        seen.add(key)
-    return out
+    of place for a tensor autograd handed to several parameters (``a + b``): subtracting one
+    parameter's reference from it in place would change what the others read; and for an
+    expanded one (no element of its own to write)."""
+    shared = collections.Counter(g.data_ptr() for g in grads)
+    return [g - r if shared[g.data_ptr()] > 1 or not g.is_contiguous() else g.sub_(r)
+            for g, r in zip(grads, ref)]
 
 
 def _accumulate(total: list[torch.Tensor] | None,
