@@ -151,46 +151,84 @@ def test_profile_records_estimated_and_measured_numbers_and_show_says_so(tmp_pat
     assert "sensitivity (auto):" in out and "measured exactly" in out, out
 
 
-def test_the_curvature_is_folded_as_it_arrives_into_the_same_weight_terms(monkeypatch):
-    """Each reference parameter gradient's curvature is folded at once into the weight term of
-    the layers that round that parameter (issue 38: no parameter-sized curvature is kept). The
-    terms equal the unfolded formula, the curvature summed over batches then weighed, to float
-    rounding; nothing parameter-sized waits past the batch in which the roundings are known."""
+def _weights(task, monkeypatch, *, whole: bool = False, blind: bool = False,
+             mode: str = "fast"):
+    """Every layer x format's weight term of a fast profile, and what the estimator saw.
+    ``whole``: every parameter's probe gradients taken whole from the probe backward (as
+    before issue 38's block-local recomputation); ``blind``: uses outside the layers that
+    hold a parameter go unnoticed."""
     import autoprec
-    from tasks import tiny_llama_task
-
     from autoprec.measure import estimate
 
-    seen: dict = {"curvature": {}, "pending_after_first": []}
-    orig_grad, orig_finish = estimate._Estimator._param_grad, estimate._Estimator.finish_weights
+    seen: dict = {"weights": {}, "pending_after_first": [], "outside": set(), "doubtful": set()}
+    orig_users, orig_grad = estimate._Estimator.index_users, estimate._Estimator._param_grad
+    orig_finish = estimate._Estimator.finish_weights
+
+    def index_users(self):
+        orig_users(self)
+        if whole:
+            self.outside.update(self.users)
 
     def param_grad(self, i, g):
-        for plus in self.plus:  # the unfolded formula, as it was computed before the fold
-            if not self.local and self.probing is None and plus is not None \
-                    and plus[i] is not None:
-                d = ((plus[i] - g.detach().float()) / self.step).square() / self.n_probes
-                c = seen["curvature"]
-                c[i] = d if i not in c else c[i] + d
         orig_grad(self, i, g)
-        if self.batch > 0:
+        if self.batch > 0 and not self.local and self.probing is None:
             seen["pending_after_first"].append(len(self.pending))
 
     def finish(self):
         orig_finish(self)
-        params = self.numerics.params
+        seen["outside"], seen["doubtful"] = set(self.outside), set(self.doubtful)
         for watch in self.watches.values():
             for fmt, est in watch.results.items():
-                unfolded = math.fsum(
-                    float((r.error_sq(params[i]) * seen["curvature"][i]).sum(dtype=torch.float64))
-                    for i, r in watch.roundings.get(fmt, {}).items() if i in seen["curvature"])
-                seen.setdefault("pairs", []).append((est.weight, unfolded))
+                seen["weights"][watch.name, fmt] = est.weight
 
+    monkeypatch.setattr(estimate._Estimator, "index_users", index_users)
     monkeypatch.setattr(estimate._Estimator, "_param_grad", param_grad)
     monkeypatch.setattr(estimate._Estimator, "finish_weights", finish)
-    autoprec.profile(tiny_llama_task(), ("fp32", "bf16", "fp8", "nvfp4"), sensitivity="fast",
-                     n_batches=3, progress=False)
-    pairs = seen["pairs"]
-    assert len(pairs) >= 20 and sum(u > 0 for u, _ in pairs) >= 20
-    for folded, unfolded in pairs:
-        assert folded == pytest.approx(unfolded, rel=1e-6, abs=1e-30)
-    assert seen["pending_after_first"] and max(seen["pending_after_first"]) == 0
+    if blind:
+        monkeypatch.setattr(estimate._Uses, "__torch_function__",
+                            lambda self, func, types, args=(), kwargs=None:
+                            func(*args, **(kwargs or {})))
+    prof = autoprec.profile(task, ("fp32", "bf16", "fp8", "nvfp4"), sensitivity=mode,
+                            n_batches=3, progress=False)
+    monkeypatch.undo()
+    return seen, {lp.fqn: lp.sensitivity for lp in prof.layers}
+
+
+def test_the_probes_gradients_recomputed_per_layer_give_the_same_weight_terms(monkeypatch):
+    """Each layer recomputes its parameters' gradients at each probe point from the probe's
+    recorded inputs and output gradients (issue 38: no probe keeps a whole set of parameter
+    gradients). The weight terms equal those from the probe backward's whole gradients to
+    float rounding (a finite difference of the gradients divides their rounding by the
+    probe's step), and the curvature is folded in the batch it arrives: nothing parameter-sized
+    waits past the first batch."""
+    from tasks import tiny_llama_task
+
+    local, _ = _weights(tiny_llama_task(), monkeypatch)
+    whole, _ = _weights(tiny_llama_task(), monkeypatch, whole=True)
+    assert not local["outside"] and not local["doubtful"]  # an untied Llama: all local
+    assert whole["outside"]
+    pairs = [(local["weights"][k], whole["weights"][k]) for k in whole["weights"]]
+    assert len(pairs) >= 20 and sum(w > 0 for _, w in pairs) >= 20
+    for a, b in pairs:
+        assert a == pytest.approx(b, rel=1e-3, abs=1e-30)
+    assert local["pending_after_first"] and max(local["pending_after_first"]) == 0
+
+
+def test_a_weight_used_outside_its_layer_is_probed_whole_or_measured_exactly(monkeypatch):
+    """GPT-2's head shares its weight with the embedding, which is not a watched layer: the
+    head's local gradient misses the embedding's use. The probe pass notices the use outside
+    and takes that weight's probe gradients whole; were it missed, the local sum would
+    disagree with the reference gradient, and the head's estimate would be marked doubtful
+    (nan) and measured exactly, never reported from a partial curvature."""
+    from tasks import tiny_gpt2_task
+
+    seen, rows = _weights(tiny_gpt2_task(), monkeypatch)
+    assert seen["outside"] and not seen["doubtful"]
+    head = rows["lm_head"]
+    assert head and all(math.isfinite(seen["weights"]["lm_head", f]) for f in head)
+    assert all(math.isfinite(s.grad_rel_error) for s in head.values())
+    blind, rows = _weights(tiny_gpt2_task(), monkeypatch, blind=True, mode="auto")
+    assert not blind["outside"] and blind["doubtful"]
+    assert all(math.isnan(blind["weights"]["lm_head", f]) for f in head)
+    assert all(s.source == "measured" and math.isfinite(s.grad_rel_error)
+               for s in rows["lm_head"].values())

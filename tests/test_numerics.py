@@ -161,3 +161,51 @@ def test_gradients_read_as_they_arrive_give_the_numbers_a_whole_set_gives(gpt2_b
         assert got.bias_sq == tuple(torch.stack(torch._foreach_norm(total)).double().square()
                                     .tolist())
         assert 0 < got.grad_rel_error < 0.5 and 0 < got.grad_bias < 0.5
+
+
+def test_fp16_gradients_read_as_they_arrive_back_off_as_the_whole_set_did(gpt2_batch):
+    # An fp16 comparison also reads each gradient as it arrives: an overflowed backward is
+    # dropped and run again at half the scale (GradScaler's back-off), and the sum over the
+    # batches (the bias) takes only the finite backward's part. The numbers are those of the
+    # whole set, unscaled after the scale that did not overflow was found.
+    from autoprec.policy import LossScaling
+    from autoprec.runtime import rewrite
+
+    torch.manual_seed(0)
+    model = prepare_for_measurement(make_model(n_layer=2, n_embd=64, n_head=2, seq_len=32))
+    loss_fn = lambda m, b: m(**b).loss  # noqa: E731
+    batches = [gpt2_batch, {k: v.flip(0) for k, v in gpt2_batch.items()},
+               {k: v.roll(1, 0) for k, v in gpt2_batch.items()}]
+    numerics = Numerics(model, batches, loss_fn, seed=5)
+    ref = numerics.reference()
+    policy = Policy(default="fp32", layers={"transformer.h.*": "fp16"},
+                    loss_scaling=LossScaling(init_scale=2.0 ** 30))
+    got = numerics.compare(policy, bias=True)
+    rewrite.apply(model, policy, strict=False)
+    diff_sq, total, scales = torch.zeros(len(numerics.params), dtype=torch.float64), None, []
+    try:
+        for b, batch in enumerate(batches):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(5 + b)
+                loss = loss_fn(model, batch)
+            scale = 2.0 ** 30
+            while True:
+                grads = torch.autograd.grad(loss * scale, numerics.params, allow_unused=True,
+                                            retain_graph=True)
+                grads = [torch.zeros_like(p) if g is None else g
+                         for g, p in zip(grads, numerics.params)]
+                if all(bool(torch.isfinite(g).all()) for g in grads):
+                    break
+                scale /= 2
+            scales.append(scale)
+            diff = [g / scale - r for g, r in zip(grads, ref.grads[b])]
+            diff_sq += torch.stack(torch._foreach_norm(diff)).double().square()
+            total = diff if total is None else [t + d for t, d in zip(total, diff)]
+    finally:
+        rewrite.remove(model)
+    assert max(scales) < 2.0 ** 30  # every batch overflowed first: the back-off ran
+    assert got.finite
+    assert got.diff_sq == tuple(diff_sq.tolist())
+    assert got.bias_sq == tuple(torch.stack(torch._foreach_norm(total)).double().square()
+                                .tolist())
+    assert 0 < got.grad_rel_error < 0.5 and 0 < got.grad_bias < 0.5

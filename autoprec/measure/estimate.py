@@ -93,7 +93,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autoprec._util import floating
 from autoprec.formats import Format, Gemm
-from autoprec.measure.numerics import Numerics, all_finite
+from autoprec.measure.numerics import Numerics, all_finite, writable
 from autoprec.policy import Budget, LossScaling, Policy
 from autoprec.runtime import calls, rewrite
 from autoprec.runtime.fp8 import emulating, round_operand
@@ -227,6 +227,27 @@ def _rounding_of(fmt: Format, call: calls.Call, args: tuple, kwargs: dict,
     return _Rounding(num.autocast)
 
 
+class _Uses(TorchFunctionMode):
+    """Inside (a probe pass's forward): notes each watched parameter used outside the calls of
+    the layers that recompute its gradient (``_Estimator.owners``), e.g. a weight tied to a
+    layer not watched."""
+
+    def __init__(self, est: _Estimator):
+        super().__init__()
+        self.est = est
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        est = self.est
+        for a in (*args, *kwargs.values()):
+            for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                i = est.index.get(id(t)) if isinstance(t, torch.Tensor) else None
+                if i is not None and i in est.owners and \
+                        not any(w.active for w in est.owners[i]):
+                    est.outside.add(i)
+        return func(*args, **kwargs)
+
+
 class _RoundWeights(TorchFunctionMode):
     """Inside: the layer's parameters, where a rounded call multiplies them, replaced by their
     rounding in ``fmt`` (values rounded, gradients still to the parameter); everything else
@@ -312,6 +333,7 @@ class _Watch:
         # (batch, probe) -> that probe pass's calls, in order
         self.probed: dict[tuple[int, int], list[_ProbeCall | None]] = {}
         self.results = {f: Estimate() for f in fmts}
+        self.active = 0  # calls running (probe passes)
         # per format, the rounding of each parameter (index among the compared ones)
         self.roundings: dict[Format, dict[int, _Rounding]] = {}
         self.handles = [module.register_forward_pre_hook(self._enter, with_kwargs=True),
@@ -320,6 +342,7 @@ class _Watch:
     def _enter(self, module, args, kwargs):
         est = self.est
         if est.probing is not None:
+            self.active += 1
             xs = [t.detach().clone() for t in _grad_inputs(args, kwargs)]
             self.probed.setdefault((est.batch, est.probing), []).append(_ProbeCall(xs))
         elif est.capturing:
@@ -329,12 +352,14 @@ class _Watch:
     def _exit(self, module, args, output):
         est = self.est
         if est.probing is not None:
+            self.active = max(0, self.active - 1)
             pending = self.probed.get((est.batch, est.probing), [])
             call = next((c for c in reversed(pending) if c is not None and not c.exited), None)
             if call is not None:
                 call.exited = True
                 for i, t in enumerate(t for t in floating(output) if t.requires_grad):
                     t.register_hook(partial(_keep_grad, call.grads, i))
+                    est.reached.append(t)
             return
         if not est.capturing or not self.calls:
             return
@@ -394,8 +419,21 @@ class _Estimator:
         self.index = {id(p): i for i, p in enumerate(params)}
         rms = math.sqrt(math.fsum(_sq(p) for p in params) / max(1, sum(p.numel() for p in params)))
         self.step = PROBE_STEP * (rms or 1.0)
-        # per probe, its parameter gradients until the reference's arrive
-        self.plus: list[list[torch.Tensor | None] | None] = []
+        # per probe of the batch running, the generator state each parameter's direction was
+        # drawn from (a few KB each): its moved value is drawn again where a layer needs it
+        self.z_states: list[list] = []
+        self.reached: list[torch.Tensor] = []  # a probe pass's watched outputs
+        # per parameter, until the reference's gradient of it arrives: per probe, the change
+        # of its gradient between the probe point and here, and the reference gradient, each
+        # summed over its calls in the layers that hold it (recomputed there, locally)
+        self.owners: dict[int, list[_Watch]] = {}
+        self.delta: dict[int, list[torch.Tensor | None]] = {}
+        self.local_ref: dict[int, torch.Tensor] = {}
+        self.doubtful: set[int] = set()  # parameters whose local gradients missed some use
+        # parameters also used outside those layers (a weight tied to one not watched): their
+        # probe gradients are taken whole, per probe, until the reference's arrives
+        self.outside: set[int] = set()
+        self.plus: list[dict[int, torch.Tensor]] = []
         # the curvature (each parameter's squared finite difference, mean over probes) is
         # folded as it arrives into each layer x format's weight term (its rounding error
         # squared, weighed by it): one float per layer and format, not one per parameter.
@@ -408,78 +446,100 @@ class _Estimator:
     # ------------------------------------------------------------------ the probes
     def probe(self, b: int) -> None:
         """The probe passes of batch ``b`` (before its reference forward): the parameters
-        moved along each probe's direction, then put back bit for bit."""
+        moved along each probe's direction, then put back bit for bit. A pass records each
+        watched call's inputs and output gradients; no parameter gradient is kept: each
+        layer recomputes its own where the reference reaches it (:meth:`_probe_grads`)."""
         params = self.numerics.params
         keep = [p.detach().clone() for p in params]
-        self.plus = []
+        self.z_states, self.delta, self.local_ref, self.plus = [], {}, {}, []
         try:
             for k in range(self.n_probes):
-                self.plus.append(self._probe_pass(b, k, keep))
+                self.z_states.append(self._probe_pass(b, k, keep))
         finally:
             with torch.no_grad():
                 for p, w in zip(params, keep):
                     p.copy_(w)
 
-    def _probe_pass(self, b: int, k: int, keep: list[torch.Tensor]):
+    def _probe_pass(self, b: int, k: int, keep: list[torch.Tensor]) -> list:
         numerics, params = self.numerics, self.numerics.params
         gens: dict[torch.device, torch.Generator] = {}
         seed = (numerics.seed * 1_000_003 + b * 1_009 + k) % 2**63
+        states = []
         with torch.no_grad():
             for p, w in zip(params, keep):
                 gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
-                z = torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype)
-                p.copy_(w + self.step * z)
-        self.probing, self.batch = k, b
+                states.append(gen.get_state())
+                p.copy_(w + self.step * _direction(p, gen))
+        self.probing, self.batch, self.reached = k, b, []
+        self.plus.append({})
         try:
             torch.manual_seed(numerics.seed + b)
-            loss = numerics.loss_fn(numerics.model, numerics.batches[b])
+            with _Uses(self) if k == 0 else contextlib.nullcontext():
+                loss = numerics.loss_fn(numerics.model, numerics.batches[b])
             if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
-                return None  # the reference's forward says what is wrong with it
-            grads = torch.autograd.grad(loss.reshape(()), params, allow_unused=True)
+                return states  # the reference's forward says what is wrong with it
+            # only as far as the watched layers' outputs (their hooks keep the gradients) and
+            # the parameters used outside them
+            whole = sorted(self.outside)
+            wrt = [*self.reached, *(params[i] for i in whole)]
+            grads = torch.autograd.grad(loss.reshape(()), wrt, allow_unused=True) if wrt else ()
         finally:
-            self.probing = None
-        out = [torch.zeros_like(p) if g is None else g.detach().to(torch.float32)
-               for g, p in zip(grads, params)]
-        # each is changed in place later (_param_grad): a tensor autograd handed to several
-        # parameters, or an expanded one, is copied first
-        seen: set[int] = set()
-        for j, g in enumerate(out):
-            if g.data_ptr() in seen or not g.is_contiguous():
-                out[j] = g.clone(memory_format=torch.contiguous_format)
-            seen.add(g.data_ptr())
+            self.probing, self.reached = None, []
+        grads = [g for g in grads if g is not None]
         self.probes_finite = self.probes_finite and math.isfinite(float(loss.detach())) \
-            and all_finite(out)
-        return out
+            and all_finite(grads)
+        own = writable([torch.zeros_like(params[i]) if g is None else g.to(torch.float32)
+                        for i, g in zip(whole, grads[len(grads) - len(whole):])])
+        self.plus[k] = dict(zip(whole, own))
+        return states
+
+    def _moved(self, p: torch.Tensor, k: int) -> torch.Tensor:
+        """Parameter ``p`` where probe ``k`` of this batch moved it: the same values."""
+        gen = torch.Generator(device=p.device)
+        gen.set_state(self.z_states[k][self.index[id(p)]])
+        return p.detach() + self.step * _direction(p, gen)
 
     def param_hooks(self) -> list:
         return [p.register_hook(partial(self._param_grad, i))
                 for i, p in enumerate(self.numerics.params)]
 
     def index_users(self) -> None:
-        """Which watched layers hold each parameter (only those can round it)."""
+        """Which watched layers hold each parameter (only those can round it), and which of
+        them recompute its gradient: the innermost (a layer inside another that holds it
+        computes part of the outer's; layers side by side, a tied weight, add up)."""
         for watch in self.watches.values():
             for p in watch.params:
                 if id(p) in self.index:
                     self.users.setdefault(self.index[id(p)], []).append(watch)
+        for i, users in self.users.items():
+            self.owners[i] = [w for w in users
+                              if not any(o is not w and _inside(o.module, w.module)
+                                         for o in users)]
 
     def _param_grad(self, i: int, g: torch.Tensor) -> None:
-        """A reference parameter gradient: the probes' finite differences against it, folded
-        into the weight terms of the layers that round this parameter."""
+        """A reference parameter gradient (all its uses summed): the probes' finite
+        differences, which the layers holding it recomputed, folded into the weight terms of
+        the layers that round it; first checked against this gradient, whose local sum must
+        be it (a use outside those layers would leave part of the curvature out)."""
         if self.local or self.probing is not None:
             return
-        t2 = None
-        g = g.detach().to(torch.float32)
-        for plus in self.plus:
-            if plus is None or plus[i] is None:
-                continue
-            # in place in the probe's own gradient (see _probe_pass)
-            d, plus[i] = plus[i], None
-            d.sub_(g).div_(self.step).square_().div_(self.n_probes)
-            t2 = d if t2 is None else t2.add_(d)
-            del d
-        users = self.users.get(i)
-        if t2 is None or not users:
+        deltas, local = self.delta.pop(i, None), self.local_ref.pop(i, None)
+        if not self.users.get(i):
             return
+        g = g.detach().to(torch.float32)
+        if i in self.outside:  # the whole probe gradients, in place (owned: _probe_pass)
+            deltas, local = [plus.pop(i, None) for plus in self.plus], g
+            deltas = [None if d is None else d.sub_(g) for d in deltas]
+        if deltas is None or local is None or any(d is None for d in deltas) \
+                or not _close(local, g):
+            self.doubtful.add(i)
+            return
+        del local
+        t2 = None
+        for d in deltas:  # in place in the sums (owned: _probe_grads)
+            d.div_(self.step).square_().div_(self.n_probes)
+            t2 = d if t2 is None else t2.add_(d)
+        deltas.clear()
         if i in self.pending:
             t2.add_(self.pending.pop(i))
         if self._ready(i):
@@ -511,9 +571,11 @@ class _Estimator:
         for i in list(self.pending):
             self._fold(i, self.pending.pop(i))
         for watch in self.watches.values():
+            sure = self.probes_finite and not any(
+                self.index.get(id(p)) in self.doubtful for p in watch.params)
             for fmt, est in watch.results.items():
                 est.weight = math.fsum(self.terms.get((watch.name, fmt), ())) \
-                    if self.probes_finite else math.nan
+                    if sure else math.nan
 
     # ------------------------------------------------------------------ local re-runs
     def process(self, watch: _Watch, call: _Call) -> None:
@@ -540,7 +602,8 @@ class _Estimator:
         rewrite.remove(model)
         ref = self._run(watch, call, None)
         g_out = [call.grads.get(i, torch.zeros_like(t)) for i, t in enumerate(ref[0])]
-        tangents = self._tangents(watch, call, g_out)
+        recs = watch.take_probes(call)
+        tangents = self._tangents(call, g_out, recs)
         for fmt in watch.fmts:
             policy = Policy(default=Format.FP32,
                             layers={watch.name: fmt, **{c: Format.FP32 for c in watch.pinned}},
@@ -558,6 +621,52 @@ class _Estimator:
             wonly = self._weights_only(watch, call, fmt, g_out, ref)
             _accumulate(watch.results[fmt], call.batch, (ref, run, wonly), g_out, watch.own,
                         tangents)
+        del run, wonly, tangents
+        self._probe_grads(watch, call, recs, ref[2])
+
+    def _probe_grads(self, watch: _Watch, call: _Call, recs: list,
+                     ref_gp: list[torch.Tensor]) -> None:
+        """Add this call's part of the gradient of each parameter the layer recomputes (see
+        ``owners``): at the reference (``ref_gp``, from its local FP32 run) and, per probe, its
+        change at the probe point (the layer alone on the probe's recorded inputs and output
+        gradients, its own parameters moved as the probe moved them)."""
+        mine = [(j, self.index[id(p)]) for j, p in enumerate(watch.params)
+                if id(p) in self.index and self.index[id(p)] not in self.outside
+                and watch in self.owners.get(self.index[id(p)], ())]
+        if not mine:
+            return
+        xs = _grad_inputs(call.args, call.kwargs)
+        for k, rec in enumerate(recs):
+            grads = self._at_probe(watch, call, rec, k) if _matches(rec, xs) else None
+            for j, i in mine:
+                deltas = self.delta.setdefault(i, [torch.zeros(0)] * self.n_probes)
+                if grads is None or deltas[k] is None:
+                    deltas[k] = None  # a probe pass that missed this call: not measured
+                elif deltas[k].numel() == 0:
+                    deltas[k] = grads[j].sub_(ref_gp[j])
+                else:
+                    deltas[k].add_(grads[j]).sub_(ref_gp[j])
+            del grads
+        for (_, i), g in zip(mine, writable([ref_gp[j] for j, _ in mine])):
+            self.local_ref[i] = g if i not in self.local_ref else self.local_ref[i].add_(g)
+
+    def _at_probe(self, watch: _Watch, call: _Call, rec: _ProbeCall,
+                  k: int) -> list[torch.Tensor]:
+        """The layer's parameter gradients (each its own tensor) at probe ``k``'s point."""
+        flat, spec = tree_flatten((call.args, call.kwargs))
+        given = iter(rec.xs)
+        leaves = [next(given) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                  and t.requires_grad else t for t in flat]
+        args, kwargs = tree_unflatten(leaves, spec)
+        named = [(n, p) for n, p in watch.module.named_parameters() if p.requires_grad]
+        moved = {n: self._moved(p, k).requires_grad_(True) for n, p in named}
+        out = [t for t in floating(torch.func.functional_call(watch.module, moved, args, kwargs))
+               if t.requires_grad]
+        g_out = [rec.grads.get(i, torch.zeros_like(t)) for i, t in enumerate(out)]
+        grads = torch.autograd.grad(out, list(moved.values()), g_out, allow_unused=True) \
+            if out else [None] * len(moved)
+        return writable([torch.zeros_like(m) if g is None else g.detach().to(torch.float32)
+                         for g, m in zip(grads, moved.values())])
 
     def _weights_only(self, watch: _Watch, call: _Call, fmt: Format, g_out, ref):
         """The layer in FP32 with its weights rounded as ``fmt`` rounds them (the FP32 run
@@ -570,14 +679,13 @@ class _Estimator:
         watch.roundings.setdefault(fmt, mode.found)
         return out
 
-    def _tangents(self, watch: _Watch, call: _Call, g_out: list[torch.Tensor]):
+    def _tangents(self, call: _Call, g_out: list[torch.Tensor], recs: list):
         """Per probe whose pass saw this call: the finite differences of the layer's output
         gradients (``u``) and of its inputs (``v``) between the probe point and here."""
         xs = _grad_inputs(call.args, call.kwargs)
         out = []
-        for rec in watch.take_probes(call):
-            if rec is None or len(rec.xs) != len(xs) or any(
-                    a.shape != x.shape for a, x in zip(rec.xs, xs)):
+        for rec in recs:
+            if not _matches(rec, xs):
                 continue
             u = [(rec.grads[i] - g) / self.step if i in rec.grads else -g / self.step
                  for i, g in enumerate(g_out)]
@@ -608,6 +716,28 @@ class _Estimator:
         grads = _local_grads(out, wrt, g_out, scale) if out and wrt else [None] * len(wrt)
         grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, wrt)]
         return ([t.detach() for t in out], grads[:len(xs)], grads[len(xs):])
+
+
+def _direction(p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A probe's direction for parameter ``p``: standard normal, drawn from ``gen``."""
+    return torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype)
+
+
+def _inside(m: nn.Module, outer: nn.Module) -> bool:
+    """Whether ``m`` is a module inside ``outer`` (not ``outer`` itself)."""
+    return m is not outer and any(c is m for c in outer.modules())
+
+
+def _matches(rec: _ProbeCall | None, xs: list[torch.Tensor]) -> bool:
+    """Whether a probe pass's record of a call has the reference call's inputs' shapes."""
+    return rec is not None and len(rec.xs) == len(xs) and all(
+        a.shape == x.shape for a, x in zip(rec.xs, xs))
+
+
+def _close(local: torch.Tensor, g: torch.Tensor) -> bool:
+    """Whether a parameter's gradient summed from its layers' local runs is the whole one
+    (to FP32 rounding: the same products, perhaps in another order)."""
+    return _sq(local, g) <= 1e-8 * _sq(g)
 
 
 def _local_grads(out, wrt, g_out, scale: float):

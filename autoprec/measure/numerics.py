@@ -23,7 +23,6 @@ the same everywhere:
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import math
@@ -41,7 +40,8 @@ from autoprec.policy import Policy
 from autoprec.runtime import rewrite
 from autoprec.runtime.fp8 import emulating
 
-__all__ = ["Reference", "Deviation", "Numerics", "prepare_for_measurement", "prepared"]
+__all__ = ["Reference", "Deviation", "Numerics", "prepare_for_measurement", "prepared",
+           "writable"]
 
 
 def prepare_for_measurement(model: nn.Module) -> nn.Module:
@@ -235,7 +235,7 @@ class Numerics:
                     grads.append(g)
                     del g
                 else:  # only their norms: each gradient dropped as soon as it is read
-                    sq, finite = _sq_norms_as_they_arrive(loss, self.params)
+                    sq, finite, _ = _differences(loss, self.params, None)
                 value = float(loss.detach())
                 if not math.isfinite(value) or not finite:
                     what = f"loss is {value}" if not math.isfinite(value) else \
@@ -322,81 +322,104 @@ def _rng_devices(model: nn.Module) -> list:
     return [device.index if device.index is not None else torch.cuda.current_device()]
 
 
-def _grads(loss: torch.Tensor, params: list[torch.Tensor], *, scale: float = 1.0,
-           retain_graph: bool = False) -> list[torch.Tensor]:
-    target = loss * scale if scale != 1.0 else loss
-    grads = torch.autograd.grad(target, params, allow_unused=True, retain_graph=retain_graph)
-    out = [torch.zeros_like(p) if g is None else g.to(torch.float32)
-           for g, p in zip(grads, params)]
-    del grads
-    if scale != 1.0:
-        # unscaled in place, once per tensor (autograd may hand one to several parameters):
-        # a second set of gradients while the first is divided would double their memory
-        done: set[int] = set()
-        for i, g in enumerate(out):
-            if g._base is not None or not g.is_contiguous():  # a view: out of place
-                out[i] = g / scale
-            elif g.data_ptr() not in done:
-                g.div_(scale)
-                done.add(g.data_ptr())
+def _grads(loss: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """FP32 gradients of ``loss`` (zeros where unused), all at once."""
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return [torch.zeros_like(p) if g is None else g.to(torch.float32)
+            for g, p in zip(grads, params)]
+
+
+def writable(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``grads``, each a tensor of its own that can be changed in place: autograd may hand one
+    tensor to several parameters (``a + b``: changing it for one would change what the others
+    read), a view of a tensor used elsewhere, or an expanded one (stride 0: no element of its
+    own to write); those are copied, the rest returned as they are (a copy of a
+    billion-parameter model's gradients costs seconds in page faults)."""
+    seen: set[int] = set()
+    out = []
+    for g in grads:
+        if g.data_ptr() in seen or g._base is not None or not g.is_contiguous():
+            g = g.clone(memory_format=torch.contiguous_format)
+        seen.add(g.data_ptr())
+        out.append(g)
     return out
 
 
-def _sq_norms_as_they_arrive(loss: torch.Tensor,
-                             params: list[torch.Tensor]) -> tuple[torch.Tensor, bool]:
-    """What :func:`_sq_norms` and :func:`all_finite` say of ``loss``'s gradients (zeros where
-    unused), each read as autograd finishes it and then dropped: no whole set of gradients is
-    ever held (``autograd.grad`` returns them all at once, at the end of the backward)."""
-    norms: list[torch.Tensor | None] = [None] * len(params)
-    finite = [True]
+def _differences(loss: torch.Tensor, params: list[torch.Tensor],
+                 ref: list[torch.Tensor] | None, *, scale: float = 1.0,
+                 total: list | None = None) -> tuple[torch.Tensor, bool, list | None]:
+    """This batch's gradients of ``loss`` minus the reference's ``ref`` (None: the gradients
+    themselves): each difference's squared norm (float64, per parameter), whether the
+    gradients were finite, and ``total`` with the differences added (``[]``: the first batch,
+    the sum starts; None: no sum).
 
-    def read(i: int, g: torch.Tensor) -> None:
-        norms[i] = torch._foreach_norm([g])[0]
-        finite[0] = finite[0] and all_finite([g])
+    Each gradient is read as autograd finishes it and dropped (or kept as its part of the
+    sum): no whole set of this batch's gradients is held (``autograd.grad`` returns them all
+    at once, at the end of the backward). ``scale > 1`` (fp16) back-propagates ``loss *
+    scale`` and unscales each gradient, halving the scale and reading again while a gradient
+    is not finite (GradScaler's back-off), down to 1; a non-finite loss is not retried: no
+    scale can fix it."""
+    if scale != 1.0 and not bool(torch.isfinite(loss.detach())):
+        scale = 1.0
+    while True:
+        reading = _Reading(params, ref, scale, total)
+        _as_they_arrive(loss * scale if scale != 1.0 else loss, params, reading.read,
+                        retain_graph=reading.may_retry)
+        if not reading.overflowed:
+            return reading.finish()
+        del reading  # an overflowed reading is not kept while the next one runs
+        scale = max(1.0, scale / 2)
 
-    _as_they_arrive(loss, params, read)
-    zero = torch.zeros((), dtype=torch.float32, device=loss.device)
-    sq = torch.stack([zero if n is None else n for n in norms]).to(torch.float64).square()
-    return sq, finite[0]
 
+class _Reading:
+    """One backward's gradients, read as they arrive (see :func:`_differences`)."""
 
-def _differences(loss: torch.Tensor, params: list[torch.Tensor], ref: list[torch.Tensor], *,
-                 scale: float, total: list | None) -> tuple[torch.Tensor, bool, list | None]:
-    """This batch's gradients of ``loss`` minus the reference's ``ref``: each difference's
-    squared norm (float64, per parameter), whether the gradients were finite, and ``total``
-    with the differences added (``[]``: the first batch, the sum starts; None: no sum).
+    def __init__(self, params: list[torch.Tensor], ref: list[torch.Tensor] | None,
+                 scale: float, total: list | None):
+        self.params, self.ref, self.scale = params, ref, scale
+        self.may_retry = scale > 1.0  # a gradient that overflows voids this reading
+        self.overflowed = False
+        self.finite = True
+        self.norms: list[torch.Tensor | None] = [None] * len(params)
+        self.summed = None if total is None else (total or [None] * len(params))
+        # a later batch's part of the sum waits while an overflow may still void the reading
+        self.held = self.may_retry and bool(total)
+        self.waiting: dict[int, torch.Tensor] = {}
 
-    Unscaled, each gradient is read as autograd finishes it and dropped (or kept as its part
-    of the sum): no whole set of this batch's gradients is held. A loss-scaled (fp16) batch
-    needs them all at once, to see an overflow before any is used."""
-    if scale != 1.0:
-        g = _scaled_grads(loss, params, scale)
-        finite, diff = all_finite(g), _minus(g, ref)
-        del g
-        sq = _sq_norms(diff)
-        if total is None:
-            return sq, finite, None
-        return sq, finite, diff if not total else _accumulate(total, diff)
-    norms: list[torch.Tensor | None] = [None] * len(params)
-    summed = None if total is None else (total or [None] * len(params))
-    finite = [True]
+    def read(self, i: int, g: torch.Tensor) -> None:
+        if self.overflowed:
+            return
+        ok = all_finite([g])
+        if self.may_retry and not ok:
+            self.overflowed = True
+            self.waiting.clear()
+            return
+        self.finite = self.finite and ok
+        if self.scale != 1.0:
+            g = g.div_(self.scale)  # the parameter's own .grad: in place (it obeys its layout)
+        d = g if self.ref is None else g.sub_(self.ref[i])
+        self.norms[i] = torch._foreach_norm([d])[0]
+        if self.summed is None:
+            return
+        if self.held:
+            self.waiting[i] = d
+        elif self.summed[i] is None:
+            self.summed[i] = d
+        else:
+            self.summed[i].add_(d)
 
-    def read(i: int, d: torch.Tensor) -> None:
-        finite[0] = finite[0] and all_finite([d])
-        d = d.sub_(ref[i]) if d.is_contiguous() else d - ref[i]
-        norms[i] = torch._foreach_norm([d])[0]
-        if summed is not None:
-            summed[i] = d if summed[i] is None else summed[i].add_(d)
-
-    _as_they_arrive(loss, params, read)
-    for i, n in enumerate(norms):
-        if n is None:  # unused by this loss: its gradient is zero
-            read(i, torch.zeros_like(params[i], dtype=torch.float32))
-    return torch.stack(norms).to(torch.float64).square(), finite[0], summed
+    def finish(self) -> tuple[torch.Tensor, bool, list | None]:
+        for i, n in enumerate(self.norms):
+            if n is None:  # unused by this loss: its gradient is zero
+                self.read(i, torch.zeros_like(self.params[i], dtype=torch.float32))
+        for i, d in self.waiting.items():
+            self.summed[i].add_(d)
+        return torch.stack(self.norms).to(torch.float64).square(), self.finite, self.summed
 
 
 def _as_they_arrive(loss: torch.Tensor, params: list[torch.Tensor],
-                    read: Callable[[int, torch.Tensor], None]) -> None:
+                    read: Callable[[int, torch.Tensor], None], *,
+                    retain_graph: bool = False) -> None:
     """Back-propagate ``loss``, handing ``read(i, g)`` each parameter's FP32 gradient as
     autograd finishes it (its own tensor, to change or keep), holding none of them after."""
     def take(i: int, p: torch.Tensor) -> None:
@@ -409,38 +432,12 @@ def _as_they_arrive(loss: torch.Tensor, params: list[torch.Tensor],
     hooks = [p.register_post_accumulate_grad_hook(partial(take, i))
              for i, p in enumerate(params)]
     try:
-        torch.autograd.backward(loss, inputs=params)
+        torch.autograd.backward(loss, inputs=params, retain_graph=retain_graph)
     finally:
         for h in hooks:
             h.remove()
         for p, g in zip(params, saved):
             p.grad = g
-
-
-def _scaled_grads(loss: torch.Tensor, params: list[torch.Tensor],
-                  scale: float) -> list[torch.Tensor]:
-    """Gradients of ``loss``; with ``scale > 1`` back-propagated from ``loss * scale`` and
-    unscaled, halving the scale while the scaled gradients overflow (GradScaler's back-off),
-    down to 1. A non-finite loss is not retried: no scale can fix it."""
-    if scale == 1.0 or not bool(torch.isfinite(loss.detach())):
-        return _grads(loss, params)
-    while True:
-        g = _grads(loss, params, scale=scale, retain_graph=scale > 1.0)
-        if scale <= 1.0 or all_finite(g):
-            return g
-        del g  # an overflowed attempt is not kept while the next one runs
-        scale = max(1.0, scale / 2)
-
-
-def _minus(grads: list[torch.Tensor], ref: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``grads - ref`` element by element, in place in ``grads`` (fresh gradients, used for
-    nothing else; new memory for a billion-parameter model costs seconds in page faults), out
-    of place for a tensor autograd handed to several parameters (``a + b``): subtracting one
-    parameter's reference from it in place would change what the others read; and for an
-    expanded one (no element of its own to write)."""
-    shared = collections.Counter(g.data_ptr() for g in grads)
-    return [g - r if shared[g.data_ptr()] > 1 or not g.is_contiguous() else g.sub_(r)
-            for g, r in zip(grads, ref)]
 
 
 def _accumulate(total: list[torch.Tensor] | None,
