@@ -9,10 +9,11 @@ layer, whose cost does not depend on depth:
 ```
 probes, before each batch's reference:      FP32 reference forward, hooks on every listed layer
   parameters moved by step * z (z random)     record each call's inputs (refs, not copies)
-  record each layer's inputs, its output  --> backward: when the gradient g_y of a layer's
-  gradients and every parameter gradient      output arrives, re-run that layer alone on its
-                                              recorded inputs: in FP32, in each format, and in
-                                              FP32 with its weights rounded as the format does
+  record each layer's inputs and output   --> backward: when the gradient g_y of a layer's
+  gradients (a backward only as far as        output arrives, re-run that layer alone on its
+  the layers' outputs)                        recorded inputs: in FP32, in each format, in FP32
+                                              with its weights rounded as the format does, and
+                                              at each probe's point (its parameter gradients)
 ```
 
 With only one layer switched, everything upstream of it computes exactly as in the reference,
@@ -66,12 +67,20 @@ the numbers are reproducible; another seed moves the Spearman by under 0.02.
 Memory: the recorded inputs are the tensors autograd saves anyway for a matmul, and each
 layer's local runs happen inside the backward as soon as its gradient arrives, so nothing per
 layer is kept beyond the numbers, except the probes': per probe until its layer's turn, copies
-of the layers' inputs and output gradients at the probe point (about what a training step saves)
-and its parameter gradient until the reference's arrives, plus a copy of the parameters while
-the probes run. The curvature is folded, as each reference parameter gradient arrives, into one
-number per layer and format (no tensor of it is kept). Cost: the local runs (FP32, each
-format, each format's weights-only run) and :data:`PROBES` forward+backwards per batch, flat in
-depth per layer; 3-4x cheaper than exact mode on the 4-block examples (the bench).
+of the layers' inputs and output gradients at the probe point (about what a training step
+saves), and a copy of the parameters while the probes run. No probe keeps a parameter
+gradient: each layer recomputes its own parameters' gradients at each probe point (on the
+probe's recorded inputs and output gradients, its parameters moved by the same draw, drawn
+again from the generator state the probe saved) and at the reference, and the difference,
+summed over the layer's calls, waits only until the parameter's reference gradient arrives.
+There it is checked (the local sum of the reference gradient must be the whole one) and its
+curvature folded into one number per layer and format. A parameter also used outside the
+layers that hold it (a weight tied to a layer not listed: GPT-2's embedding and head), seen by
+the first probe pass of each batch, has its probe gradients taken whole from the probe's
+backward instead; a use that pass misses fails the check, and the layers that round the
+parameter get no weight term (nan: doubtful, measured exactly in ``auto``). Cost: the local
+runs (FP32, each format, each format's weights-only run, each probe) and :data:`PROBES`
+forward+backwards per batch, flat in depth per layer.
 
 :func:`needs_exact` says which estimates are close enough to the budget, or doubtful enough
 (non-finite, values beyond the format's range), to be measured exactly instead.
