@@ -494,9 +494,8 @@ class _Estimator:
             grads = torch.autograd.grad(loss.reshape(()), wrt, allow_unused=True) if wrt else ()
         finally:
             self.probing, self.reached = None, []
-        grads = [g for g in grads if g is not None]
         self.probes_finite = self.probes_finite and math.isfinite(float(loss.detach())) \
-            and all_finite(grads)
+            and all_finite([g for g in grads if g is not None])
         own = writable([torch.zeros_like(params[i]) if g is None else g.to(torch.float32)
                         for i, g in zip(whole, grads[len(grads) - len(whole):])])
         self.plus[k] = dict(zip(whole, own))
