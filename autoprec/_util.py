@@ -32,6 +32,7 @@ __all__ = [
     "floating",
     "move_to",
     "device_of",
+    "free_memory",
     "model_state",
     "atomic_write",
     "atomic_write_all",
@@ -129,6 +130,24 @@ def move_to(batch: Any, device: torch.device | str) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(move_to(v, device) for v in batch)
     return batch
+
+
+def free_memory(device: torch.device | str) -> int | None:
+    """Bytes free on ``device`` now: the CUDA allocator's device's free memory, or the host's
+    ``MemAvailable`` (Linux) for the CPU; None where it cannot be read."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def device_of(model: nn.Module, batch: Any = None) -> torch.device:

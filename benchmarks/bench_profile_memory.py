@@ -6,13 +6,18 @@ Models: HF Llama-style (LlamaForCausalLM, SwiGLU 2.6875x, 8 heads / 4 KV heads, 
 Calibration: 4 batches of 2x64 random token ids (a profile measures the first 2, a tune holds
 the last 2 out). Each measurement runs in a process of its own, 1 thread, with
 ``MALLOC_MMAP_THRESHOLD_=131072`` so that RSS follows live bytes, and reports the peak RSS
-(``ru_maxrss``) above the RSS after every import: so one figure per process, no interference.
+(``ru_maxrss``) above the RSS after every import: so one figure per process, no interference;
+and the part's wall seconds (one run: a time, not a ratio with a spread).
 
 - ``step``: the task's model built, then two FP32 AdamW training steps on one calibration
   batch (the first creates the optimizer's state): what training this model costs;
 - ``fast`` / ``exact``: ``autoprec.profile(task, target="h100", sensitivity=...)`` with the
   formats fp32, bf16, fp8 (priced by the cost model: no timing, only the numerics);
-- ``tune``: ``autoprec.tune(task, target="h100", sensitivity="fast", n_trials=4)``.
+- ``tune``: ``autoprec.tune(task, target="h100", sensitivity="fast", n_trials=4)``, the
+  held-out batches' FP32 gradients kept through the search (``holdout_gradients="kept"``);
+- ``tune-lean``: the same tune with ``holdout_gradients="recomputed"``: each trial computes
+  each held-out batch's reference gradients again beside its own (what ``"auto"`` picks when
+  keeping them would take over a quarter of the free memory).
 
 Each figure is printed in bytes, as a multiple of P (the model's FP32 parameter bytes) and as
 a multiple of ``step``. One process per figure: its spread is the allocator's, a few MB;
@@ -31,6 +36,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VOCAB = 32_000
@@ -82,6 +88,7 @@ def child(part: str, size: str) -> None:
     hidden, layers = (int(x) for x in size.split("x"))
     task = _task(hidden, layers)
     base = _rss()
+    start = time.perf_counter()
     if part == "step":
         model = task.build_model()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -95,15 +102,17 @@ def child(part: str, size: str) -> None:
                                 sensitivity=part, n_batches=2, progress=False)
         assert prof.layers
         params = None
-    elif part == "tune":
+    elif part in ("tune", "tune-lean"):
         with tempfile.TemporaryDirectory() as tmp:
             tune(task, target="h100", sensitivity="fast", n_trials=4, progress=False,
-                 output=os.path.join(tmp, "p.yaml"))
+                 output=os.path.join(tmp, "p.yaml"),
+                 holdout_gradients="kept" if part == "tune" else "recomputed")
         params = None
     else:
         raise SystemExit(f"unknown part {part!r}")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    print(json.dumps({"part": part, "size": size, "peak": peak, "params": params}))
+    print(json.dumps({"part": part, "size": size, "peak": peak, "params": params,
+                      "seconds": time.perf_counter() - start}))
 
 
 def measure(part: str, size: str) -> dict:
@@ -123,7 +132,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", nargs="+", default=["512x4", "512x8", "1024x4"])
     ap.add_argument("--parts", nargs="+", default=["step", "fast", "exact", "tune"],
-                    choices=["step", "fast", "exact", "tune"])
+                    choices=["step", "fast", "exact", "tune", "tune-lean"])
     ap.add_argument("--child", nargs=2, metavar=("PART", "SIZE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -136,12 +145,15 @@ def main() -> None:
     parts = ["step", *[p for p in args.parts if p != "step"]]
     print("| model | P (fp32 params) | " + " | ".join(f"{p} (x P, x step)" for p in parts)
           + " |\n|" + "---|" * (len(parts) + 2), flush=True)
+    seconds = []
     for size in args.sizes:
         got = {p: measure(p, size) for p in parts}
         P, step = got["step"]["params"], got["step"]["peak"]
         cells = [f"{got[p]['peak'] / 2**20:.0f} MiB ({got[p]['peak'] / P:.2f} P, "
                  f"{got[p]['peak'] / step:.2f}x)" for p in parts]
         print(f"| {size} | {P / 2**20:.0f} MiB | " + " | ".join(cells) + " |", flush=True)
+        seconds.append(f"{size}: " + ", ".join(f"{p} {got[p]['seconds']:.1f} s" for p in parts))
+    print("\nwall seconds, one run each:\n" + "\n".join(seconds), flush=True)
 
 
 if __name__ == "__main__":

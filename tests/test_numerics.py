@@ -209,3 +209,44 @@ def test_fp16_gradients_read_as_they_arrive_back_off_as_the_whole_set_did(gpt2_b
     assert got.bias_sq == tuple(torch.stack(torch._foreach_norm(total)).double().square()
                                 .tolist())
     assert 0 < got.grad_rel_error < 0.5 and 0 < got.grad_bias < 0.5
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp16"])
+def test_a_reference_recomputed_per_batch_gives_the_numbers_a_kept_one_gives(gpt2_batch, fmt,
+                                                                            monkeypatch):
+    # per_batch: no comparison holds every held-out batch's reference gradients; each batch's
+    # are computed again beside the candidate's (the same seeds, so the same values), and an
+    # fp16 candidate's part of the bias sum is read in a second backward at the scale that did
+    # not overflow rather than held. Every number must be the kept reference's, bitwise.
+    from autoprec.measure import numerics
+    from autoprec.policy import LossScaling
+
+    backwards = []
+    read = numerics._as_they_arrive
+    monkeypatch.setattr(numerics, "_as_they_arrive",
+                        lambda *a, **k: (backwards.append(1), read(*a, **k))[1])
+    torch.manual_seed(0)
+    model = prepare_for_measurement(make_model(n_layer=2, n_embd=64, n_head=2, seq_len=32))
+    loss_fn = lambda m, b: m(**b).loss  # noqa: E731
+    batches = [gpt2_batch, {k: v.flip(0) for k, v in gpt2_batch.items()},
+               {k: v.roll(1, 0) for k, v in gpt2_batch.items()}]
+    # 2**30 overflows every fp16 batch first: the back-off runs before the second backward
+    policy = Policy(default="fp32", layers={"transformer.h.*": fmt},
+                    loss_scaling=LossScaling(init_scale=2.0 ** 30))
+    kept = Numerics(model, batches, loss_fn, seed=5)
+    kept.reference()
+    backwards.clear()
+    want = kept.compare(policy, bias=True)
+    n_kept = len(backwards)
+    del kept
+    lean = Numerics(model, batches, loss_fn, seed=5, per_batch=True)
+    assert not lean.reference().grads  # only the norms are kept
+    backwards.clear()
+    got = lean.compare(policy, bias=True)
+    assert got == want
+    # fp16: the batches after the first read their part of the sum in a second backward
+    assert len(backwards) == n_kept + (len(batches) - 1 if fmt == "fp16" else 0)
+    assert 0 < got.grad_rel_error < 0.5 and 0 < got.grad_bias < 0.5
+    # fp32 against itself, per batch too, is exactly 0
+    same = lean.compare(Policy(default="fp32"), bias=True)
+    assert same.grad_rel_error == 0 and same.grad_bias == 0 and same.loss_rel_change == 0

@@ -99,6 +99,28 @@ def test_same_seed_same_policy(tmp_path, small_profile):
     assert [t.assignment for t in a.trials] == [t.assignment for t in b.trials]
 
 
+def test_held_out_gradients_recomputed_per_trial_give_the_same_trials(tmp_path, small_profile,
+                                                                     monkeypatch, capsys):
+    # "auto" recomputes the reference's held-out gradients beside each trial when keeping them
+    # would take over a quarter of the free memory (here: a machine with 1 KiB free); every
+    # trial's numbers are those of a tune that kept them, bitwise
+    tune_module = sys.modules["autoprec.tuning.tune"]
+    kw = dict(target="cpu-amx", n_trials=6, seed=3, prof=small_profile,
+              formats=("fp32", "bf16", "fp16", "fp8"))
+    kept = tune(small_gpt2_task(), holdout_gradients="kept", output=str(tmp_path / "k.yaml"),
+                progress=False, **kw)
+    monkeypatch.setattr(tune_module, "free_memory", lambda device: 1024)
+    lean = tune(small_gpt2_task(), output=str(tmp_path / "r.yaml"), **kw)
+    assert "each trial computes each batch's again" in capsys.readouterr().err
+    numbers = lambda r: [(t.assignment, t.loss_increase, t.grad_error, t.grad_bias)  # noqa: E731
+                         for t in r.trials]
+    assert numbers(lean) == numbers(kept) and lean.policy == kept.policy
+    assert any(Format.FP16 in t.assignment.values() for t in lean.trials)
+    with pytest.raises(ValueError, match="holdout_gradients must be one of auto, kept, "
+                                         "recomputed; got 'some'"):
+        autoprec.TuneConfig(holdout_gradients="some")
+
+
 def test_nonfinite_trials_are_infeasible_not_crashes(tmp_path):
     task = overflow_gpt2_task()
     res = tune(task, formats=("fp32", "fp16"), target="h100", n_trials=8,

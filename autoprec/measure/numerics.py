@@ -163,13 +163,21 @@ class Numerics:
     gradients themselves (one model's worth per batch) until a comparison needs them, when
     they are computed again (the same seeds, so the same values): a profile whose estimates
     never lead to an exact comparison never holds them.
+
+    ``per_batch=True`` (implies ``keep_grads=False``): no comparison holds the reference's
+    gradients of every batch either; each batch's are computed beside the candidate's and
+    dropped after it, so one batch's are alive at a time instead of all of them, at the cost
+    of one more FP32 forward and backward per batch per comparison. An fp16 candidate's part
+    of the bias sum is then read in a second backward, once the first has shown the scale does
+    not overflow, rather than held while an overflow may still void it. The same numbers.
     """
 
     def __init__(self, model: nn.Module, batches: Sequence[Any],
                  loss_fn: Callable[[nn.Module, Any], torch.Tensor], *, seed: int = 0,
-                 keep_grads: bool = True):
+                 keep_grads: bool = True, per_batch: bool = False):
         self.model = model
-        self.keep_grads = keep_grads
+        self.keep_grads = keep_grads and not per_batch
+        self.per_batch = per_batch
         self.batches = list(batches)
         if not self.batches:
             raise ValueError("Measuring numerics needs at least one batch; got none.")
@@ -213,6 +221,12 @@ class Numerics:
             self._reference = ref = self._run_reference(None, keep=True)
         return ref
 
+    def _batch_grads(self, b: int) -> list[torch.Tensor]:
+        """The reference's gradients on batch ``b`` alone, computed again (per_batch)."""
+        with _fp32(self.model), torch.random.fork_rng(devices=_rng_devices(self.model)):
+            torch.manual_seed(self.seed + b)
+            return _grads(self._loss(self.batches[b]), self.params)
+
     def _summed_reference_sq(self, ref: Reference) -> list[float]:
         if self._ref_sum_sq is None:
             total = None
@@ -223,6 +237,9 @@ class Numerics:
 
     def _run_reference(self, around: Callable[[int], Any] | None, keep: bool) -> Reference:
         losses, grads, grad_sq = [], [], []
+        # per_batch: the bias's denominator is summed now, as the gradients arrive (later no
+        # comparison has every batch's gradients to sum)
+        summed: list | None = [] if self.per_batch else None
         with _fp32(self.model):
             for b, batch in enumerate(self.batches):
                 ctx = around(b) if around is not None else contextlib.nullcontext()
@@ -235,7 +252,7 @@ class Numerics:
                     grads.append(g)
                     del g
                 else:  # only their norms: each gradient dropped as soon as it is read
-                    sq, finite, _ = _differences(loss, self.params, None)
+                    sq, finite, summed = _differences(loss, self.params, None, total=summed)
                 value = float(loss.detach())
                 if not math.isfinite(value) or not finite:
                     what = f"loss is {value}" if not math.isfinite(value) else \
@@ -245,6 +262,8 @@ class Numerics:
                                      "model or the batch first.")
                 losses.append(value)
                 grad_sq.append(sq)
+        if summed:
+            self._ref_sum_sq = _sq_norms(summed).tolist()
         return Reference(losses=losses, grads=grads, grad_sq=grad_sq)
 
     # ---------------------------------------------------------------- a candidate
@@ -253,34 +272,33 @@ class Numerics:
         """Run every batch under ``policy`` and compare with the reference.
         ``after_forward(b)`` is called after batch ``b``'s forward (to read probes); ``bias``
         also measures the gradient bias (one more gradient-sized buffer while it runs)."""
-        ref = self._reference_grads()
+        ref = self.reference() if self.per_batch else self._reference_grads()
         scale = policy.loss_scaling.init_scale if policy.uses(Format.FP16) else 1.0
         changes: list[float] = []
         diff_sq = torch.zeros(len(self.params), dtype=torch.float64,
                               device=ref.grad_sq[0].device)
         finite = True
         total: list[torch.Tensor] | None = None
-        with warnings.catch_warnings():
-            # apply() warns that emulated fp8 is slow; numerics are exact, which is all we use.
-            warnings.filterwarnings("ignore", message=r".*can only emulate.*")
-            rewrite.apply(self.model, policy, strict=False)
-        try:
-            with emulating(self.emulated):
-                for b, batch in enumerate(self.batches):
+        # holding every batch's reference, the policy stays on for the whole run; per batch,
+        # it comes off while each batch's reference is computed again
+        with self._under(policy) if ref.grads else contextlib.nullcontext():
+            for b, batch in enumerate(self.batches):
+                grads = ref.grads[b] if ref.grads else self._batch_grads(b)
+                with contextlib.nullcontext() if ref.grads else self._under(policy):
                     with torch.random.fork_rng(devices=_rng_devices(self.model)):
                         torch.manual_seed(self.seed + b)
                         loss = self._loss(batch)
                     if after_forward is not None:
                         after_forward(b)
                     value = float(loss.detach())
-                    sq, ok, total = _differences(loss, self.params, ref.grads[b], scale=scale,
-                                                 total=total if total or not bias else [])
-                    r = ref.losses[b]
-                    changes.append((value - r) / abs(r) if r != 0 else value - r)
-                    finite = finite and math.isfinite(value) and ok
-                    diff_sq += sq
-        finally:
-            rewrite.remove(self.model)
+                    sq, ok, total = _differences(loss, self.params, grads, scale=scale,
+                                                 total=total if total or not bias else [],
+                                                 hold=not self.per_batch)
+                del grads, loss
+                r = ref.losses[b]
+                changes.append((value - r) / abs(r) if r != 0 else value - r)
+                finite = finite and math.isfinite(value) and ok
+                diff_sq += sq
         ref_sq = torch.stack(ref.grad_sq).sum(0).tolist()
         diff = diff_sq.tolist()
         dev = Deviation(loss_rel_change=math.fsum(changes) / len(changes),
@@ -293,6 +311,20 @@ class Numerics:
         return dataclasses.replace(
             dev, grad_bias=relative(math.fsum(bias_sq), math.fsum(ref_sum_sq)),
             bias_sq=tuple(bias_sq), ref_sum_sq=tuple(ref_sum_sq))
+
+    @contextlib.contextmanager
+    def _under(self, policy: Policy):
+        """The model computing as ``policy`` says (emulating the 16-bit GEMMs the device is
+        slow at), and as it was afterwards."""
+        with warnings.catch_warnings():
+            # apply() warns that emulated fp8 is slow; numerics are exact, which is all we use.
+            warnings.filterwarnings("ignore", message=r".*can only emulate.*")
+            rewrite.apply(self.model, policy, strict=False)
+        try:
+            with emulating(self.emulated):
+                yield
+        finally:
+            rewrite.remove(self.model)
 
     def _loss(self, batch: Any) -> torch.Tensor:
         loss = self.loss_fn(self.model, batch)
@@ -347,7 +379,8 @@ def writable(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 def _differences(loss: torch.Tensor, params: list[torch.Tensor],
                  ref: list[torch.Tensor] | None, *, scale: float = 1.0,
-                 total: list | None = None) -> tuple[torch.Tensor, bool, list | None]:
+                 total: list | None = None,
+                 hold: bool = True) -> tuple[torch.Tensor, bool, list | None]:
     """This batch's gradients of ``loss`` minus the reference's ``ref`` (None: the gradients
     themselves): each difference's squared norm (float64, per parameter), whether the
     gradients were finite, and ``total`` with the differences added (``[]``: the first batch,
@@ -358,26 +391,35 @@ def _differences(loss: torch.Tensor, params: list[torch.Tensor],
     at once, at the end of the backward). ``scale > 1`` (fp16) back-propagates ``loss *
     scale`` and unscales each gradient, halving the scale and reading again while a gradient
     is not finite (GradScaler's back-off), down to 1; a non-finite loss is not retried: no
-    scale can fix it."""
+    scale can fix it. A later batch's part of a sum is then held until the backward is known
+    finite (an overflow voids it); ``hold=False`` reads it in a second backward at the scale
+    that did not overflow instead (the same gradients: a backward is deterministic here)."""
     if scale != 1.0 and not bool(torch.isfinite(loss.detach())):
         scale = 1.0
     while True:
-        reading = _Reading(params, ref, scale, total)
-        _as_they_arrive(loss * scale if scale != 1.0 else loss, params, reading.read,
-                        retain_graph=reading.may_retry)
+        again = not hold and scale != 1.0 and bool(total)
+        reading = _Reading(params, ref, scale, None if again else total)
+        scaled = loss * scale if scale != 1.0 else loss
+        _as_they_arrive(scaled, params, reading.read, retain_graph=reading.may_retry)
         if not reading.overflowed:
-            return reading.finish()
+            break
         del reading  # an overflowed reading is not kept while the next one runs
         scale = max(1.0, scale / 2)
+    sq, finite, summed = reading.finish()
+    if again:  # this scale does not overflow: the sum read as the gradients arrive
+        adding = _Reading(params, ref, scale, total, retry=False)
+        _as_they_arrive(scaled, params, adding.read)
+        summed = adding.finish()[2]
+    return sq, finite, summed
 
 
 class _Reading:
     """One backward's gradients, read as they arrive (see :func:`_differences`)."""
 
     def __init__(self, params: list[torch.Tensor], ref: list[torch.Tensor] | None,
-                 scale: float, total: list | None):
+                 scale: float, total: list | None, *, retry: bool = True):
         self.params, self.ref, self.scale = params, ref, scale
-        self.may_retry = scale > 1.0  # a gradient that overflows voids this reading
+        self.may_retry = retry and scale > 1.0  # a gradient that overflows voids this reading
         self.overflowed = False
         self.finite = True
         self.norms: list[torch.Tensor | None] = [None] * len(params)

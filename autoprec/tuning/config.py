@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from autoprec._util import quoted
 from autoprec.formats import FORMAT_ORDER, Format, Support, expand_formats, per_gemm
 from autoprec.measure.sensitivity import check_sensitivity_mode
 from autoprec.policy import DEFAULT_BIAS_BUDGET, Budget
@@ -21,6 +22,9 @@ from autoprec.pricing import CostSource
 
 __all__ = ["TuneConfig", "SearchConfig", "StudyConfig", "TimingConfig", "Grouping", "TunePaths",
            "per_gemm_candidates"]
+
+# SearchConfig.holdout_gradients's choices
+HOLDOUT_GRADIENTS = ("auto", "kept", "recomputed")
 
 
 class Grouping(str, enum.Enum):
@@ -116,6 +120,12 @@ class SearchConfig:
     milp_budgets: tuple[float, ...] = (0.25, 0.5, 1.0)
     # Calibration batches held out to judge trials (the rest are profiled).
     n_holdout: int = 2
+    # The FP32 reference's gradients on the held-out batches: "kept" (computed once, all held
+    # through the search: n_holdout x the model's parameter bytes), "recomputed" (each
+    # batch's computed again beside each trial's and dropped: one batch's held, one more FP32
+    # forward and backward per batch per trial; the same numbers) or "auto" (recomputed when
+    # keeping them would take over a quarter of the memory free on the task's device).
+    holdout_gradients: str = "auto"
     # How the profile gets each layer x format's sensitivity: "auto" (first-order estimates,
     # those near the budget or doubtful measured exactly), "fast" or "exact".
     sensitivity: str = "auto"
@@ -152,6 +162,9 @@ class SearchConfig:
         if self.max_memory is not None:
             _positive_int("max_memory (bytes)", self.max_memory)
         _positive_int("n_holdout", self.n_holdout)
+        if self.holdout_gradients not in HOLDOUT_GRADIENTS:
+            raise ValueError(f"holdout_gradients must be one of {', '.join(HOLDOUT_GRADIENTS)}; "
+                             f"got {quoted(self.holdout_gradients)}.")
         if self.budget_at is not None:
             _positive_int("budget_at (steps)", self.budget_at)
             budget = Budget.trained() if self.budget == Budget() else self.budget

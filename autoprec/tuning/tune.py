@@ -36,7 +36,7 @@ from typing import Any
 import optuna
 from torch import nn
 
-from autoprec._util import shown, tensors, worker_id
+from autoprec._util import free_memory, shown, tensors, worker_id
 from autoprec.formats import Format, Support, supported_formats
 from autoprec.memory import format_size, memory_model
 from autoprec.policy import Interval, Policy, model_fingerprint
@@ -99,7 +99,8 @@ def _tune(task: Task, config: TuneConfig, prof: Profile | None, log: Reporter,
         log("the search space holds one policy, all-fp32: it is the reference, so it is not "
             "timed against fp32 (its numerics are still measured)")
     ev = Evaluator(task, holdout, prof=prof, target=config.target,
-                   timing=config.timing, model=model, reference_only=lone)
+                   timing=config.timing, model=model, reference_only=lone,
+                   recompute=_recompute_holdout(config, model, len(holdout), task.device, log))
     del model  # the evaluator owns it now (prepared for measurement in place)
     if ev.aa is not None:
         log(f"timing noise before the search: fp32 against itself {ev.aa} "
@@ -111,6 +112,23 @@ def _tune(task: Task, config: TuneConfig, prof: Profile | None, log: Reporter,
     _optimize(handle, _Objective(ev, space, config, log, interrupts), space, config, log,
               interrupts)
     return _decide(handle, task, ev, space, config, log)
+
+
+def _recompute_holdout(config: TuneConfig, model: nn.Module, n_batches: int,
+                       device: Any, log: Reporter) -> bool:
+    """Whether the trials compute the FP32 reference's held-out gradients again beside their
+    own (SearchConfig.holdout_gradients) rather than keep them; "auto" decides by the memory
+    free on ``device`` now."""
+    if config.holdout_gradients != "auto":
+        return config.holdout_gradients == "recomputed"
+    kept = n_batches * sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    free = free_memory(device)
+    if free is None or kept <= free / 4:
+        return False
+    log(f"the FP32 gradients of {n_batches} held-out batch(es) would take {format_size(kept)} of "
+        f"the {format_size(free)} free: each trial computes each batch's again beside its own "
+        "(one more FP32 forward and backward per batch; holdout_gradients='kept' keeps them)")
+    return True
 
 
 def _note_emulated(task: Task, config: TuneConfig, log: Reporter) -> None:
