@@ -160,23 +160,57 @@ def device_of(model: nn.Module, batch: Any = None) -> torch.device:
 
 
 @contextlib.contextmanager
-def model_state(model: nn.Module, *, weights: bool = True) -> Iterator[None]:
+def model_state(model: nn.Module, *, weights: bool = True, spill: bool = False) -> Iterator[None]:
     """Restore on exit what a measurement may disturb: training flags, gradients, and buffers
-    (and with ``weights`` every parameter value: a timed optimizer step moves them)."""
+    (and with ``weights`` every parameter value: a timed optimizer step moves them).
+
+    ``spill``: the values wait outside the model's device memory rather than beside the model
+    (an unnamed temporary file for a model on the CPU, host memory for one on an accelerator),
+    one tensor at a time each way: the measurement runs on the model with no second copy of it
+    alive."""
     flags = [(m, m.training) for m in model.modules()]
     grads = [(p, p.grad) for p in model.parameters()]
-    saved = [(t, t.detach().clone()) for t in
-             (list(model.parameters()) if weights else []) + list(model.buffers())]
+    values = (list(model.parameters()) if weights else []) + list(model.buffers())
+    store = _Spill(values) if spill else [t.detach().clone() for t in values]
     try:
         yield
     finally:
         with torch.no_grad():
-            for t, value in saved:
+            for t, value in zip(values, store):
                 t.copy_(value)
         for p, g in grads:
             p.grad = g
         for m, flag in flags:
             m.training = flag
+
+
+class _Spill:
+    """Tensors' values written out once and read back, in order, one at a time
+    (:func:`model_state`'s ``spill``)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        self.file = None
+        self.host: list[torch.Tensor] = []
+        self.specs = [(t.shape, t.dtype, t.device) for t in tensors]
+        if all(t.device.type != "cpu" for t in tensors):
+            self.host = [t.detach().to("cpu", copy=True) for t in tensors]
+            return
+        self.file = tempfile.TemporaryFile()
+        for t in tensors:
+            flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+            self.file.write(flat.numpy().data)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        if self.file is None:
+            yield from self.host
+            return
+        with self.file:
+            self.file.seek(0)
+            for shape, dtype, _ in self.specs:
+                buf = torch.empty(shape, dtype=dtype).reshape(-1)
+                if self.file.readinto(buf.view(torch.uint8).numpy().data) != buf.nbytes:
+                    raise OSError("a spilled model state came back short")
+                yield buf.reshape(shape)
 
 
 # ------------------------------------------------------------------------------ files

@@ -143,8 +143,9 @@ def measure_step_memory(model: nn.Module, batch: Any, policy: Policy,
                         loss_fn: Callable[[nn.Module, Any], torch.Tensor],
                         make_optimizer: Callable[[Any], torch.optim.Optimizer], *,
                         emulate: bool | None = None) -> StepMemory:
-    """The peak memory of one training step of ``model`` (a private copy; its weights stay put:
-    learning rate 0) on ``batch`` under ``policy``; see the module docstring.
+    """The peak memory of one training step of ``model`` on ``batch`` under ``policy`` (at
+    learning rate 0, but a user's optimizer may still move weights: a caller that keeps the
+    model puts them back); see the module docstring.
 
     ``emulate``: compute the 16-bit GEMMs the device has no units for
     (:func:`autoprec.formats.slow_16bit_dtypes`) by FP32 emulation, which saves the bytes
@@ -411,10 +412,13 @@ class MemoryModel:
 def memory_model(task: Any, prof: Any = None, model: nn.Module | None = None) -> MemoryModel:
     """A :class:`MemoryModel` of ``task`` at its first calibration batch: the layers of
     ``prof`` when they were captured there (no ``shape_batch``), else captured again; steps
-    measured on private copies of ``model`` (a build of the task's model prepared for
-    measurement, e.g. the tune's own, left as it was; None: a new build)."""
+    measured on ``model`` itself (a build of the task's model prepared for measurement, e.g.
+    the tune's own; None: a new build), its weights, buffers and gradients put back after
+    each (a user's optimizer may move weights even at learning rate 0) from a copy that
+    waits outside its device's memory: the calibration holds the model once, as training does."""
     import copy
 
+    from autoprec._util import model_state
     from autoprec.measure.capture import capture
     from autoprec.measure.numerics import prepare_for_measurement
     from autoprec.task import default_loss
@@ -428,7 +432,8 @@ def memory_model(task: Any, prof: Any = None, model: nn.Module | None = None) ->
         layers, edges = [lay for lay in graph.layers if lay.matmuls], graph.edges
 
     def measure(policy: Policy) -> StepMemory:
-        return measure_step_memory(copy.deepcopy(model), batch, policy,
-                                   task.loss_fn or default_loss, task.make_optimizer)
+        with model_state(model, spill=True):
+            return measure_step_memory(model, batch, policy, task.loss_fn or default_loss,
+                                       task.make_optimizer)
 
     return MemoryModel.calibrate(layers, measure, edges=edges)

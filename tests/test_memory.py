@@ -194,3 +194,40 @@ def test_config_rejects_a_bad_budget():
     with pytest.raises(ValueError, match="max_memory"):
         TuneConfig(max_memory=0)
     assert TuneConfig(max_memory=2**30).max_memory == 2**30
+
+
+def test_the_memory_model_calibrates_on_the_model_itself_and_puts_it_back():
+    # the tune's memory model measures its steps on the evaluator's own model (no second copy
+    # alive beside it); its weights, buffers, gradients and modes wait in a temporary file
+    # and come back bitwise, even from an optimizer that moves weights at learning rate 0
+    stepped = []
+
+    class Drifting(torch.optim.SGD):
+        def step(self, closure=None):
+            stepped.append({id(p) for g in self.param_groups for p in g["params"]})
+            super().step(closure)
+            with torch.no_grad():
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        p.add_(1.0)  # weight decay with no learning rate, say
+
+    task = autoprec.Task(model=_llama, batches=byte_batches(2, BATCH, SEQ, seed=1),
+                         name="drift", device="cpu",
+                         optimizer=lambda params: Drifting(params, lr=0.1))
+    model = prepare_for_measurement(task.build_model())
+    grads = {}
+    for name, p in model.named_parameters():
+        p.grad = torch.full_like(p, 3.0) if "norm" in name else None
+        grads[name] = p.grad
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    in_place = memory_model(task, None, model)
+    assert stepped and all(ids == {id(p) for p in model.parameters()} for ids in stepped)
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is grads[n] for n, p in model.named_parameters())
+    assert model.training
+    # the same prediction a calibration on a fresh build gives (sizes, not values, count)
+    fresh = memory_model(task)
+    for policy in (Policy(default="fp32"), Policy(default="bf16")):
+        assert in_place.predict(policy) == fresh.predict(policy)
