@@ -41,12 +41,16 @@ N)``):
 
 What the formula does not see changes too: the elementwise work after a layer whose output
 stays in 16 bits (its parent region is not fp32) saves 16-bit tensors. That part is calibrated
-by a second measured step, all-bf16: its measured change minus the formula's is spread over
-the layers in proportion to their output elements, and a policy gets each layer's share when
-that layer's output stays low precision. The optimizer phase does not depend on the policy
-(gradients and state are FP32, the autocast cache is gone): the predicted peak is the larger
-of the two phases. Predictions are for the batch the steps run on (the task's first
-calibration batch), on the task's device.
+by a second measurement, the all-bf16 forward + backward: what it adds above the bytes live when
+it began, against what the fp32 step's forward + backward adds, minus the formula's change, is
+spread over the layers in proportion to their output elements, and a policy gets each layer's
+share when that layer's output stays low precision. That measurement runs without an optimizer
+(``measure_step_memory(compute_only=True)``): forward + backward add the same above the state
+as without it, and the calibration then never holds more than the fp32 training step it
+measures first (a bf16 step beside the optimizer's state held its 16-bit weight copies on
+top). The optimizer phase does not depend on the policy (gradients and state are FP32, the
+autocast cache is gone): the predicted peak is the larger of the two phases. Predictions are
+for the batch the steps run on (the task's first calibration batch), on the task's device.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -128,10 +133,10 @@ class StepMemory:
                 "optimizer_peak": self.optimizer_peak}
 
 
-def _live_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def _live_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
     """Bytes of the distinct storages of parameters, buffers and optimizer state."""
     storages: dict[int, int] = {}
-    state = [v for s in optimizer.state.values() for v in s.values()]
+    state = [] if optimizer is None else [v for s in optimizer.state.values() for v in s.values()]
     for t in [*model.parameters(), *model.buffers(), *state]:
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
             s = t.untyped_storage()
@@ -142,7 +147,7 @@ def _live_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
 def measure_step_memory(model: nn.Module, batch: Any, policy: Policy,
                         loss_fn: Callable[[nn.Module, Any], torch.Tensor],
                         make_optimizer: Callable[[Any], torch.optim.Optimizer], *,
-                        emulate: bool | None = None) -> StepMemory:
+                        emulate: bool | None = None, compute_only: bool = False) -> StepMemory:
     """The peak memory of one training step of ``model`` on ``batch`` under ``policy`` (at
     learning rate 0, but a user's optimizer may still move weights: a caller that keeps the
     model puts them back); see the module docstring.
@@ -150,14 +155,20 @@ def measure_step_memory(model: nn.Module, batch: Any, policy: Policy,
     ``emulate``: compute the 16-bit GEMMs the device has no units for
     (:func:`autoprec.formats.slow_16bit_dtypes`) by FP32 emulation, which saves the bytes
     autocast's kernels save (a Zen 3 takes minutes per full-width BF16 step otherwise);
-    None: where the device lacks them."""
+    None: where the device lacks them.
+
+    ``compute_only``: measure forward + backward alone, after one unmeasured, with no
+    optimizer and so no optimizer state alive (``persistent`` is the parameters and buffers,
+    ``optimizer_peak`` 0): what forward + backward add above what is live is the same as in a
+    whole step, where the state waits untouched, and the measurement holds less than the step
+    it describes. ``make_optimizer`` is not called."""
     from autoprec.formats import slow_16bit_dtypes
     from autoprec.runtime import rewrite
     from autoprec.runtime.fp8 import emulating
     from autoprec.task import optimizer_step
 
-    optimizer = make_optimizer(model.parameters())
-    for group in optimizer.param_groups:
+    optimizer = None if compute_only else make_optimizer(model.parameters())
+    for group in optimizer.param_groups if optimizer is not None else ():
         group["lr"] = 0.0
     scaler = None
     device = next(model.parameters()).device
@@ -169,7 +180,11 @@ def measure_step_memory(model: nn.Module, batch: Any, policy: Policy,
     try:
         with emulating(slow):
             # the first step creates the optimizer's state, which every later step keeps
-            optimizer_step(loss_fn(model, batch), optimizer, scaler)
+            if optimizer is None:
+                _backward(loss_fn(model, batch), scaler)
+                model.zero_grad(set_to_none=True)
+            else:
+                optimizer_step(loss_fn(model, batch), optimizer, scaler)
             if device.type == "cuda":
                 return _cuda_step(model, batch, loss_fn, optimizer, scaler, device)
             return _traced_step(model, batch, loss_fn, optimizer, scaler)
@@ -197,6 +212,9 @@ def _cuda_step(model, batch, loss_fn, optimizer, scaler, device) -> StepMemory:
     _backward(loss_fn(model, batch), scaler)
     torch.cuda.synchronize(device)
     compute = torch.cuda.max_memory_allocated(device)
+    if optimizer is None:
+        model.zero_grad(set_to_none=True)
+        return StepMemory(persistent, compute, 0)
     torch.cuda.reset_peak_memory_stats(device)
     _opt_step(optimizer, scaler)
     torch.cuda.synchronize(device)
@@ -227,7 +245,10 @@ def _traced_step(model, batch, loss_fn, optimizer, scaler) -> StepMemory:
     with _quiet_kineto(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         _backward(loss_fn(model, batch), scaler)
         with record_function(_MARK):
-            _opt_step(optimizer, scaler)
+            if optimizer is None:
+                model.zero_grad(set_to_none=True)
+            else:
+                _opt_step(optimizer, scaler)
     events = prof.profiler.kineto_results.events()
     split = min(e.start_ns() for e in events if e.name() == _MARK)
     # frees of blocks allocated before the trace carry no size and are not in it; a step
@@ -240,7 +261,8 @@ def _traced_step(model, batch, loss_fn, optimizer, scaler) -> StepMemory:
             peak_compute = max(peak_compute, now)
         else:
             peak_opt = max(peak_opt, now)
-    return StepMemory(persistent, persistent + peak_compute, persistent + peak_opt)
+    return StepMemory(persistent, persistent + peak_compute,
+                      0 if optimizer is None else persistent + peak_opt)
 
 
 # ============================================================================ predicting
@@ -344,20 +366,27 @@ class MemoryModel:
 
     @classmethod
     def calibrate(cls, layers: Sequence[Layer], measure: Callable[[Policy], StepMemory], *,
-                  edges: Iterable[tuple[str, str]] = ()) -> MemoryModel:
-        """Measure the all-fp32 and all-bf16 steps with ``measure(policy)`` and fit the
-        residual of the work the formula does not see (see the module docstring)."""
+                  edges: Iterable[tuple[str, str]] = (),
+                  measure_compute: Callable[[Policy], StepMemory] | None = None) -> MemoryModel:
+        """Measure the all-fp32 step with ``measure(policy)`` and the all-bf16 step's forward +
+        backward with ``measure_compute`` (None: ``measure``; only its compute phase is read),
+        and fit the residual of the work the formula does not see (see the module docstring):
+        compared as what each step's forward + backward adds above what was live when it began,
+        so a bf16 step measured without the optimizer's state (``compute_only``) compares with
+        the fp32 step that had it."""
         edges = list(edges)
         producers: dict[str, tuple[str, ...]] = {}
         for a, b in edges:
             producers[b] = (*producers.get(b, ()), a)
-        model = cls(tuple(layers), measure(_FP32), groups=_shared_inputs(layers, edges),
+        fp32 = measure(_FP32)
+        model = cls(tuple(layers), fp32, groups=_shared_inputs(layers, edges),
                     producers=producers)
-        bf16 = measure(_BF16)
-        formula = model.compute_peak(_BF16)
+        bf16 = (measure_compute or measure)(_BF16)
+        formula = sum(model.layer_change(_BF16).values())
+        grown = (bf16.compute_peak - bf16.persistent) - (fp32.compute_peak - fp32.persistent)
         elements = sum(produced_elements(lay) for lay in model.layers)
         if elements:
-            model.residual_per_element = (bf16.compute_peak - formula) / elements
+            model.residual_per_element = (grown - formula) / elements
         return model
 
     def layer_change(self, policy: Policy) -> dict[str, float]:
@@ -431,9 +460,10 @@ def memory_model(task: Any, prof: Any = None, model: nn.Module | None = None) ->
         graph = capture(copy.deepcopy(model), batch)
         layers, edges = [lay for lay in graph.layers if lay.matmuls], graph.edges
 
-    def measure(policy: Policy) -> StepMemory:
+    def measure(policy: Policy, compute_only: bool = False) -> StepMemory:
         with model_state(model, spill=True):
             return measure_step_memory(model, batch, policy, task.loss_fn or default_loss,
-                                       task.make_optimizer)
+                                       task.make_optimizer, compute_only=compute_only)
 
-    return MemoryModel.calibrate(layers, measure, edges=edges)
+    return MemoryModel.calibrate(layers, measure, edges=edges,
+                                 measure_compute=partial(measure, compute_only=True))

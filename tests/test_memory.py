@@ -231,3 +231,39 @@ def test_the_memory_model_calibrates_on_the_model_itself_and_puts_it_back():
     fresh = memory_model(task)
     for policy in (Policy(default="fp32"), Policy(default="bf16")):
         assert in_place.predict(policy) == fresh.predict(policy)
+
+
+def test_the_bf16_calibration_measures_forward_and_backward_without_the_optimizer_state():
+    # the memory model's second measurement (all-bf16) reads only the forward + backward: run
+    # without an optimizer it holds no AdamW state, so the calibration never holds more than
+    # the fp32 step it measured first, and forward + backward add the same bytes as in a whole
+    # step, so the fitted model predicts what the whole-step calibration predicted
+    model, batch, measure = _model_and_measure(_llama)
+    bf16 = Policy(default="bf16")
+
+    def no_optimizer(params):
+        raise AssertionError("compute_only made an optimizer")
+
+    whole = measure(bf16)
+    lean = measure_step_memory(copy.deepcopy(model), batch, bf16, default_loss, no_optimizer,
+                               compute_only=True)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert lean.persistent == params + buffers
+    assert lean.optimizer_peak == 0
+    # AdamW's two moments (and its step counters) were live in the whole step, not here
+    assert whole.persistent >= lean.persistent + 2 * params
+    assert lean.compute_peak <= whole.compute_peak - 2 * params
+    grown_whole = whole.compute_peak - whole.persistent
+    grown_lean = lean.compute_peak - lean.persistent
+    assert abs(grown_lean / grown_whole - 1) <= 0.02, (grown_lean, grown_whole)
+
+    graph = capture(copy.deepcopy(model), batch)
+    layers = [lay for lay in graph.layers if lay.matmuls]
+    old = MemoryModel.calibrate(layers, measure, edges=graph.edges)
+    new = MemoryModel.calibrate(
+        layers, measure, edges=graph.edges,
+        measure_compute=lambda policy: measure_step_memory(
+            copy.deepcopy(model), batch, policy, default_loss, no_optimizer, compute_only=True))
+    for policy in (bf16, MIXED["llama"], Policy(default="fp8")):
+        assert abs(new.predict(policy) / old.predict(policy) - 1) <= 0.01, policy
