@@ -143,6 +143,23 @@ def test_in_place_measures_what_a_copy_measures_and_puts_the_model_back(gpt2_bat
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("mode", ["exact", "auto", "fast"])
+def test_a_layer_left_no_format_is_watched_but_not_measured(gpt2, gpt2_batch, mode):
+    # the profile's only_winnable can leave a layer no format to measure (on a Zen 4, tiny
+    # layers whose bf16 and fp16 times do not beat fp32): it is still captured (its parameters'
+    # gradients still count), reported with nothing, and the other layers' numbers are those
+    # of a run without it
+    layers = ["transformer.h.0.attn.c_attn", "transformer.h.1.mlp.c_fc", "lm_head"]
+    kw = dict(batches=[gpt2_batch], mode=mode)
+    none = {"transformer.h.0.attn.c_attn": [], "lm_head": ["bf16"],
+            "transformer.h.1.mlp.c_fc": ["bf16"]}
+    got = measure_sensitivity(gpt2, layers, ["bf16"], only=none, **kw)
+    assert not got.get("transformer.h.0.attn.c_attn")
+    full = measure_sensitivity(gpt2, layers, ["bf16"], **kw)
+    for name in ("transformer.h.1.mlp.c_fc", "lm_head"):
+        assert got[name][Format.BF16].to_dict() == full[name][Format.BF16].to_dict()
+
+
 def test_in_place_refuses_a_model_with_a_policy_applied(gpt2_batch):
     import autoprec
 

@@ -612,6 +612,7 @@ class _Estimator:
         g_out = [call.grads.get(i, torch.zeros_like(t)) for i, t in enumerate(ref[0])]
         recs = watch.take_probes(call)
         tangents = self._tangents(call, g_out, recs)
+        run = wonly = None  # no format to measure here leaves them unset
         for fmt in watch.fmts:
             policy = Policy(default=Format.FP32,
                             layers={watch.name: fmt, **{c: Format.FP32 for c in watch.pinned}},
