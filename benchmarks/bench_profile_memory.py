@@ -7,7 +7,9 @@ Calibration: 4 batches of 2x64 random token ids (a profile measures the first 2,
 the last 2 out). Each measurement runs in a process of its own, 1 thread, with
 ``MALLOC_MMAP_THRESHOLD_=131072`` so that RSS follows live bytes, and reports the peak RSS
 (``ru_maxrss``) above the RSS after every import: so one figure per process, no interference;
-and the part's wall seconds (one run: a time, not a ratio with a spread).
+and the part's wall seconds (one run: a time, not a ratio with a spread), also divided by
+the seconds of one FP32 forward + backward pass of a calibration batch timed afterwards in the
+same process (what ``predict_scale.py`` turns into a predicted tune time).
 
 - ``step``: the task's model built, then two FP32 AdamW training steps on one calibration
   batch (the first creates the optimizer's state): what training this model costs;
@@ -110,9 +112,27 @@ def child(part: str, size: str) -> None:
         params = None
     else:
         raise SystemExit(f"unknown part {part!r}")
+    seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     print(json.dumps({"part": part, "size": size, "peak": peak, "params": params,
-                      "seconds": time.perf_counter() - start}))
+                      "seconds": seconds, "pass": _pass_seconds(task)}))
+
+
+def _pass_seconds(task) -> float:
+    """The median of three timed FP32 forward + backward passes of one calibration batch (after
+    one untimed), on a model built after the part's peak was read: the unit the part's wall
+    seconds are divided by, measured in the same process, so a burst of load on the machine
+    moves both."""
+    import statistics
+
+    model = task.build_model()
+    times = []
+    for _ in range(4):
+        t = time.perf_counter()
+        task.loss(model, task.batches[0]).backward()
+        times.append(time.perf_counter() - t)
+        model.zero_grad(set_to_none=True)
+    return statistics.median(times[1:])
 
 
 def measure(part: str, size: str) -> dict:
@@ -152,8 +172,11 @@ def main() -> None:
         cells = [f"{got[p]['peak'] / 2**20:.0f} MiB ({got[p]['peak'] / P:.2f} P, "
                  f"{got[p]['peak'] / step:.2f}x)" for p in parts]
         print(f"| {size} | {P / 2**20:.0f} MiB | " + " | ".join(cells) + " |", flush=True)
-        seconds.append(f"{size}: " + ", ".join(f"{p} {got[p]['seconds']:.1f} s" for p in parts))
-    print("\nwall seconds, one run each:\n" + "\n".join(seconds), flush=True)
+        seconds.append(f"{size}: " + ", ".join(
+            f"{p} {got[p]['seconds']:.1f} s = {got[p]['seconds'] / got[p]['pass']:.0f} passes"
+            for p in parts))
+    print("\nwall seconds, one run each, and as FP32 forward + backward passes of one "
+          "calibration batch timed in the same process:\n" + "\n".join(seconds), flush=True)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,17 @@ each measured size lies from it, then the fitted peak at the two models' FP32 pa
 against one H200's 141 GB. The calibration is the bench's (2 batches of 2x64 tokens), so
 activations are as small there as in the fit; a longer calibration adds its activations.
 
+Then the tune's time: the bench divides each part's wall seconds by one FP32 forward + backward
+pass of a calibration batch timed in the same process, so a part's cost is a number of passes.
+It fits ``passes = a * blocks + b`` over the measured sizes and prices one pass of each model on
+an H200 with the cost model (``costmodel.linear_seconds`` in fp32 for every linear at the
+calibration's tokens: the work a pass does that grows with the model). passes x priced pass is
+a floor: the GPU's work alone, none of the host's (Python, hooks, launches beyond the linears').
+The same arithmetic is checked against the one GPU measurement of a profile's time (an H200,
+BENCHMARKS.md), and the floor scaled by that check's measured / predicted is printed beside it:
+a scale fitted on one run of one model. On the CPU the FP8 trials are emulated, slower than an
+FP32 pass, where a GPU runs them faster, so that count is high for a GPU.
+
 What it cannot say: anything about sharding (every figure is one process holding the whole
 model: issue 38's item 4, FSDP2 across ranks, is not built), or GPU memory (the bench reads
 host RSS; on the H200 a 3.2B Llama's fast profile was 1.04x its step, see BENCHMARKS.md).
@@ -26,6 +37,99 @@ import sys
 MODELS = {"Llama-3-8B": 8.03e9 * 4, "Llama-3-70B": 70.6e9 * 4}
 H200 = 141e9
 _CELL = re.compile(r"([\d.]+) MiB")
+# the bench's calibration batch: 2 sequences of 64 tokens
+TOKENS = 2 * 64
+_PASSES = re.compile(r"([\w-]+) ([\d.]+) s = (\d+) passes")
+
+
+def shapes() -> dict[str, tuple[int, int, int]]:
+    """Per model: blocks, and the (in, out) features of each linear (blocks' and output's)."""
+    from autoprec.costmodel import LLAMA3_8B, TrainingSetup
+
+    # Llama-3-70B's config.json: 80 layers, hidden 8192, SwiGLU 28672, 64 heads, 8 KV heads
+    big = TrainingSetup(name="Llama-3-70B", layers=80, hidden=8192, intermediate=28672,
+                        heads=64, kv_heads=8, vocab=128256, seq_len=TOKENS)
+    return {"Llama-3-8B": LLAMA3_8B, "Llama-3-70B": big}
+
+
+def pass_seconds(setup, target: str = "h200") -> float:
+    """The cost model's seconds of one FP32 forward + backward of a calibration batch's
+    linears (every block's and the output layer)."""
+    from autoprec.costmodel import linear_seconds
+
+    block = sum(linear_seconds(TOKENS, k, n, "fp32", target) for k, n in setup.linears().values())
+    return setup.layers * block + linear_seconds(TOKENS, setup.hidden, setup.vocab, "fp32", target)
+
+
+def read_passes(lines: list[str]) -> dict[str, list[tuple[int, int]]]:
+    """The bench's "wall seconds" lines: per part, the (blocks, passes) of each size."""
+    rows: dict[str, list[tuple[int, int]]] = {}
+    for line in lines:
+        m = re.match(r"(\d+)x(\d+): ", line)
+        if m:
+            for part, _, passes in _PASSES.findall(line):
+                rows.setdefault(part, []).append((int(m.group(2)), int(passes)))
+    return rows
+
+
+# The one GPU measurement of a profile's time (BENCHMARKS.md, "One NVIDIA H200", section 6:
+# gpu_check.py on a Llama 4096 x 16, vocabulary 32,000, batches of 2 x 64 tokens): seconds
+CHECK = {"fast": 18.0, "exact": 104.0}
+
+
+def _passes_fit(points: list[tuple[int, int]]) -> tuple[float, float]:
+    """``passes = a * blocks + b``, with ``a`` held at 0 or above: more blocks never mean less
+    work, so a falling fit is the machine's noise (then the mean is used)."""
+    if len({b for b, _ in points}) > 1:
+        a, b = fit(points)
+        if a >= 0:
+            return a, b
+    return 0.0, sum(p for _, p in points) / len(points)
+
+
+def predict_time(lines: list[str]) -> None:
+    from autoprec.costmodel import TrainingSetup
+
+    rows = {k: v for k, v in read_passes(lines).items() if k != "step"}
+    if not rows:
+        print("\n(no passes in the log: rerun bench_profile_memory.py for the time prediction)")
+        return
+    fits = {part: _passes_fit(points) for part, points in rows.items()}
+    # the check: the same arithmetic for the GPU run's model, against its measured seconds
+    checked = TrainingSetup(name="Llama 4096x16", layers=16, hidden=4096,
+                            intermediate=4096 * 43 // 16, heads=8, kv_heads=4, vocab=32000,
+                            seq_len=TOKENS)
+    ratios = []
+    print("\nCHECK of the time arithmetic against the one GPU measurement (H200, Llama 4096x16):")
+    for part, seconds in CHECK.items():
+        if part in fits:
+            a, b = fits[part]
+            predicted = (a * checked.layers + b) * pass_seconds(checked)
+            ratios.append(seconds / predicted)
+            print(f"  {part}: predicted {predicted:.1f} s, measured {seconds:.0f} s: "
+                  f"measured / predicted {ratios[-1]:.2f}")
+    scale = sum(ratios) / len(ratios) if ratios else None
+    models = shapes()
+    per_pass = {name: pass_seconds(setup) for name, setup in models.items()}
+    print("\nPREDICTION of the time, one H200 doing all the work: FP32 passes of a calibration "
+          "batch (fitted linear in the blocks) x one pass priced by the cost model ("
+          + ", ".join(f"{n} {t * 1e3:.0f} ms" for n, t in per_pass.items()) + "); "
+          "the floor counts the GPU work alone"
+          + (f", 'checked' scales it by the check's measured / predicted {scale:.2f}"
+             if scale else "") + ":")
+    print("| part | measured (blocks: passes) | fit | "
+          + " | ".join(f"{m} floor | {m} checked" for m in models) + " |")
+    print("|---|---|---|" + "---|---|" * len(models))
+    for part, points in rows.items():
+        a, b = fits[part]
+        cells = []
+        for name, setup in models.items():
+            floor = (a * setup.layers + b) * per_pass[name]
+            cells += [f"{floor / 60:.1f} min",
+                      f"{floor * scale / 60:.1f} min" if scale else "-"]
+        measured = ", ".join(f"{b}: {p}" for b, p in points)
+        print(f"| {part} | {measured} | {a:.1f} x blocks + {b:.0f} | " + " | ".join(cells)
+              + " |")
 
 
 def read_table(lines: list[str]) -> tuple[list[str], dict[str, list[tuple[float, float]]]]:
@@ -46,7 +150,7 @@ def read_table(lines: list[str]) -> tuple[list[str], dict[str, list[tuple[float,
 
 
 def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least squares ``peak = a * P + b``."""
+    """Least squares ``y = a * x + b`` (a peak against P, or passes against blocks)."""
     n = len(points)
     mx = sum(x for x, _ in points) / n
     my = sum(y for _, y in points) / n
@@ -60,7 +164,8 @@ def main() -> None:
     ap.add_argument("log", help="bench_profile_memory.py's output")
     args = ap.parse_args()
     with open(args.log) as f:
-        parts, rows = read_table(f.readlines())
+        lines = f.readlines()
+    parts, rows = read_table(lines)
     if len(rows[parts[0]]) < 2:
         raise SystemExit("the fit needs at least two sizes in the table")
     print("PREDICTION (extrapolated from the measured sizes; one process, whole model):")
@@ -75,6 +180,7 @@ def main() -> None:
             cells.append(f"{peak / 1e9:.0f} GB ({peak / H200:.2f} H200)")
         print(f"| {p} | {a:.2f} P + {b / 2**20:.0f} MiB | {worst:.1%} | " + " | ".join(cells)
               + " |")
+    predict_time(lines)
 
 
 if __name__ == "__main__":
