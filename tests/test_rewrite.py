@@ -5,6 +5,7 @@ and training matches plain torch.autocast."""
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
 
 import pytest
@@ -383,6 +384,7 @@ def test_apply_through_data_parallel_wrappers(wrap, cnn_model, cnn_batch, tmp_pa
     policy = _wrapper_policy(cnn_model, layers)
     reference = autoprec.apply(copy.deepcopy(cnn_model), policy)(**cnn_batch).logits
     dist = _gloo_world_of_one(tmp_path) if wrap == "DistributedDataParallel" else None
+    wrapped = None
     try:
         wrapped = getattr(nn.parallel, wrap)(cnn_model)
         autoprec.apply(wrapped, policy, guard=True)
@@ -404,7 +406,14 @@ def test_apply_through_data_parallel_wrappers(wrap, cnn_model, cnn_batch, tmp_pa
         assert autoprec.applied_formats(wrapped) == {} and autoprec.get_guard(cnn_model) is None
         assert not any("forward" in m.__dict__ for m in cnn_model.modules())
     finally:
+        # as test_ddp's _quiesce: DDP's reducer freed while the group lives, then a barrier
+        # (it waits without the GIL, so gloo's worker threads finish freeing the broadcast's
+        # tensors). Without them one CI run hung here for good: ~ProcessGroupGloo, run with
+        # the GIL held when the reducer was freed, joined a gloo thread waiting for the GIL.
+        del wrapped
+        gc.collect()
         if dist is not None:
+            dist.barrier()
             dist.destroy_process_group()
 
 
