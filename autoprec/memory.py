@@ -165,7 +165,6 @@ def measure_step_memory(model: nn.Module, batch: Any, policy: Policy,
     from autoprec.formats import slow_16bit_dtypes
     from autoprec.runtime import rewrite
     from autoprec.runtime.fp8 import emulating
-    from autoprec.task import optimizer_step
 
     optimizer = None if compute_only else make_optimizer(model.parameters())
     for group in optimizer.param_groups if optimizer is not None else ():
@@ -180,11 +179,8 @@ def measure_step_memory(model: nn.Module, batch: Any, policy: Policy,
     try:
         with emulating(slow):
             # the first step creates the optimizer's state, which every later step keeps
-            if optimizer is None:
-                _backward(loss_fn(model, batch), scaler)
-                model.zero_grad(set_to_none=True)
-            else:
-                optimizer_step(loss_fn(model, batch), optimizer, scaler)
+            _backward(loss_fn(model, batch), scaler)
+            _opt_step(model, optimizer, scaler)
             if device.type == "cuda":
                 return _cuda_step(model, batch, loss_fn, optimizer, scaler, device)
             return _traced_step(model, batch, loss_fn, optimizer, scaler)
@@ -196,7 +192,12 @@ def _backward(loss: torch.Tensor, scaler) -> None:
     (scaler.scale(loss) if scaler is not None else loss).backward()
 
 
-def _opt_step(optimizer: torch.optim.Optimizer, scaler) -> None:
+def _opt_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, scaler) -> None:
+    """The optimizer's step and ``zero_grad``; without an optimizer (``compute_only``), the
+    gradients set to None alone."""
+    if optimizer is None:
+        model.zero_grad(set_to_none=True)
+        return
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
@@ -213,10 +214,10 @@ def _cuda_step(model, batch, loss_fn, optimizer, scaler, device) -> StepMemory:
     torch.cuda.synchronize(device)
     compute = torch.cuda.max_memory_allocated(device)
     if optimizer is None:
-        model.zero_grad(set_to_none=True)
+        _opt_step(model, optimizer, scaler)
         return StepMemory(persistent, compute, 0)
     torch.cuda.reset_peak_memory_stats(device)
-    _opt_step(optimizer, scaler)
+    _opt_step(model, optimizer, scaler)
     torch.cuda.synchronize(device)
     return StepMemory(persistent, compute, torch.cuda.max_memory_allocated(device))
 
@@ -245,10 +246,7 @@ def _traced_step(model, batch, loss_fn, optimizer, scaler) -> StepMemory:
     with _quiet_kineto(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         _backward(loss_fn(model, batch), scaler)
         with record_function(_MARK):
-            if optimizer is None:
-                model.zero_grad(set_to_none=True)
-            else:
-                _opt_step(optimizer, scaler)
+            _opt_step(model, optimizer, scaler)
     events = prof.profiler.kineto_results.events()
     split = min(e.start_ns() for e in events if e.name() == _MARK)
     # frees of blocks allocated before the trace carry no size and are not in it; a step

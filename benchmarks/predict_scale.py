@@ -42,8 +42,9 @@ TOKENS = 2 * 64
 _PASSES = re.compile(r"([\w-]+) ([\d.]+) s = (\d+) passes")
 
 
-def shapes() -> dict[str, tuple[int, int, int]]:
-    """Per model: blocks, and the (in, out) features of each linear (blocks' and output's)."""
+def shapes() -> dict:
+    """The two models' shapes (blocks, widths, vocabulary) as the cost model's
+    ``TrainingSetup``; :func:`pass_seconds` prices them at the calibration's tokens."""
     from autoprec.costmodel import LLAMA3_8B, TrainingSetup
 
     # Llama-3-70B's config.json: 80 layers, hidden 8192, SwiGLU 28672, 64 heads, 8 KV heads
