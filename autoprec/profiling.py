@@ -42,6 +42,7 @@ from autoprec.formats import (
     expand_formats,
     supported_formats,
 )
+from autoprec.measure import shards
 from autoprec.measure.capture import Layer, LayerGraph, capture
 from autoprec.measure.config import SensitivityOptions, TimingOptions, with_keywords
 from autoprec.measure.sensitivity import (
@@ -458,9 +459,9 @@ def profile(task, formats: Sequence[Format | str] = ("fp32", "bf16", "fp16", "fp
     fqns. The settings are the fields of ``options`` (a :class:`ProfileOptions`) or keywords
     of their own, which override them: ``n_batches``, ``progress``, ``repeats`` and
     ``time_budget_s`` (also spelled ``budget_s``: timing rounds per layer and seconds per
-    layer x format), ``only_winnable``, ``sensitivity``: "auto" (default: first-order estimates, the doubtful and
-    those near the error budget ``budget`` measured exactly), "fast" (estimates only) or
-    "exact" (every pair measured); see
+    layer x format), ``only_winnable``, ``sensitivity``: "auto" (default: first-order
+    estimates, the doubtful and those near the error budget ``budget`` measured exactly),
+    "fast" (estimates only) or "exact" (every pair measured); see
     :func:`autoprec.measure.sensitivity.measure_sensitivity`. Every requested format's
     numerics are measured on every layer it runs (an FP8 recipe whose kernel does not take a
     layer's matmuls is skipped there, and the profile says why); ``only_winnable=True`` skips,
@@ -470,6 +471,11 @@ def profile(task, formats: Sequence[Format | str] = ("fp32", "bf16", "fp16", "fp
     ``share``: runs the profile's units of layers, possibly split with other workers (see
     :mod:`autoprec.tuning.share`); ``share(units, work)`` returns each unit's rows and who did
     it. Without it this process does every layer in one unit.
+
+    ``model=`` a model FSDP2 shards (``fully_shard``, every rank of a ``torchrun`` calling
+    ``profile`` alike, on the same batches): each forward and backward is an FSDP2 pass, and
+    each rank re-runs its share of the layers in the first-order estimate; every rank gets
+    the whole profile, the numbers one process computes. Layers are priced (``target=``).
     """
     opts = ProfileOptions.of(options, keywords)
     source = CostSource.of(target)  # an unknown target fails here, before any measurement
@@ -481,6 +487,8 @@ def profile(task, formats: Sequence[Format | str] = ("fp32", "bf16", "fp16", "fp
     fmts = expand_formats(formats, where="in profile(formats=...)")
     if Format.FP32 not in fmts:
         fmts = (Format.FP32, *fmts)
+    if opts.model is not None and shards.is_sharded(opts.model):
+        _check_sharded(source, share)
     ctx = _Context.build(task, fmts, source, batches, layers, opts)
     work = functools.partial(_profile_unit, ctx, opts)
     fqns = [L.fqn for L in ctx.chosen]
@@ -498,6 +506,19 @@ def profile(task, formats: Sequence[Format | str] = ("fp32", "bf16", "fp16", "fp
                    fixed={L.fqn: L.kind for L in ctx.graph.layers if L.fqn not in set(fqns)},
                    elapsed=time.perf_counter() - t_start, sensitivity_mode=opts.sensitivity,
                    units=units)
+
+
+def _check_sharded(source: CostSource, share: Any) -> None:
+    """What a profile of a model FSDP2 shards cannot do: time its layers one by one (each
+    would need its unit gathered on one rank alone) or split them among other processes
+    (its ranks measure together, each layer's numerics on one of them)."""
+    if source.measured:
+        raise ValueError("profile() of a model FSDP2 shards prices its layers for a GPU "
+                         "instead of timing them one by one: pass target= (e.g. 'h100').")
+    if share is not None:
+        raise ValueError("profile(share=...) splits the layers among processes that each hold "
+                         "the model, but FSDP2 shards this one: its ranks measure together "
+                         "and divide the layers already; leave share out.")
 
 
 # A UnitRunner: (units of layer fqns, work on one unit -> its rows) -> (all rows, who did what)

@@ -52,22 +52,27 @@ def _rss() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
+def _config(hidden: int, layers: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=hidden,
+                       intermediate_size=hidden * 43 // 16, num_hidden_layers=layers,
+                       num_attention_heads=8, num_key_value_heads=4,
+                       max_position_embeddings=64, tie_word_embeddings=False,
+                       attn_implementation="eager", use_cache=False)
+
+
 def _task(hidden: int, layers: int, device: str = "cpu"):
     """The Llama every figure measures; built directly on ``device`` (a 3B model initialised
     on a GPU takes a second, on its host's CPU a minute)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     import autoprec
 
     def build():
-        config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden,
-                             intermediate_size=hidden * 43 // 16, num_hidden_layers=layers,
-                             num_attention_heads=8, num_key_value_heads=4,
-                             max_position_embeddings=64, tie_word_embeddings=False,
-                             attn_implementation="eager", use_cache=False)
         with torch.device(device):
-            return LlamaForCausalLM(config)
+            return LlamaForCausalLM(_config(hidden, layers))
 
     gen = torch.Generator().manual_seed(1)
     batches = []
@@ -89,6 +94,10 @@ def child(part: str, size: str) -> None:
     torch.set_num_threads(1)
     hidden, layers = (int(x) for x in size.split("x"))
     task = _task(hidden, layers)
+    if part.endswith("@2"):
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
     base = _rss()
     start = time.perf_counter()
     if part == "step":
@@ -104,6 +113,12 @@ def child(part: str, size: str) -> None:
                                 sensitivity=part, n_batches=2, progress=False)
         assert prof.layers
         params = None
+    elif part in ("fast@2", "exact@2"):
+        prof = autoprec.profile(task, ("fp32", "bf16", "fp8"), target="h100",
+                                sensitivity=part[:-2], n_batches=2, progress=False,
+                                model=_sharded(hidden, layers))
+        assert prof.layers
+        params = None
     elif part in ("tune", "tune-lean"):
         with tempfile.TemporaryDirectory() as tmp:
             tune(task, target="h100", sensitivity="fast", n_trials=4, progress=False,
@@ -116,6 +131,32 @@ def child(part: str, size: str) -> None:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     print(json.dumps({"part": part, "size": size, "peak": peak, "params": params,
                       "seconds": seconds, "pass": _pass_seconds(task)}))
+
+
+def _sharded(hidden: int, layers: int):
+    """The Llama built on the meta device, sharded by FSDP2 over
+    the ranks torchrun started, and only then given memory (its own shard on each rank) and
+    initialised: no rank ever holds the whole model."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(_config(hidden, layers))
+    # torchtitan's units: the embedding, each block, the head, then the root (the norm)
+    fully_shard(model.model.embed_tokens)
+    for block in model.model.layers:
+        fully_shard(block)
+    fully_shard(model.lm_head)
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    torch.manual_seed(dist.get_rank())
+    model.init_weights()  # HF's init, shard by shard
+    # the rotary frequencies: a buffer computed at construction, so meta until built again
+    model.model.rotary_emb = LlamaRotaryEmbedding(model.config)
+    return model.train()
 
 
 def _pass_seconds(task) -> float:
@@ -140,19 +181,29 @@ def measure(part: str, size: str) -> dict:
                HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
                PYTHONPATH=os.pathsep.join([os.path.dirname(HERE),
                                            os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, __file__, "--child", part, size], env=env,
+    ranks = ["-m", "torch.distributed.run", "--nproc-per-node", part.split("@")[1],
+             "--master-port", str(_free_port())] if "@" in part else []
+    out = subprocess.run([sys.executable, *ranks, __file__, "--child", part, size], env=env,
                          capture_output=True, text=True, check=False)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
-    if out.returncode != 0 or not lines:
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode != 0 or len(lines) != (int(part.split("@")[1]) if ranks else 1):
         raise SystemExit(f"{part} {size} failed:\n{out.stderr[-3000:]}")
-    return json.loads(lines[-1])
+    return max(lines, key=lambda r: r["peak"])  # the rank with the highest peak
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", nargs="+", default=["512x4", "512x8", "1024x4"])
     ap.add_argument("--parts", nargs="+", default=["step", "fast", "exact", "tune"],
-                    choices=["step", "fast", "exact", "tune", "tune-lean"])
+                    choices=["step", "fast", "exact", "tune", "tune-lean", "fast@2", "exact@2"])
     ap.add_argument("--child", nargs=2, metavar=("PART", "SIZE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

@@ -34,7 +34,6 @@ Each op is attributed to the innermost module that ran it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import logging
 import math
@@ -55,6 +54,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from autoprec._util import split_batch, tensors
 from autoprec.graph import METHODS, Layer, LayerGraph
+from autoprec.measure import shards
 from autoprec.runtime import calls
 from autoprec.runtime.attribution import CallAttribution
 from autoprec.runtime.calls import KINDS, Product, class_kind, layer_kind
@@ -769,7 +769,8 @@ def capture(model: nn.Module, example_batch: Any, *, method: str = "auto") -> La
 
     ``example_batch`` is what the model takes: a dict (``model(**batch)``), a tuple or list
     (``model(*batch)``) or a tensor (``model(batch)``). ``method`` is ``"auto"`` (try
-    ``"export"``, then ``"symbolic_trace"``, then ``"hooks"``) or one of them to force it. The
+    ``"export"``, then ``"symbolic_trace"``, then ``"hooks"``; only ``"hooks"`` for a
+    model FSDP2 shards) or one of them to force it. The
     model runs in eval mode and is left as it was (training flags restored, no hooks left).
     """
     if not isinstance(model, nn.Module):
@@ -781,6 +782,10 @@ def capture(model: nn.Module, example_batch: Any, *, method: str = "auto") -> La
     args, kwargs = split_batch(example_batch)
     modules = _Modules(model)
     tried = METHODS if method == "auto" else (method,)
+    if method == "auto" and shards.is_sharded(model):
+        # FSDP2 all-gathers in its hooks: only a real forward runs them (a failed export
+        # leaves its units half set up)
+        tried = ("hooks",)
     failures: list[tuple[str, BaseException]] = []
     with _eval_mode(model):
         for name in tried:

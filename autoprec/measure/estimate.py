@@ -102,6 +102,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autoprec._util import floating
 from autoprec.formats import Format, Gemm
+from autoprec.measure import shards
 from autoprec.measure.numerics import Numerics, all_finite, writable
 from autoprec.policy import Budget, LossScaling, Policy
 from autoprec.runtime import calls, rewrite
@@ -251,8 +252,8 @@ class _Uses(TorchFunctionMode):
         for a in (*args, *kwargs.values()):
             for t in (a if isinstance(a, (list, tuple)) else (a,)):
                 i = est.index.get(id(t)) if isinstance(t, torch.Tensor) else None
-                if i is not None and i in est.owners and \
-                        not any(w.active for w in est.owners[i]):
+                if i is not None and i in est.all_owners and \
+                        not any(w.active for w in est.all_owners[i]):
                     est.outside.add(i)
         return func(*args, **kwargs)
 
@@ -330,13 +331,17 @@ def _grad_inputs(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 
 class _Watch:
-    """Hooks on one listed layer: records its calls' inputs and reacts to its output grads."""
+    """Hooks on one listed layer: records its calls' inputs and reacts to its output grads.
+    A layer another rank estimates (not ``mine``) records nothing: its hooks only see that
+    every rank's probe passes run the same backward (FSDP2's collectives) and note its calls
+    for :class:`_Uses`."""
 
     def __init__(self, est: _Estimator, name: str, module: nn.Module, pinned: list[str],
-                 fmts: list[Format], own: set[int]):
+                 fmts: list[Format], own: set[int], mine: bool = True):
         self.est, self.name, self.module, self.fmts = est, name, module, fmts
+        self.mine = mine
         self.pinned = pinned
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.params = [est.numerics.leaf(p) for p in module.parameters() if p.requires_grad]
         self.own = [i for i, p in enumerate(self.params) if id(p) in own]
         self.calls: list[_Call] = []
         # (batch, probe) -> that probe pass's calls, in order
@@ -352,9 +357,11 @@ class _Watch:
         est = self.est
         if est.probing is not None:
             self.active += 1
+            if not self.mine:
+                return
             xs = [t.detach().clone() for t in _grad_inputs(args, kwargs)]
             self.probed.setdefault((est.batch, est.probing), []).append(_ProbeCall(xs))
-        elif est.capturing:
+        elif est.capturing and self.mine:
             index = sum(1 for c in self.calls if c.batch == est.batch)
             self.calls.append(_Call(est.batch, index, args, kwargs))
 
@@ -362,6 +369,9 @@ class _Watch:
         est = self.est
         if est.probing is not None:
             self.active = max(0, self.active - 1)
+            if not self.mine:  # the backward goes as far as on the rank that estimates it
+                est.reached.extend(t for t in floating(output) if t.requires_grad)
+                return
             pending = self.probed.get((est.batch, est.probing), [])
             call = next((c for c in reversed(pending) if c is not None and not c.exited), None)
             if call is not None:
@@ -426,7 +436,9 @@ class _Estimator:
         self.watches: dict[str, _Watch] = {}
         params = numerics.params
         self.index = {id(p): i for i, p in enumerate(params)}
-        rms = math.sqrt(math.fsum(_sq(p) for p in params) / max(1, sum(p.numel() for p in params)))
+        stored = numerics.shards  # where the values are (each rank's part under FSDP2)
+        total = math.fsum(shards.summed(_sq(shards.local(p)), p) for p in stored)
+        rms = math.sqrt(total / max(1, sum(p.numel() for p in stored)))
         self.step = PROBE_STEP * (rms or 1.0)
         # per probe of the batch running, the generator state each parameter's direction was
         # drawn from (a few KB each): its moved value is drawn again where a layer needs it
@@ -436,6 +448,8 @@ class _Estimator:
         # of its gradient between the probe point and here, and the reference gradient, each
         # summed over its calls in the layers that hold it (recomputed there, locally)
         self.owners: dict[int, list[_Watch]] = {}
+        # the same over every rank's layers (their calls decide what counts as outside)
+        self.all_owners: dict[int, list[_Watch]] = {}
         self.delta: dict[int, list[torch.Tensor | None]] = {}
         self.local_ref: dict[int, torch.Tensor] = {}
         self.doubtful: set[int] = set()  # parameters whose local gradients missed some use
@@ -458,15 +472,15 @@ class _Estimator:
         moved along each probe's direction, then put back bit for bit. A pass records each
         watched call's inputs and output gradients; no parameter gradient is kept: each
         layer recomputes its own where the reference reaches it (:meth:`_probe_grads`)."""
-        params = self.numerics.params
-        keep = [p.detach().clone() for p in params]
+        stored = [shards.local(p) for p in self.numerics.shards]
+        keep = [p.detach().clone() for p in stored]
         self.z_states, self.delta, self.local_ref, self.plus = [], {}, {}, []
         try:
             for k in range(self.n_probes):
                 self.z_states.append(self._probe_pass(b, k, keep))
         finally:
             with torch.no_grad():
-                for p, w in zip(params, keep):
+                for p, w in zip(stored, keep):
                     p.copy_(w)
 
     def _probe_pass(self, b: int, k: int, keep: list[torch.Tensor]) -> list:
@@ -475,10 +489,11 @@ class _Estimator:
         seed = (numerics.seed * 1_000_003 + b * 1_009 + k) % 2**63
         states = []
         with torch.no_grad():
-            for p, w in zip(params, keep):
+            for p, w in zip(numerics.shards, keep):  # each drawn whole, its shard moved
                 gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
                 states.append(gen.get_state())
-                p.copy_(w + self.step * _direction(p, gen))
+                z = shards.local(shards.like(_direction(p, gen), p))
+                shards.local(p).copy_(w + self.step * z)
         self.probing, self.batch, self.reached = k, b, []
         self.plus.append({})
         try:
@@ -497,8 +512,9 @@ class _Estimator:
         self.probes_finite = self.probes_finite and math.isfinite(float(loss.detach())) \
             and all_finite([g for g in grads if g is not None])
         own = writable([torch.zeros_like(params[i]) if g is None else g.to(torch.float32)
-                        for i, g in zip(whole, grads[len(grads) - len(whole):])])
-        self.plus[k] = dict(zip(whole, own))
+                        for i, g in zip(whole, grads[len(grads) - len(whole):])
+                        if i in self.users])
+        self.plus[k] = dict(zip([i for i in whole if i in self.users], own))
         return states
 
     def _moved(self, p: torch.Tensor, k: int) -> torch.Tensor:
@@ -515,14 +531,18 @@ class _Estimator:
         """Which watched layers hold each parameter (only those can round it), and which of
         them recompute its gradient: the innermost (a layer inside another that holds it
         computes part of the outer's; layers side by side, a tied weight, add up)."""
+        every: dict[int, list[_Watch]] = {}
         for watch in self.watches.values():
             for p in watch.params:
                 if id(p) in self.index:
-                    self.users.setdefault(self.index[id(p)], []).append(watch)
-        for i, users in self.users.items():
-            self.owners[i] = [w for w in users
-                              if not any(o is not w and _inside(o.module, w.module)
-                                         for o in users)]
+                    every.setdefault(self.index[id(p)], []).append(watch)
+        for i, users in every.items():
+            self.all_owners[i] = [w for w in users
+                                  if not any(o is not w and _inside(o.module, w.module)
+                                             for o in users)]
+            if any(w.mine for w in users):
+                self.users[i] = [w for w in users if w.mine]
+                self.owners[i] = [w for w in self.all_owners[i] if w.mine]
 
     def _param_grad(self, i: int, g: torch.Tensor) -> None:
         """A reference parameter gradient (all its uses summed): the probes' finite
@@ -566,6 +586,9 @@ class _Estimator:
 
     def _fold(self, i: int, t2: torch.Tensor) -> None:
         p = self.numerics.params[i]
+        if p.untyped_storage().size() == 0:  # FSDP2 sharded its unit again: not weighed here
+            self.doubtful.add(i)
+            return
         for watch in self.users[i]:
             for fmt in watch.fmts:
                 r = watch.roundings.get(fmt, {}).get(i)
@@ -831,10 +854,16 @@ def estimate_during_reference(numerics: Numerics, names: Sequence[str],
                          f"probes={probes!r}.")
     model = numerics.model
     est = _Estimator(numerics, loss_scale, progress, probes)
+    rank, n_ranks = shards.ranks(model)
+    mine = set(names)
+    if n_ranks > 1:  # under FSDP2 every rank runs the passes; each re-runs its share of layers
+        cost = {x: (sum(p.numel() for p in model.get_submodule(x).parameters()) + 1)
+                * len(formats[x]) for x in names}
+        mine = set(shards.divide(_sharing(model, names), cost, n_ranks)[rank])
     for name in names:
         ids = {id(numerics.params[i]) for i in own[name]}
         est.watches[name] = _Watch(est, name, model.get_submodule(name), list(pinned[name]),
-                                   list(formats[name]), ids)
+                                   list(formats[name]), ids, mine=name in mine)
     est.index_users()
     handles = est.param_hooks()
 
@@ -855,7 +884,7 @@ def estimate_during_reference(numerics: Numerics, names: Sequence[str],
                 if not call.done and call.args is not None:
                     est.process(watch, call)
         est.finish_weights()
-        return {n: w.results for n, w in est.watches.items()}
+        return shards.gathered({n: w.results for n, w in est.watches.items() if w.mine}, model)
 
     try:
         yield around, results
@@ -864,6 +893,27 @@ def estimate_during_reference(numerics: Numerics, names: Sequence[str],
             watch.close()
         for h in handles:
             h.remove()
+
+
+def _sharing(model: nn.Module, names: Sequence[str]) -> list[list[str]]:
+    """``names`` in groups whose layers share no parameter with another group's (a layer
+    inside another, a tied weight), each in the given order: a group is estimated by one
+    rank, as one process would."""
+    parent = list(range(len(names)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = i = parent[parent[i]]
+        return i
+
+    holder: dict[int, int] = {}  # parameter -> the first layer holding it
+    for i, name in enumerate(names):
+        for p in model.get_submodule(name).parameters():
+            parent[root(i)] = root(holder.setdefault(id(p), i))
+    groups: dict[int, list[str]] = {}
+    for i, name in enumerate(names):
+        groups.setdefault(root(i), []).append(name)
+    return list(groups.values())
 
 
 def needs_exact(loss_rel_change: float, grad_rel_error: float, finite: bool,

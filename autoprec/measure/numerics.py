@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from autoprec.formats import Format, slow_16bit_dtypes
+from autoprec.measure import shards
 from autoprec.policy import Policy
 from autoprec.runtime import rewrite
 from autoprec.runtime.fp8 import emulating
@@ -188,7 +189,10 @@ class Numerics:
                 raise ValueError(f"Parameter `{name}` is {p.dtype}, but candidates are compared "
                                  "with an FP32 reference with FP32 master weights (as autoprec "
                                  "trains); build the model in FP32 (model.float()).")
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        # FSDP2: the shards hold the values; autograd sees the unsharded parameters
+        self._leaf = shards.unsharded(model) if shards.is_sharded(model) else {}
+        self.shards = [p for p in model.parameters() if p.requires_grad]
+        self.params = [self._leaf.get(id(p), p) for p in self.shards]
         if not self.params:
             raise ValueError(f"{type(model).__name__} has no parameter with requires_grad=True, "
                              "so there are no gradients to compare; unfreeze the parameters.")
@@ -204,7 +208,12 @@ class Numerics:
     def index_of(self, params) -> list[int]:
         """Positions of ``params`` among the compared parameters (for Deviation.grad_error_of)."""
         index = {id(p): i for i, p in enumerate(self.params)}
-        return [index[id(p)] for p in params if id(p) in index]
+        leaves = (self._leaf.get(id(p), p) for p in params)
+        return [index[id(p)] for p in leaves if id(p) in index]
+
+    def leaf(self, p: torch.Tensor) -> torch.Tensor:
+        """The tensor autograd sees for parameter ``p`` (its unsharded one under FSDP2)."""
+        return self._leaf.get(id(p), p)
 
     # ---------------------------------------------------------------- the reference
     def reference(self, *, around: Callable[[int], Any] | None = None) -> Reference:

@@ -1,0 +1,107 @@
+"""A model sharded with FSDP2 (``fully_shard``), as the measurement sees it.
+
+At rest each parameter is a shard (a ``DTensor``); while its unit computes, FSDP2 puts an
+unsharded ``nn.Parameter`` in its place, the same object every time (its storage is freed and
+all-gathered again). Autograd sees that one, so the measurement hooks and differentiates the
+unsharded parameters and changes values in the shards. One unit is unsharded at a time here,
+as in a training step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+__all__ = ["is_sharded", "unsharded", "local", "summed", "like", "ranks", "divide", "gathered"]
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to ``model`` or a module inside it."""
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def unsharded(model: nn.Module) -> dict[int, nn.Parameter]:
+    """``id(shard) -> the unsharded parameter`` FSDP2 computes with, for every parameter of
+    ``model`` that ``fully_shard`` manages. Each unit is all-gathered once, alone, and left
+    sharded; a unit that all-gathers in another dtype (``MixedPrecisionPolicy(param_dtype=...)``)
+    is refused: the reference is FP32."""
+    out: dict[int, nn.Parameter] = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        m.reshard()  # the root stays unsharded after a forward: its shards first
+        before = dict(m.named_parameters())
+        m.unshard()
+        try:
+            for n, p in m.named_parameters():
+                q = before.get(n)
+                if q is None or p is q:
+                    continue
+                if p.dtype != q.dtype:
+                    where = f"{name}.{n}" if name else n
+                    raise ValueError(
+                        f"FSDP2 all-gathers `{where}` in {p.dtype}, but candidates are compared "
+                        f"with an FP32 reference; shard the model for measurement without a "
+                        f"MixedPrecisionPolicy (or with param_dtype=torch.float32).")
+                out[id(q)] = p
+        finally:
+            m.reshard()
+    return out
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t`` (``t`` itself unless it is a ``DTensor``)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def summed(value: float, over: torch.Tensor) -> float:
+    """``value``, a sum over this rank's part of ``over``, summed over the ranks holding the
+    rest of it (``value`` itself unless ``over`` is a ``DTensor``)."""
+    if not isinstance(over, DTensor) or over.device_mesh.size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=local(over).device)
+    dist.all_reduce(t, group=over.device_mesh.get_group())
+    return float(t)
+
+
+def like(full: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+    """``full``, a tensor of ``shard``'s whole shape (the same on every rank), placed as
+    ``shard`` is: this rank's part of it, sliced locally (``full`` itself for a plain tensor)."""
+    if not isinstance(shard, DTensor):
+        return full
+    return distribute_tensor(full, shard.device_mesh, shard.placements, src_data_rank=None)
+
+
+def ranks(model: nn.Module) -> tuple[int, int]:
+    """``(rank, ranks)`` of the processes measuring ``model`` together: every rank of the
+    default process group when FSDP2 shards ``model`` (each forward and backward is then a
+    collective all of them run); ``(0, 1)`` otherwise."""
+    if not (dist.is_available() and dist.is_initialized()) or not is_sharded(model):
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def divide(groups: Sequence[Sequence[str]], costs: Mapping[str, float], n: int) -> list[list[str]]:
+    """``groups`` of names dealt to ``n`` ranks, each group whole, the costliest first to the
+    rank with the least so far (ties to the lowest rank): the same on every rank."""
+    load, out = [0.0] * n, [[] for _ in range(n)]
+    order = sorted(range(len(groups)), key=lambda g: (-sum(costs[x] for x in groups[g]), g))
+    for g in order:
+        r = min(range(n), key=lambda r: (load[r], r))
+        out[r].extend(groups[g])
+        load[r] += sum(costs[x] for x in groups[g])
+    return out
+
+
+def gathered(mine: dict, model: nn.Module) -> dict:
+    """The union of every rank's ``mine`` (disjoint keys), on every rank."""
+    if ranks(model)[1] == 1:
+        return mine
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return {k: v for part in parts for k, v in part.items()}

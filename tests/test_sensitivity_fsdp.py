@@ -1,0 +1,146 @@
+"""The sensitivity measurement on a model FSDP2 shards (issue 38, item 4): two gloo ranks
+shard HF Llama and GPT-2 (tied embedding) with ``fully_shard`` (each block and the root),
+every forward and backward an FSDP2 pass on the same calibration batch, and each rank
+re-runs only its share of the layers in the first-order estimate. Every number must be the
+one a single process computes on the unsharded model, bit for bit: the same passes, the
+parameters moved by the probes shard by shard, the same local re-runs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import byte_batches, tiny_gpt2, tiny_llama
+from test_fsdp import _init, _save_results, _teardown, run_ranks
+from test_sensitivity import matmul_layers
+
+FORMATS = ["bf16", "fp8", "fp8:rowwise"]
+FIELDS = ("loss_rel_change", "grad_rel_error", "layer_grad_rel_error", "output_sqnr_db",
+          "act_overflow", "grad_overflow", "finite")
+
+
+def _model(which: str):
+    return tiny_llama() if which == "llama" else tiny_gpt2()
+
+
+def _shard(model, which: str, **kw):
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = model.model.layers if which == "llama" else model.transformer.h
+    for block in blocks:
+        fully_shard(block, **kw)
+    return fully_shard(model, **kw)
+
+
+def _numbers(results) -> dict:
+    return {f"{layer}/{fmt}": tuple(getattr(s, k) for k in FIELDS)
+            for layer, row in results.items() for fmt, s in row.items()}
+
+
+def _measure(model, layers, mode: str, seen: list | None = None):
+    from autoprec.measure.sensitivity import measure_sensitivity
+
+    def progress(done, total, label):
+        if seen is not None and "first-order estimate" in label:
+            seen.append(label.split(" ")[0])
+
+    return measure_sensitivity(model, layers, FORMATS, batches=byte_batches(1, 4, 32, seed=3),
+                               mode=mode, in_place=True, progress=progress)
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, cases: list) -> None:
+    _init(rank, world, port)
+    out = {}
+    for which, mode in cases:
+        model = _model(which)
+        layers = matmul_layers(model)
+        if mode == "exact":  # exact pairs: every rank runs every pair's passes; two suffice
+            layers = layers[:2]
+        alone = _numbers(_measure(model, layers, mode))  # this process, unsharded
+        seen: list = []
+        sharded = _numbers(_measure(_shard(model, which), layers, mode, seen))
+        out[f"{which}/{mode}"] = {"alone": alone, "sharded": sharded, "seen": seen}
+    out["profile"] = _profiles()
+    out["refused"] = _refused()
+    _save_results(out, out_dir, rank)
+    _teardown(rank)
+
+
+def _profiles() -> dict:
+    """``autoprec.profile`` (priced for an H100, fast numerics) of the same Llama, one process
+    and sharded (each block, the head, the root: a watched layer that is its own unit)."""
+    import autoprec
+
+    task = autoprec.Task(model=tiny_llama, batches=byte_batches(2, 4, 32, seed=5))
+
+    def rows(model):
+        prof = autoprec.profile(task, ("fp32", *FORMATS), target="h100", sensitivity="fast",
+                                progress=False, model=model)
+        return {f"{row.layer.fqn}/{fmt}": tuple(getattr(s, k) for k in FIELDS)
+                for row in prof.layers for fmt, s in row.sensitivity.items()}
+
+    from torch.distributed.fsdp import fully_shard
+
+    model = task.build_model()
+    alone = rows(model)
+    fully_shard(model.lm_head)
+    out = {"alone": alone, "sharded": rows(_shard(model, "llama"))}
+    for how in ({"target": None}, {"share": lambda units, work: None}):
+        try:
+            autoprec.profile(task, ("fp32", "bf16"), progress=False, model=model,
+                             **{"target": "h100", **how})
+        except ValueError as e:
+            out[next(iter(how))] = str(e)
+    return out
+
+
+def _refused() -> str:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model = _shard(tiny_llama(), "llama",
+                   mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    try:
+        _measure(model, matmul_layers(model)[:1], "fast")
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def _same(a, b) -> bool:
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a)
+                      and math.isnan(b))
+
+
+@pytest.mark.slow
+def test_a_sharded_models_sensitivity_is_the_one_process_numbers_and_each_rank_estimates_its_share(
+        tmp_path):
+    cases = [("llama", "fast"), ("gpt2", "fast"), ("llama", "exact")]
+    ranks = run_ranks(tmp_path, cases, timeout=600.0, worker=_worker)
+    for which, mode in cases:
+        key = f"{which}/{mode}"
+        for rank, got in enumerate(ranks):
+            alone, sharded = got[key]["alone"], got[key]["sharded"]
+            assert sharded.keys() == alone.keys(), key
+            for pair, numbers in alone.items():
+                assert all(map(_same, sharded[pair], numbers)), \
+                    f"{key} rank {rank} {pair}: sharded {sharded[pair]} alone {numbers}"
+            # not vacuous: the estimates are finite and differ between layers
+            assert all(v[-1] for v in sharded.values()), key
+            assert len({v[1] for v in sharded.values()}) > 1, key
+        if mode == "fast":  # each layer re-run by exactly one rank, both ranks working
+            shares = [set(got[key]["seen"]) for got in ranks]
+            layers = {pair.split("/")[0] for pair in ranks[0][key]["alone"]}
+            assert set().union(*shares) == layers, key
+            assert not shares[0] & shares[1] and all(shares), (key, shares)
+    for rank, got in enumerate(ranks):
+        alone, sharded = got["profile"]["alone"], got["profile"]["sharded"]
+        assert sharded.keys() == alone.keys() and len(alone) >= 3 * 9
+        for pair, numbers in alone.items():
+            assert all(map(_same, sharded[pair], numbers)), \
+                f"profile rank {rank} {pair}: sharded {sharded[pair]} alone {numbers}"
+        assert "pass target=" in got["profile"]["target"], got["profile"]
+        assert "leave share out" in got["profile"]["share"], got["profile"]
+    for got in ranks:
+        assert "all-gathers `" in got["refused"] and "torch.bfloat16" in got["refused"] \
+            and "\n" not in got["refused"], got["refused"]
