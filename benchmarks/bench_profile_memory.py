@@ -15,6 +15,9 @@ same process (what ``predict_scale.py`` turns into a predicted tune time).
   batch (the first creates the optimizer's state): what training this model costs;
 - ``fast`` / ``exact``: ``autoprec.profile(task, target="h100", sensitivity=...)`` with the
   formats fp32, bf16, fp8 (priced by the cost model: no timing, only the numerics);
+- ``step@2`` / ``fast@2`` / ``exact@2``: the same under ``torchrun`` on 2 gloo ranks, the model
+  built on the meta device and sharded by FSDP2 (the embedding, each block, the head, the
+  root) before it gets memory; the figure is the rank with the highest peak;
 - ``tune``: ``autoprec.tune(task, target="h100", sensitivity="fast", n_trials=4)``, the
   held-out batches' FP32 gradients kept through the search (``holdout_gradients="kept"``);
 - ``tune-lean``: the same tune with ``holdout_gradients="recomputed"``: each trial computes
@@ -108,6 +111,14 @@ def child(part: str, size: str) -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
         params = sum(p.numel() * p.element_size() for p in model.parameters())
+    elif part == "step@2":
+        model = _sharded(hidden, layers)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        for _ in range(2):
+            task.loss(model, task.batches[0]).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        params = None
     elif part in ("fast", "exact"):
         prof = autoprec.profile(task, ("fp32", "bf16", "fp8"), target="h100",
                                 sensitivity=part, n_batches=2, progress=False)
@@ -203,7 +214,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", nargs="+", default=["512x4", "512x8", "1024x4"])
     ap.add_argument("--parts", nargs="+", default=["step", "fast", "exact", "tune"],
-                    choices=["step", "fast", "exact", "tune", "tune-lean", "fast@2", "exact@2"])
+                    choices=["step", "fast", "exact", "tune", "tune-lean", "step@2", "fast@2",
+                             "exact@2"])
     ap.add_argument("--child", nargs=2, metavar=("PART", "SIZE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

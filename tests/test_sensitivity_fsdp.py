@@ -17,7 +17,7 @@ from test_sensitivity import matmul_layers
 
 FORMATS = ["bf16", "fp8", "fp8:rowwise"]
 FIELDS = ("loss_rel_change", "grad_rel_error", "layer_grad_rel_error", "output_sqnr_db",
-          "act_overflow", "grad_overflow", "finite")
+          "act_overflow", "act_underflow", "grad_overflow", "grad_underflow", "finite")
 
 
 def _model(which: str):

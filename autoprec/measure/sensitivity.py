@@ -669,8 +669,10 @@ def _reference(numerics: Numerics, names: list[str], range_fmts: list[Format],
     active: list[_ReferenceProbe] = []
     probes = {n: _ReferenceProbe(model.get_submodule(n), range_fmts, active, keep_outputs)
               for n in names}
-    counter = _RoundedCallCounter(active, {id(p) for p in model.parameters()}, subtree) \
-        if range_fmts else contextlib.nullcontext()
+    # the parameters as calls see them (under FSDP2 the unsharded ones, not the shards)
+    params = {id(p) for p in (*model.parameters(), *numerics.params)}
+    counter = _RoundedCallCounter(active, params, subtree) if range_fmts else \
+        contextlib.nullcontext()
 
     @contextlib.contextmanager
     def around(b: int):
