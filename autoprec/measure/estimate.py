@@ -94,6 +94,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -248,6 +249,11 @@ class _Uses(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not _differentiable(out):
+            # not a use the gradient flows through: a property read, requires_grad_, or
+            # FSDP2 gathering the parameter (under no_grad) before its layer runs
+            return out
         est = self.est
         for a in (*args, *kwargs.values()):
             for t in (a if isinstance(a, (list, tuple)) else (a,)):
@@ -255,7 +261,13 @@ class _Uses(TorchFunctionMode):
                 if i is not None and i in est.all_owners and \
                         not any(w.active for w in est.all_owners[i]):
                     est.outside.add(i)
-        return func(*args, **kwargs)
+        return out
+
+
+def _differentiable(out: Any) -> bool:
+    """Whether a call's result carries a gradient back to its inputs."""
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.grad_fn is not None for t in tree_flatten(out)[0])
 
 
 class _RoundWeights(TorchFunctionMode):
