@@ -6,6 +6,7 @@ ratio. A ratio whose interval contains 1 is a tie."""
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -22,6 +23,13 @@ from autoprec._util import text_table  # noqa: E402  (after the path set-up abov
 from autoprec.formats import device_name  # noqa: E402
 from autoprec.measure.timer import Clock, Comparison  # noqa: E402
 from autoprec.policy import Interval  # noqa: E402
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback now, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def device_line() -> str:

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 
 import _common  # noqa: F401  (sets up sys.path)
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _common import ROOT, device_line, interleaved, print_table, ratio_cell
+from _common import ROOT, device_line, free_port, interleaved, print_table, ratio_cell
 
 import autoprec
 from examples.data import byte_batches
@@ -100,11 +99,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--policy", default=os.path.join(ROOT, "policies", "gpt2_bytes.yaml"))
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     try:
-        mp.spawn(_worker, args=(port, args.rounds, os.path.abspath(args.policy)), nprocs=WORLD)
+        mp.spawn(_worker, args=(free_port(), args.rounds, os.path.abspath(args.policy)), nprocs=WORLD)
     except mp.ProcessExitedException as e:
         # gloo sometimes aborts a process at shutdown after its work is done
         print(f"note: a rank exited abnormally ({e}); the figures stand only if rank 0 "

@@ -103,22 +103,15 @@ def child(part: str, size: str) -> None:
         dist.init_process_group("gloo")
     base = _rss()
     start = time.perf_counter()
-    if part == "step":
-        model = task.build_model()
+    if part in ("step", "step@2"):
+        model = task.build_model() if part == "step" else _sharded(hidden, layers)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         for _ in range(2):
             task.loss(model, task.batches[0]).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        params = sum(p.numel() * p.element_size() for p in model.parameters())
-    elif part == "step@2":
-        model = _sharded(hidden, layers)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        for _ in range(2):
-            task.loss(model, task.batches[0]).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        params = None
+        params = sum(p.numel() * p.element_size() for p in model.parameters()) \
+            if part == "step" else None
     elif part in ("fast", "exact"):
         prof = autoprec.profile(task, ("fp32", "bf16", "fp8"), target="h100",
                                 sensitivity=part, n_batches=2, progress=False)
@@ -192,22 +185,17 @@ def measure(part: str, size: str) -> dict:
                HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
                PYTHONPATH=os.pathsep.join([os.path.dirname(HERE),
                                            os.environ.get("PYTHONPATH", "")]))
-    ranks = ["-m", "torch.distributed.run", "--nproc-per-node", part.split("@")[1],
-             "--master-port", str(_free_port())] if "@" in part else []
+    from _common import free_port
+
+    n = int(part.split("@")[1]) if "@" in part else 1  # ranks
+    ranks = ["-m", "torch.distributed.run", "--nproc-per-node", str(n),
+             "--master-port", str(free_port())] if n > 1 else []
     out = subprocess.run([sys.executable, *ranks, __file__, "--child", part, size], env=env,
                          capture_output=True, text=True, check=False)
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    if out.returncode != 0 or len(lines) != (int(part.split("@")[1]) if ranks else 1):
+    if out.returncode != 0 or len(lines) != n:
         raise SystemExit(f"{part} {size} failed:\n{out.stderr[-3000:]}")
     return max(lines, key=lambda r: r["peak"])  # the rank with the highest peak
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -523,10 +523,12 @@ class _Estimator:
             self.probing, self.reached = None, []
         self.probes_finite = self.probes_finite and math.isfinite(float(loss.detach())) \
             and all_finite([g for g in grads if g is not None])
+        # kept for the parameters a layer of this rank holds (the others' ranks keep theirs)
+        held = [(i, g) for i, g in zip(whole, grads[len(grads) - len(whole):])
+                if i in self.users]
         own = writable([torch.zeros_like(params[i]) if g is None else g.to(torch.float32)
-                        for i, g in zip(whole, grads[len(grads) - len(whole):])
-                        if i in self.users])
-        self.plus[k] = dict(zip([i for i in whole if i in self.users], own))
+                        for i, g in held])
+        self.plus[k] = dict(zip((i for i, _ in held), own))
         return states
 
     def _moved(self, p: torch.Tensor, k: int) -> torch.Tensor:

@@ -208,7 +208,7 @@ class Numerics:
     def index_of(self, params) -> list[int]:
         """Positions of ``params`` among the compared parameters (for Deviation.grad_error_of)."""
         index = {id(p): i for i, p in enumerate(self.params)}
-        leaves = (self._leaf.get(id(p), p) for p in params)
+        leaves = (self.leaf(p) for p in params)
         return [index[id(p)] for p in leaves if id(p) in index]
 
     def leaf(self, p: torch.Tensor) -> torch.Tensor:
