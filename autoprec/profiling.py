@@ -528,18 +528,25 @@ UnitRunner = Callable[[list[list[str]], Callable[[list[str]], list[dict]]],
 
 def split_units(fqns: Sequence[str], n: int = 8) -> list[list[str]]:
     """About ``n`` units of consecutive layers (fewer for small models), never splitting a
-    layer from its listed descendants (a parent's own time is its time minus theirs). A fixed
-    number of units, not a fixed size: each unit pays one reference pass, so per-layer cost
-    stays flat in depth."""
+    layer from its listed descendants, wherever they come in ``fqns`` (a capture lists a
+    module's children before it when they run first, as HF Llama's attention projections
+    do): a unit's listed layers are the ones it pins to fp32 while it switches their parent,
+    and a parent's own time is its time minus theirs. A fixed number of units, not a fixed
+    size: each unit pays one reference pass, so per-layer cost stays flat in depth."""
+    listed = set(fqns)
+    families: dict[str, list[str]] = {}  # the outermost listed ancestor -> it and its own
+    for f in fqns:
+        parts = f.split(".")
+        top = next((a for a in (".".join(parts[:i]) for i in range(1, len(parts)))
+                    if a in listed), f)
+        families.setdefault(top, []).append(f)
     size = max(1, math.ceil(len(fqns) / n))
     units: list[list[str]] = []
-    for f in fqns:
-        cur = units[-1] if units else None
-        inside = cur is not None and any(f.startswith(p + ".") for p in cur)
-        if cur is None or (len(cur) >= size and not inside):
-            units.append([f])
+    for family in families.values():
+        if units and len(units[-1]) < size:
+            units[-1].extend(family)
         else:
-            cur.append(f)
+            units.append(list(family))
     return units
 
 

@@ -57,6 +57,43 @@ def test_split_units_keeps_parents_with_their_children():
             parent = f.rpartition(".")[0]
             assert parent not in fqns or parent in u, units
     assert len(split_units(fqns * 10, n=4)) <= 5
+    # a capture lists a module's children first when they run first (HF Llama's attention
+    # projections, then the attention): the parent still goes with them, and so does a
+    # grandchild listed under an unlisted middle module
+    fqns = ["l.0.attn.q", "l.0.attn.k", "l.0.attn.v", "l.0.attn", "l.0.attn.o", "l.0.mlp.up",
+            "l.0.mlp.down", "l.1.attn.q", "l.1.attn.k", "l.1.attn.v", "l.1.attn", "l.1.attn.o",
+            "l.1.blk", "l.1.blk.a.b", "head"]
+    units = split_units(fqns, n=8)
+    assert [f for u in units for f in u] == fqns
+    assert len(units) > 3, units
+    for u in units:
+        for f in u:
+            for parent in (g for g in fqns if f.startswith(g + ".")):
+                assert parent in u, units
+
+
+def test_a_profile_in_units_is_the_profile_in_one():
+    """HF Llama lists each attention's projections before the attention itself; a unit that
+    held the attention without them switched them with it (and its gradient check failed:
+    nan), so a tune's shared profile differed from a profile in one unit."""
+    from conftest import byte_batches, tiny_llama
+
+    import autoprec
+
+    task = autoprec.Task(model=tiny_llama, batches=byte_batches(2, 2, 32, seed=4))
+
+    def in_units(units, work):
+        assert len(units) > 1
+        return [r for u in units for r in work(u)], [{"layers": len(u)} for u in units]
+
+    numbers = []
+    for share in (None, in_units):
+        prof = profile(task, FORMATS, target="h100", sensitivity="fast", progress=False,
+                       share=share)
+        numbers.append({(r.layer.fqn, f): (s.loss_rel_change, s.grad_rel_error)
+                        for r in prof.layers for f, s in r.sensitivity.items()})
+    assert any(fqn.endswith("self_attn") for fqn, _ in numbers[0])
+    assert numbers[1] == numbers[0]
 
 
 @pytest.mark.slow
