@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "class_name",
     "ModelCall",
     "call_model",
     "loss_of",
@@ -789,3 +790,19 @@ def decode_float(value: Any, what: str) -> Any:
 def worker_id() -> str:
     """This process, as shared work records who did it: ``host:pid``."""
     return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def class_name(module: nn.Module) -> str:
+    """The module's own class name: past the subclass ``fully_shard`` (FSDP2) makes of a module
+    it shards (``FSDPLinear``) and past torchao's ``Float8Linear``, ``MXFP8Linear`` and
+    ``NVFP4Linear`` (torchtitan's subclasses included), each the ``Linear`` it replaced:
+    sharding, or building the low-precision layers so (torchtitan's converters), leaves the
+    name (a policy's model name, the fingerprint of its layers) as it was."""
+    for cls in type(module).__mro__:
+        if cls.__name__.startswith("FSDP") and cls.__module__.startswith("torch.distributed"):
+            continue
+        if cls.__name__ in ("Float8Linear", "MXFP8Linear", "NVFP4Linear") and \
+                cls.__module__.startswith(("torchao.", "torchtitan.")):
+            continue
+        return cls.__name__
+    return type(module).__name__

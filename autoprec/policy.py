@@ -48,7 +48,7 @@ import torch
 import yaml
 from torch import nn
 
-from autoprec._util import MAX_INT, atomic_write, brief, number, quoted, read_bounded, shown
+from autoprec._util import MAX_INT, atomic_write, brief, class_name, number, quoted, read_bounded, shown
 from autoprec.certificate import Certificate
 from autoprec.formats import Format, fp8_recipes
 from autoprec.phases import MAX_PHASES, Phase, final_phase, parse_phases, phase_starts
@@ -456,7 +456,7 @@ class _Glob:
                 or not name.startswith(self.prefix) or not name.endswith(self.suffix) \
                 or (self.dots is not None and name.count(".") != self.dots):
             return False
-        lit, qmark, star, wild = self.lit, self.qmark, self.star, self.star | self.any
+        lit, qmark, wild = self.lit, self.qmark, self.star | self.any
         state = 1 | (1 & wild) << 1  # a star may match nothing: step over it
         for c in name:
             if c == ".":
@@ -1138,21 +1138,5 @@ def model_fingerprint(model: nn.Module) -> str:
         params = [(n, tuple(p.shape)) for n, p in module.named_parameters(recurse=False)]
         if not params:
             continue
-        h.update(f"{fqn}|{_class_name(module)}|{params}\n".encode())
+        h.update(f"{fqn}|{class_name(module)}|{params}\n".encode())
     return f"sha256:{h.hexdigest()}"
-
-
-def _class_name(module: nn.Module) -> str:
-    """The module's own class name: past the subclass ``fully_shard`` (FSDP2) makes of a module
-    it shards (``FSDPLinear``) and past torchao's ``Float8Linear``, ``MXFP8Linear`` and
-    ``NVFP4Linear`` (torchtitan's subclasses included), each the ``Linear`` it replaced:
-    sharding, or building the low-precision layers so (torchtitan's converters), leaves the
-    fingerprint as it was."""
-    for cls in type(module).__mro__:
-        if cls.__name__.startswith("FSDP") and cls.__module__.startswith("torch.distributed"):
-            continue
-        if cls.__name__ in ("Float8Linear", "MXFP8Linear", "NVFP4Linear") and \
-                cls.__module__.startswith(("torchao.", "torchtitan.")):
-            continue
-        return cls.__name__
-    return type(module).__name__

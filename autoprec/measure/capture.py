@@ -52,7 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from autoprec._util import split_batch, tensors
+from autoprec._util import class_name, split_batch, tensors
 from autoprec.graph import METHODS, Layer, LayerGraph
 from autoprec.measure import shards
 from autoprec.runtime import calls
@@ -638,7 +638,7 @@ def _build(model: nn.Module, trace: _Trace, method: str, modules: _Modules) -> L
                             matmuls=tuple(m for m, _ in found),
                             calls=tuple(name for _, name in found), flops=flops, bytes=nbytes,
                             params=_own_params(module, fqn, kinds)))
-    return LayerGraph(model_name=type(model).__name__, method=method, layers=tuple(layers),
+    return LayerGraph(model_name=class_name(model), method=method, layers=tuple(layers),
                       edges=tuple(edges))
 
 

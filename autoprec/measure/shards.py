@@ -17,7 +17,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-__all__ = ["is_sharded", "unsharded", "local", "summed", "like", "ranks", "divide", "gathered"]
+__all__ = ["is_sharded", "unsharded", "local", "summed", "like", "ranks", "divide", "gathered",
+           "broadcast"]
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -105,3 +106,13 @@ def gathered(mine: dict, model: nn.Module) -> dict:
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)
     return {k: v for part in parts for k, v in part.items()}
+
+
+def broadcast(value, model: nn.Module):
+    """Rank 0's ``value`` on every rank measuring ``model`` (``value`` itself when one process
+    measures it): what one rank decides alone (a stored profile, a choice), the others follow."""
+    if ranks(model)[1] == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

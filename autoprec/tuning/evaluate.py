@@ -9,13 +9,13 @@ import copy
 import math
 import statistics
 import warnings
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
-from autoprec._util import move_to
+from autoprec._util import class_name, move_to
 from autoprec.formats import Format
 from autoprec.measure.numerics import Deviation, Numerics, prepare_for_measurement
 from autoprec.measure.timer import Comparison, StepTimer, noise_of, quantile
@@ -67,10 +67,13 @@ class Evaluator:
         (:class:`Numerics` ``per_batch``)."""
         self.task, self.prof, self.target, self.timing = task, prof, target, timing
         self.reference_only = reference_only
+        # called with each policy before its comparison runs (rank 0 of a sharded tune tells
+        # the other ranks, which run the same FSDP2 passes beside it: tuning/ranks.py)
+        self.announce: Callable[[Policy], None] | None = None
         self.source = CostSource.of(target)
         model = prepare_for_measurement(model if model is not None else task.build_model())
         self.fingerprint = model_fingerprint(model)
-        self.model_name = type(model).__name__
+        self.model_name = class_name(model)
         self.numerics = Numerics(model, [move_to(b, task.device) for b in holdout],
                                  task.loss_fn or default_loss, seed=task.seed,
                                  per_batch=recompute)
@@ -116,6 +119,8 @@ class Evaluator:
     # ---------------------------------------------------------------- numerics
     def deviation(self, policy: Policy) -> Deviation:
         """``policy`` against FP32 on the held-out batches, the gradient bias included."""
+        if self.announce is not None:
+            self.announce(policy)
         return self.numerics.compare(policy, bias=True)
 
     # ---------------------------------------------------------------- time

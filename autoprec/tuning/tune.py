@@ -38,6 +38,7 @@ from torch import nn
 
 from autoprec._util import free_memory, shown, tensors, worker_id
 from autoprec.formats import Format, Support, supported_formats
+from autoprec.measure import shards
 from autoprec.memory import format_size, memory_model
 from autoprec.policy import Interval, Policy, model_fingerprint
 from autoprec.pricing import CostSource
@@ -47,8 +48,8 @@ from autoprec.reporter import Reporter
 from autoprec.task import Task
 from autoprec.tuning.config import TuneConfig
 from autoprec.tuning.evaluate import Evaluator
-from autoprec.tuning.report import (TrialRecord, TrialResult, TuneResult, pareto, provenance,
-                                    with_provenance)
+from autoprec.tuning.ranks import decided, follow, lead
+from autoprec.tuning.report import TrialRecord, TrialResult, TuneResult, pareto, provenance, with_provenance
 from autoprec.tuning.select import NOISE_ADVICE, Finalist, select
 from autoprec.tuning.share import SharedUnits, unit_studies
 from autoprec.tuning.space import SearchSpace, assignment_policy
@@ -64,20 +65,45 @@ _COMPLETE = (optuna.trial.TrialState.COMPLETE,)
 
 
 def tune(task: Task, config: TuneConfig | None = None, *, prof: Profile | None = None,
-         progress: bool = True, **options: Any) -> TuneResult:
+         progress: bool = True, model: nn.Module | None = None, **options: Any) -> TuneResult:
     """Search a per-layer precision policy for ``task``; see the module docstring.
 
     ``config`` says what to search for and how (:class:`TuneConfig`); ``options`` override
     its fields (``n_trials=20``, ``target="h100"``, and ``max_loss_increase`` /
     ``max_grad_error`` for the budget). ``prof`` reuses a profile instead of measuring one.
+
+    ``model``: measure on this build of the task's model instead of building one. A model
+    FSDP2 shards (``fully_shard``, every rank of a ``torchrun`` calling ``tune`` alike, on
+    the same batches): the profile and every trial's numerics are FSDP2 passes all ranks run
+    together, the numbers one process computes; rank 0 runs the study and writes nothing
+    the others do not return (every rank returns its result). Trials are priced
+    (``target=``); memory is not predicted.
     """
     config = (config or TuneConfig()).replace(**options)
+    rank = 0
+    if model is not None and shards.is_sharded(model):
+        _check_sharded(config)
+        rank = shards.ranks(model)[0]
     with _Interrupts().installed() as interrupts:
-        return _tune(task, config, prof, Reporter(progress), interrupts)
+        return _tune(task, config, prof, Reporter(progress and rank == 0), interrupts, model)
+
+
+def _check_sharded(config: TuneConfig) -> None:
+    """What a tune of a model FSDP2 shards cannot do, each in one line before any work."""
+    if not CostSource.of(config.target).priced:
+        raise ValueError("tune(model=...) of a model FSDP2 shards prices its trials for a GPU "
+                         "instead of timing steps: pass target= (e.g. 'h100').")
+    if config.max_memory is not None:
+        raise ValueError("tune(model=...) of a model FSDP2 shards does not predict peak memory "
+                         "(its memory model calibrates on one process's step): leave "
+                         "max_memory out.")
+    if config.budget_at is not None:
+        raise ValueError("tune(model=...) of a model FSDP2 shards measures the model as given: "
+                         "budget_at trains a build of the task's own; leave it out.")
 
 
 def _tune(task: Task, config: TuneConfig, prof: Profile | None, log: Reporter,
-          interrupts: _Interrupts) -> TuneResult:
+          interrupts: _Interrupts, model: nn.Module | None = None) -> TuneResult:
     if len(task.batches) < 2:
         raise ValueError("tune needs at least 2 calibration batches: some to profile, "
                          f"some held out to judge policies; the task has {len(task.batches)}.")
@@ -85,30 +111,55 @@ def _tune(task: Task, config: TuneConfig, prof: Profile | None, log: Reporter,
     task, calibration, holdout = _measured_on(task, config, log)
     # the study's identity, the profile and the evaluator share one build of the model (a
     # seeded build: the same weights whenever it is built); the profile leaves it as it was
-    model = task.build_model()
-    handle = _open_study(task, model, config, log)
-    prof = _stored_profile(handle, task, config, prof, calibration, log, model)
+    model = model if model is not None else task.build_model()
+    # a sharded model: rank 0 holds the study, and every rank measures (tuning/ranks.py)
+    handle: StudyHandle | None = None
+
+    def study_profile() -> Profile | None:
+        nonlocal handle
+        handle = _open_study(task, model, config, log)
+        return _study_profile(handle, prof, log)
+
+    prof = decided(model, study_profile)
+    if prof is None:
+        prof = _new_profile(handle, task, config, calibration, log, model)
+    if handle is not None and "profile" not in handle.study.user_attrs:
+        handle.study.set_user_attr("profile", json.dumps(prof.to_dict()))
     space = SearchSpace.build(prof, config.formats, config.grouping, config.couple)
+    lone = _describe(space, prof, config, log)
+    recompute = decided(model, lambda: _recompute_holdout(config, model, len(holdout),
+                                                          task.device, log))
+    ev = Evaluator(task, holdout, prof=prof, target=config.target,
+                   timing=config.timing, model=model, reference_only=lone, recompute=recompute)
+    # the evaluator owns the model now (prepared for measurement in place)
+    if handle is None:  # a rank other than 0 of a sharded model
+        return follow(ev.deviation, model)
+    return lead(ev, lambda: _search(handle, task, ev, space, config, log, interrupts))
+
+
+def _describe(space: SearchSpace, prof: Profile, config: TuneConfig, log: Reporter) -> bool:
+    """Say what the search space holds; whether it is one policy, all-fp32 (fp32 is always
+    offered): the reference, with nothing to time it against."""
     log(f"search space: {len(space.units)} units over {len(prof.layers)} layers x "
         f"{len(config.formats)} formats")
     for line in [*space.split_summary(), *space.pruned_summary()]:
         log(line)
-    # a space of one policy is all-fp32 (fp32 is always offered): nothing to time it against
-    lone = space.size == 1
-    if lone:
+    if space.size == 1:
         log("the search space holds one policy, all-fp32: it is the reference, so it is not "
             "timed against fp32 (its numerics are still measured)")
-    ev = Evaluator(task, holdout, prof=prof, target=config.target,
-                   timing=config.timing, model=model, reference_only=lone,
-                   recompute=_recompute_holdout(config, model, len(holdout), task.device, log))
-    del model  # the evaluator owns it now (prepared for measurement in place)
+    return space.size == 1
+
+
+def _search(handle: StudyHandle, task: Task, ev: Evaluator, space: SearchSpace,
+            config: TuneConfig, log: Reporter, interrupts: _Interrupts) -> TuneResult:
+    """The trials and the verdict, once the evaluator holds the reference."""
     if ev.aa is not None:
         log(f"timing noise before the search: fp32 against itself {ev.aa} "
             f"(fp32 step {ev.fp32_seconds * 1e3:.0f} ms)")
         if ev.noise > config.timing.noise_limit:
             log(f"warning: this machine is noisy (a tie measured up to {ev.noise:.0%} off): "
                 f"timing may not be able to separate policies. What helps: {NOISE_ADVICE}")
-    _enqueue_warm_starts(handle, prof, space, config, log)
+    _enqueue_warm_starts(handle, ev.prof, space, config, log)
     _optimize(handle, _Objective(ev, space, config, log, interrupts), space, config, log,
               interrupts)
     return _decide(handle, task, ev, space, config, log)
@@ -221,29 +272,33 @@ def _open_study(task: Task, model: nn.Module, config: TuneConfig, log: Reporter)
     return StudyHandle(study, storage, url)
 
 
-def _stored_profile(handle: StudyHandle, task: Task, config: TuneConfig, prof: Profile | None,
-                    batches: Sequence[Any], log: Reporter, model: nn.Module) -> Profile:
-    """The study's profile (a resumed tune, a second worker), else the given or a new one
-    (measured on ``model``), stored in the study."""
+def _study_profile(handle: StudyHandle, prof: Profile | None, log: Reporter) -> Profile | None:
+    """The given profile, else the study's (a resumed tune, a second worker), else None."""
     study = handle.study
     if prof is None and "profile" in study.user_attrs:
         prof = Profile.from_dict(json.loads(study.user_attrs["profile"]))
         log(f"reusing the profile stored in study {study.study_name}")
-    if prof is None:
-        log(f"profiling {task.name} ({', '.join(f.value for f in config.formats)}"
-            f"{', target ' + config.target if config.target else ''}; sensitivity "
-            f"{config.sensitivity}), shared with any worker on study {study.study_name}")
-        # the units of the profile are claimed through the storage, so workers started on the
-        # same study split them (a killed worker's unit is redone once its lease runs out)
-        share = SharedUnits(handle.storage, study.study_name, worker=worker_id(),
-                            progress=log.enabled)
-        prof = run_profile(task, formats=config.formats, target=config.target, batches=batches,
-                           progress=log, sensitivity=config.sensitivity,
-                           budget=config.budget, share=share, only_winnable=True,
-                           model=model)
-        log(prof.sensitivity_summary())
-    if "profile" not in study.user_attrs:
-        study.set_user_attr("profile", json.dumps(prof.to_dict()))
+    return prof
+
+
+def _new_profile(handle: StudyHandle | None, task: Task, config: TuneConfig,
+                 batches: Sequence[Any], log: Reporter, model: nn.Module) -> Profile:
+    """A profile measured on ``model``: in units claimed through the study's storage, so
+    workers started on the same study split them (a killed worker's unit is redone once its
+    lease runs out); on a sharded model, by every rank together (``handle`` is None on all
+    but rank 0), which divide the layers among themselves."""
+    sharded = shards.is_sharded(model)
+    log(f"profiling {task.name} ({', '.join(f.value for f in config.formats)}"
+        f"{', target ' + config.target if config.target else ''}; sensitivity "
+        f"{config.sensitivity}), "
+        + ("the layers divided among the ranks FSDP2 shards the model over" if sharded else
+           f"shared with any worker on study {handle.study.study_name}"))
+    share = None if sharded else SharedUnits(handle.storage, handle.study.study_name,
+                                             worker=worker_id(), progress=log.enabled)
+    prof = run_profile(task, formats=config.formats, target=config.target, batches=batches,
+                       progress=log, sensitivity=config.sensitivity, budget=config.budget,
+                       share=share, only_winnable=True, model=model)
+    log(prof.sensitivity_summary())
     return prof
 
 
@@ -319,18 +374,22 @@ class _Objective:
         self.interrupts = interrupts or _Interrupts()
         # the trial an interrupt stopped mid-way, if one did
         self.abandoned: int | None = None
-        # every trial's predicted peak memory (reported; a constraint under max_memory)
-        # copies of the evaluator's model, not a build of its own beside it
-        self.memory = memory_model(ev.task, ev.prof, ev.numerics.model)
-        self.memory_start = memory_warm_start(self.memory, space)
-        limit = config.max_memory
+        # every trial's predicted peak memory (reported; a constraint under max_memory),
+        # calibrated on the evaluator's model; none for a sharded model (one process's step)
+        self.memory, self.memory_start = None, None
+        if not shards.is_sharded(ev.numerics.model):
+            self._calibrate_memory(config.max_memory)
+
+    def _calibrate_memory(self, limit: int | None) -> None:
+        self.memory = memory_model(self.ev.task, self.ev.prof, self.ev.numerics.model)
+        self.memory_start = memory_warm_start(self.memory, self.space)
         if limit is not None and self.memory_start[2] > limit:
             raise ValueError(f"No policy fits --max-memory {format_size(limit)}: the smallest "
                              f"predicted peak training memory is "
                              f"{format_size(self.memory_start[2])} ({self.memory_start[2]} bytes); "
                              "raise the budget, allow more formats, or use smaller batches.")
-        log(f"peak training memory: fp32 {format_size(self.memory.predict(_FP32_POLICY))}, "
-            f"smallest predicted {format_size(self.memory_start[2])}")
+        self.log(f"peak training memory: fp32 {format_size(self.memory.predict(_FP32_POLICY))}, "
+                 f"smallest predicted {format_size(self.memory_start[2])}")
 
     def __call__(self, trial: optuna.Trial) -> tuple[float, float]:
         # who runs it: a resume fails at once a trial its predecessor left RUNNING on this host
@@ -374,7 +433,8 @@ class _Objective:
         else:
             li, ge, sec = _PENALTY, _PENALTY, self.ev.fp32_seconds * 10
             speedup, predicted = Interval(0.1, 0.1, 0.1, 0), None
-        mem, limit = self.memory.predict(policy), self.config.max_memory
+        mem = None if self.memory is None else self.memory.predict(policy)
+        limit = self.config.max_memory
         bias = dev.grad_bias if finite and math.isfinite(dev.grad_bias) else _PENALTY
         cons = (li - budget.max_loss_increase,
                 (ge - budget.max_grad_error) if budget.max_grad_error is not None else -1.0,
@@ -391,7 +451,8 @@ class _Objective:
                              grad_bias=bias)
         record.write(trial)
         self.log(f"trial {trial.number:3d}  {speedup}  loss {li:+.3%}  grad err {ge:.3g}  "
-                 f"bias {bias:.3g}  memory {format_size(mem)}  "
+                 f"bias {bias:.3g}  "
+                 f"{'' if mem is None else f'memory {format_size(mem)}  '}"
                  f"{'ok' if record.feasible else 'over budget'}  [{record.origin}]")
         return sec, li
 

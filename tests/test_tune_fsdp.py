@@ -1,0 +1,99 @@
+"""A whole tune of a model FSDP2 shards (issue 38, item 4): two gloo ranks shard HF Llama
+(each block and the root) and call ``autoprec.tune`` alike. Rank 0 runs the study; every
+trial's numerics are FSDP2 passes both ranks run. The trials, their numbers and the policy
+must be those of one process tuning the unsharded model, and every rank returns them."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from conftest import byte_batches, tiny_llama
+from test_fsdp import _init, _save_results, _teardown, run_ranks
+from test_sensitivity_fsdp import _shard
+
+# a CPU with fast bf16 prices bf16 faster than fp32 on layers 256 wide (tests/tasks.py)
+OPTIONS = dict(target="cpu-amx", formats=("fp32", "bf16", "fp16"), n_trials=6, seed=3,
+               sensitivity="fast", progress=False, max_grad_error=0.004)
+
+
+def _llama():
+    return tiny_llama(hidden=256, intermediate=512)
+
+
+def _task():
+    import autoprec
+
+    return autoprec.Task(model=_llama, batches=byte_batches(4, 4, 64, seed=5))
+
+
+def _summary(result) -> dict:
+    return {"trials": [(t.number, t.assignment, t.loss_increase, t.grad_error, t.grad_bias,
+                        t.step_seconds, t.feasible, t.origin) for t in result.trials],
+            "winner": result.best.assignment,
+            "policy": _policy(result.policy),
+            "memory": result.policy.to_dict()["tuned"].get("memory"),
+            "profile": [(row.layer.fqn, {f: s.loss_rel_change for f, s in row.sensitivity.items()})
+                        for row in result.profile.layers],
+            "studies": sorted(f for f in os.listdir(os.path.dirname(result.storage.split(":///")[-1]))
+                              if f.endswith(".db"))}
+
+
+def _policy(policy) -> dict:
+    """The policy file's content but the peak memory one process predicts (not predicted for
+    a sharded model)."""
+    d = policy.to_dict()
+    d["tuned"] = {k: v for k, v in d["tuned"].items() if k != "memory"}
+    return d
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, cases: list) -> None:
+    _init(rank, world, port)
+    from autoprec import tune
+
+    here = os.path.join(out_dir, f"rank{rank}")
+    os.makedirs(os.path.join(here, "alone"))
+    os.makedirs(os.path.join(here, "sharded"))
+    out = {"alone": _summary(tune(_task(), output=os.path.join(here, "alone", "p.yaml"),
+                                  **OPTIONS))}
+    model = _shard(_llama(), "llama")
+    out["sharded"] = _summary(tune(_task(), output=os.path.join(here, "sharded", "p.yaml"),
+                                   model=model, **OPTIONS))
+    out["written"] = sorted(os.listdir(os.path.join(here, "sharded")))
+    out["refused"] = {}
+    for how in ({"target": None}, {"max_memory": 10**9}):
+        try:
+            tune(_task(), model=model, **{**OPTIONS, **how})
+        except ValueError as e:
+            out["refused"][next(iter(how))] = str(e)
+    # rank 0 fails alone (it alone opens the study): the other rank stops in one line too,
+    # instead of waiting in a collective rank 0 never runs
+    try:
+        tune(_task(), model=model, storage="nosuchdb://x", **OPTIONS)
+    except (ValueError, RuntimeError) as e:
+        out["stopped"] = f"{type(e).__name__}: {e}"
+    _save_results(out, out_dir, rank)
+    _teardown(rank)
+
+
+@pytest.mark.slow
+def test_a_sharded_models_tune_is_the_one_process_tune_on_every_rank(tmp_path):
+    ranks = run_ranks(tmp_path, [], timeout=600.0, worker=_worker)
+    for rank, got in enumerate(ranks):
+        alone, sharded = got["alone"], got["sharded"]
+        # not vacuous: several distinct trials, some feasible and some not under the budget
+        assert len({str(t[1]) for t in alone["trials"]}) >= 4
+        assert {t[6] for t in alone["trials"]} == {True, False}, alone["trials"]
+        for key in ("trials", "winner", "policy", "profile"):
+            assert sharded[key] == alone[key], (rank, key)
+        assert set(alone["winner"].values()) != {"fp32"}, alone["trials"]
+        assert alone["memory"] and sharded["memory"] is None
+        assert got["refused"]["target"].startswith("tune(model=...) of a model FSDP2 shards "
+                                                   "prices its trials")
+        assert "leave max_memory out" in got["refused"]["max_memory"]
+    assert "nosuchdb" in ranks[0]["stopped"] and "\n" not in ranks[1]["stopped"]
+    assert ranks[1]["stopped"].startswith("RuntimeError: rank 0 of the sharded tune stopped ("), \
+        ranks[1]["stopped"]
+    # the study lives with rank 0 alone; the other rank returns rank 0's result
+    assert ranks[0]["sharded"]["studies"] and not ranks[1]["written"]
+    assert ranks[1]["sharded"]["studies"] == ranks[0]["sharded"]["studies"]
