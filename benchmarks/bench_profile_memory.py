@@ -15,7 +15,8 @@ same process (what ``predict_scale.py`` turns into a predicted tune time).
   batch (the first creates the optimizer's state): what training this model costs;
 - ``fast`` / ``exact``: ``autoprec.profile(task, target="h100", sensitivity=...)`` with the
   formats fp32, bf16, fp8 (priced by the cost model: no timing, only the numerics);
-- ``step@2`` / ``fast@2`` / ``exact@2``: the same under ``torchrun`` on 2 gloo ranks, the model
+- ``step@2`` / ``fast@2`` / ``exact@2`` / ``tune@2`` / ``tune-lean@2``: the same under
+  ``torchrun`` on 2 gloo ranks, the model
   built on the meta device and sharded by FSDP2 (the embedding, each block, the head, the
   root) before it gets memory; the figure is the rank with the highest peak;
 - ``tune``: ``autoprec.tune(task, target="h100", sensitivity="fast", n_trials=4)``, the
@@ -123,11 +124,12 @@ def child(part: str, size: str) -> None:
                                 model=_sharded(hidden, layers))
         assert prof.layers
         params = None
-    elif part in ("tune", "tune-lean"):
+    elif part in ("tune", "tune-lean", "tune@2", "tune-lean@2"):
+        sharded = {"model": _sharded(hidden, layers)} if part.endswith("@2") else {}
         with tempfile.TemporaryDirectory() as tmp:
             tune(task, target="h100", sensitivity="fast", n_trials=4, progress=False,
                  output=os.path.join(tmp, "p.yaml"),
-                 holdout_gradients="kept" if part == "tune" else "recomputed")
+                 holdout_gradients="recomputed" if "lean" in part else "kept", **sharded)
         params = None
     else:
         raise SystemExit(f"unknown part {part!r}")
@@ -203,7 +205,7 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="+", default=["512x4", "512x8", "1024x4"])
     ap.add_argument("--parts", nargs="+", default=["step", "fast", "exact", "tune"],
                     choices=["step", "fast", "exact", "tune", "tune-lean", "step@2", "fast@2",
-                             "exact@2"])
+                             "exact@2", "tune@2", "tune-lean@2"])
     ap.add_argument("--child", nargs=2, metavar=("PART", "SIZE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
