@@ -28,8 +28,9 @@ def _task():
 
 
 def _summary(result) -> dict:
-    return {"trials": [(t.number, t.assignment, t.loss_increase, t.grad_error, t.grad_bias,
-                        t.step_seconds, t.feasible, t.origin) for t in result.trials],
+    return {"trials": [(t.number, t.assignment, t.loss_increase, t.grad_error, t.step_seconds,
+                        t.feasible, t.origin) for t in result.trials],
+            "bias": [t.grad_bias for t in result.trials],
             "winner": result.best.assignment,
             "policy": _policy(result.policy),
             "memory": result.policy.to_dict()["tuned"].get("memory"),
@@ -47,6 +48,29 @@ def _policy(policy) -> dict:
     return d
 
 
+def _numerics() -> dict:
+    """A trial's comparison (``Numerics.compare(bias=True)``), one process and sharded: bf16
+    and fp16 (loss-scaled, its bias read after the backward is known finite), the held-out
+    reference gradients kept or computed again per batch."""
+    from autoprec.formats import Format
+    from autoprec.measure.numerics import Numerics, prepare_for_measurement
+    from autoprec.policy import Policy
+    from autoprec.task import default_loss
+
+    out = {}
+    for fmt in (Format.BF16, Format.FP16):
+        for per_batch in (False, True):
+            for sharded in (False, True):
+                model = prepare_for_measurement(tiny_llama())
+                model = _shard(model, "llama") if sharded else model
+                num = Numerics(model, byte_batches(2, 4, 32, seed=7), default_loss, seed=0,
+                               per_batch=per_batch)
+                d = num.compare(Policy(default=fmt), bias=True)
+                out[fmt.value, per_batch, sharded] = (d.loss_rel_change, d.grad_rel_error,
+                                                      d.finite, d.grad_bias, d.bias_sq)
+    return out
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str, cases: list) -> None:
     _init(rank, world, port)
     from autoprec import tune
@@ -59,6 +83,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, cases: list) -> None
     model = _shard(_llama(), "llama")
     out["sharded"] = _summary(tune(_task(), output=os.path.join(here, "sharded", "p.yaml"),
                                    model=model, **OPTIONS))
+    out["numerics"] = _numerics()
     out["written"] = sorted(os.listdir(os.path.join(here, "sharded")))
     out["refused"] = {}
     for how in ({"target": None}, {"max_memory": 10**9}):
@@ -83,9 +108,19 @@ def test_a_sharded_models_tune_is_the_one_process_tune_on_every_rank(tmp_path):
         alone, sharded = got["alone"], got["sharded"]
         # not vacuous: several distinct trials, some feasible and some not under the budget
         assert len({str(t[1]) for t in alone["trials"]}) >= 4
-        assert {t[6] for t in alone["trials"]} == {True, False}, alone["trials"]
+        assert {t[5] for t in alone["trials"]} == {True, False}, alone["trials"]
         for key in ("trials", "winner", "policy", "profile"):
             assert sharded[key] == alone[key], (rank, key)
+        # each rank sums only its part of the bias (the norms summed over the ranks): the
+        # same to float rounding
+        assert sharded["bias"] == pytest.approx(alone["bias"], rel=1e-6)
+        numerics = got["numerics"]
+        for (fmt, per_batch, is_sharded), (*same, bias, bias_sq) in numerics.items():
+            if is_sharded:
+                *one, one_bias, one_sq = numerics[fmt, per_batch, False]
+                assert same == one, (fmt, per_batch)
+                assert 0 < bias == pytest.approx(one_bias, rel=1e-6), (fmt, per_batch)
+                assert bias_sq == pytest.approx(one_sq, rel=1e-5), (fmt, per_batch)
         assert set(alone["winner"].values()) != {"fp32"}, alone["trials"]
         assert alone["memory"] and sharded["memory"] is None
         assert got["refused"]["target"].startswith("tune(model=...) of a model FSDP2 shards "

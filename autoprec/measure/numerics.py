@@ -193,6 +193,8 @@ class Numerics:
         self._leaf = shards.unsharded(model) if shards.is_sharded(model) else {}
         self.shards = [p for p in model.parameters() if p.requires_grad]
         self.params = [self._leaf.get(id(p), p) for p in self.shards]
+        # what a rank keeps of a sum of whole gradients (the bias's): its shards' part of them
+        self._parts = self.shards if self._leaf else None
         if not self.params:
             raise ValueError(f"{type(model).__name__} has no parameter with requires_grad=True, "
                              "so there are no gradients to compare; unfreeze the parameters.")
@@ -240,8 +242,8 @@ class Numerics:
         if self._ref_sum_sq is None:
             total = None
             for g in ref.grads:
-                total = _accumulate(total, g)
-            self._ref_sum_sq = _sq_norms(total).tolist()
+                total = _accumulate(total, self._kept(g))
+            self._ref_sum_sq = self._across(_sq_norms(total)).tolist()
         return self._ref_sum_sq
 
     def _run_reference(self, around: Callable[[int], Any] | None, keep: bool) -> Reference:
@@ -261,7 +263,8 @@ class Numerics:
                     grads.append(g)
                     del g
                 else:  # only their norms: each gradient dropped as soon as it is read
-                    sq, finite, summed = _differences(loss, self.params, None, total=summed)
+                    sq, finite, summed = _differences(loss, self.params, None, total=summed,
+                                                      parts=self._parts)
                 value = float(loss.detach())
                 if not math.isfinite(value) or not finite:
                     what = f"loss is {value}" if not math.isfinite(value) else \
@@ -272,7 +275,7 @@ class Numerics:
                 losses.append(value)
                 grad_sq.append(sq)
         if summed:
-            self._ref_sum_sq = _sq_norms(summed).tolist()
+            self._ref_sum_sq = self._across(_sq_norms(summed)).tolist()
         return Reference(losses=losses, grads=grads, grad_sq=grad_sq)
 
     # ---------------------------------------------------------------- a candidate
@@ -302,7 +305,7 @@ class Numerics:
                     value = float(loss.detach())
                     sq, ok, total = _differences(loss, self.params, grads, scale=scale,
                                                  total=total if total or not bias else [],
-                                                 hold=not self.per_batch)
+                                                 hold=not self.per_batch, parts=self._parts)
                 del grads, loss
                 r = ref.losses[b]
                 changes.append((value - r) / abs(r) if r != 0 else value - r)
@@ -316,10 +319,21 @@ class Numerics:
                         n_batches=len(self.batches))
         if not bias:
             return dev
-        bias_sq, ref_sum_sq = _sq_norms(total).tolist(), self._summed_reference_sq(ref)
+        bias_sq = self._across(_sq_norms(total)).tolist()
+        ref_sum_sq = self._summed_reference_sq(ref)
         return dataclasses.replace(
             dev, grad_bias=relative(math.fsum(bias_sq), math.fsum(ref_sum_sq)),
             bias_sq=tuple(bias_sq), ref_sum_sq=tuple(ref_sum_sq))
+
+    def _kept(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What this rank keeps of whole ``grads`` in a sum: its shards' part of them."""
+        if self._parts is None:
+            return grads
+        return [shards.part(g, s) for g, s in zip(grads, self._parts)]
+
+    def _across(self, sq: torch.Tensor) -> torch.Tensor:
+        """Squared norms of this rank's part of each summed gradient -> of the whole."""
+        return sq if self._parts is None else shards.summed_each(sq, self._parts)
 
     @contextlib.contextmanager
     def _under(self, policy: Policy):
@@ -388,8 +402,9 @@ def writable(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 def _differences(loss: torch.Tensor, params: list[torch.Tensor],
                  ref: list[torch.Tensor] | None, *, scale: float = 1.0,
-                 total: list | None = None,
-                 hold: bool = True) -> tuple[torch.Tensor, bool, list | None]:
+                 total: list | None = None, hold: bool = True,
+                 parts: Sequence[torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, bool, list | None]:
     """This batch's gradients of ``loss`` minus the reference's ``ref`` (None: the gradients
     themselves): each difference's squared norm (float64, per parameter), whether the
     gradients were finite, and ``total`` with the differences added (``[]``: the first batch,
@@ -402,12 +417,14 @@ def _differences(loss: torch.Tensor, params: list[torch.Tensor],
     is not finite (GradScaler's back-off), down to 1; a non-finite loss is not retried: no
     scale can fix it. A later batch's part of a sum is then held until the backward is known
     finite (an overflow voids it); ``hold=False`` reads it in a second backward at the scale
-    that did not overflow instead (the same gradients: a backward is deterministic here)."""
+    that did not overflow instead (the same gradients: a backward is deterministic here).
+    ``parts``: the shards of a model FSDP2 shards, one per parameter: the sum keeps only this
+    rank's part of each difference (:func:`autoprec.measure.shards.part`)."""
     if scale != 1.0 and not bool(torch.isfinite(loss.detach())):
         scale = 1.0
     while True:
         again = not hold and scale != 1.0 and bool(total)
-        reading = _Reading(params, ref, scale, None if again else total)
+        reading = _Reading(params, ref, scale, None if again else total, parts=parts)
         scaled = loss * scale if scale != 1.0 else loss
         _as_they_arrive(scaled, params, reading.read, retain_graph=reading.may_retry)
         if not reading.overflowed:
@@ -416,7 +433,7 @@ def _differences(loss: torch.Tensor, params: list[torch.Tensor],
         scale = max(1.0, scale / 2)
     sq, finite, summed = reading.finish()
     if again:  # this scale does not overflow: the sum read as the gradients arrive
-        adding = _Reading(params, ref, scale, total, retry=False)
+        adding = _Reading(params, ref, scale, total, retry=False, parts=parts)
         _as_they_arrive(scaled, params, adding.read)
         summed = adding.finish()[2]
     return sq, finite, summed
@@ -426,8 +443,9 @@ class _Reading:
     """One backward's gradients, read as they arrive (see :func:`_differences`)."""
 
     def __init__(self, params: list[torch.Tensor], ref: list[torch.Tensor] | None,
-                 scale: float, total: list | None, *, retry: bool = True):
-        self.params, self.ref, self.scale = params, ref, scale
+                 scale: float, total: list | None, *, retry: bool = True,
+                 parts: Sequence[torch.Tensor] | None = None):
+        self.params, self.ref, self.scale, self.parts = params, ref, scale, parts
         self.may_retry = retry and scale > 1.0  # a gradient that overflows voids this reading
         self.overflowed = False
         self.finite = True
@@ -452,6 +470,8 @@ class _Reading:
         self.norms[i] = torch._foreach_norm([d])[0]
         if self.summed is None:
             return
+        if self.parts is not None:
+            d = shards.part(d, self.parts[i])
         if self.held:
             self.waiting[i] = d
         elif self.summed[i] is None:

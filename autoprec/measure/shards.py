@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 __all__ = ["is_sharded", "unsharded", "local", "summed", "like", "ranks", "divide", "gathered",
-           "broadcast"]
+           "broadcast", "part", "summed_each"]
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -68,6 +68,32 @@ def summed(value: float, over: torch.Tensor) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=local(over).device)
     dist.all_reduce(t, group=over.device_mesh.get_group())
     return float(t)
+
+
+def summed_each(values: torch.Tensor, over: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``values[i]``, a sum over this rank's part of ``over[i]``, summed over the ranks holding
+    the rest of it (``values[i]`` itself where ``over[i]`` is not a ``DTensor``): one
+    all-reduce for all of them."""
+    split = [isinstance(t, DTensor) and t.device_mesh.size() > 1 for t in over]
+    if not any(split):
+        return values
+    group = next(t.device_mesh.get_group() for t, s in zip(over, split) if s)
+    mask = torch.tensor(split, device=values.device)
+    mine = torch.where(mask, values, torch.zeros_like(values))
+    dist.all_reduce(mine, group=group)
+    return torch.where(mask, mine, values)
+
+
+def part(full: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``full`` (a tensor of ``shard``'s whole shape, e.g. a gradient of
+    the unsharded parameter), in memory of its own, so ``full`` can go: what a rank keeps of
+    something every rank computed whole (``full`` itself for a plain tensor)."""
+    if not isinstance(shard, DTensor):
+        return full
+    mine = local(like(full, shard))
+    if mine.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
+        mine = mine.clone()
+    return mine
 
 
 def like(full: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
