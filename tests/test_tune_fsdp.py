@@ -8,8 +8,9 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 from conftest import byte_batches, tiny_llama
-from test_fsdp import _init, _save_results, _teardown, run_ranks
+from test_fsdp import _free_port, _init, _save_results, _teardown, run_ranks
 from test_sensitivity_fsdp import _shard
 
 # a CPU with fast bf16 prices bf16 faster than fp32 on layers 256 wide (tests/tasks.py)
@@ -132,3 +133,63 @@ def test_a_sharded_models_tune_is_the_one_process_tune_on_every_rank(tmp_path):
     # the study lives with rank 0 alone; the other rank returns rank 0's result
     assert ranks[0]["sharded"]["studies"] and not ranks[1]["written"]
     assert ranks[1]["sharded"]["studies"] == ranks[0]["sharded"]["studies"]
+
+
+def _checkpoint(path) -> dict:
+    """A tiny HF Llama saved as a model directory: config.json and a safetensors file."""
+    from safetensors.torch import save_file
+
+    model = tiny_llama()
+    model.config.save_pretrained(path)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, os.path.join(path, "model.safetensors"))
+    return state
+
+
+def _loader(rank: int, world: int, port: int, out_dir: str, cases: list) -> None:
+    _init(rank, world, port)
+    from examples.tune_sharded import build_sharded, config_of
+
+    (path,) = cases
+    model = build_sharded(config_of(path), path)
+    _save_results({"loaded": {k: v.full_tensor() for k, v in model.state_dict().items()},
+                   "local": {k: tuple(v.to_local().shape) for k, v in model.state_dict().items()}},
+                  out_dir, rank)
+    _teardown(rank)
+
+
+@pytest.mark.slow
+def test_the_sharded_example_loads_a_checkpoint_slice_by_slice_and_tunes(tmp_path):
+    """examples/tune_sharded.py: each rank's shards filled from a safetensors checkpoint hold
+    the saved weights; under torchrun on 2 gloo ranks it tunes and rank 0 writes the policy,
+    named for the model's own class and fingerprint."""
+    import subprocess
+    import sys
+
+    import autoprec
+
+    ckpt = tmp_path / "ckpt"
+    saved = _checkpoint(ckpt)
+    ranks = run_ranks(tmp_path, [str(ckpt)], timeout=300.0, worker=_loader)
+    for got in ranks:
+        assert got["loaded"].keys() == saved.keys()
+        for k, v in saved.items():
+            assert torch.equal(got["loaded"][k], v), k
+    # each rank held its part only (FSDP2 splits dim 0 of every weight over the 2 ranks)
+    embed = "model.embed_tokens.weight"
+    assert [got["local"][embed][0] for got in ranks] == [saved[embed].shape[0] // 2] * 2
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "out" / "policy.yaml"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(_free_port()), os.path.join(root, "examples", "tune_sharded.py"),
+         "--model-dir", str(ckpt), "--target", "cpu-amx", "--formats", "fp32", "bf16",
+         "--trials", "3", "--seq-len", "32", "-o", str(out)],
+        capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("wrote ") == 1, run.stdout  # rank 0 alone
+    policy = autoprec.load_policy(out)
+    model = tiny_llama()
+    assert policy.model_name == "LlamaForCausalLM"
+    assert policy.fingerprint == autoprec.policy.model_fingerprint(model)
