@@ -158,3 +158,26 @@ def test_emulation_trains_a_step_in_it(toy):
     assert torch.isfinite(loss)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     copy.deepcopy(model)  # regions holding the format copy
+
+
+def test_a_new_tensor_scaled_recipe_counts_its_range_per_tensor_as_its_gemms_say(toy):
+    """The range statistics read each operand's scaling and element dtype from the format's
+    GEMMs: the toy recipe scales per tensor in E4M3 everywhere, so a batch whose rows differ by
+    eight orders of magnitude underflows its small rows as tensorwise fp8 does (and its
+    gradients too, where the rowwise recipe scales each row to its own range). It used to be
+    counted as rowwise: every FP8 format but the tensorwise built-in was."""
+    from autoprec.measure.sensitivity import measure_sensitivity
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32))
+    rows = torch.tensor([1e3] * 8 + [1e-5] * 8).unsqueeze(1)
+    x = torch.randn(16, 32) * rows
+
+    def loss_fn(m, batch):
+        return (m(batch) * rows).sum()
+
+    got = measure_sensitivity(model, ["0"], [toy, "fp8", "fp8:rowwise"], batches=[x],
+                              loss_fn=loss_fn, mode="exact")["0"]
+    tensorwise, rowwise, mine = got[Format.FP8], got[Format.FP8_ROWWISE], got[toy]
+    assert mine.act_underflow == tensorwise.act_underflow > rowwise.act_underflow
+    assert mine.grad_underflow > rowwise.grad_underflow

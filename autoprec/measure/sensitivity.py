@@ -209,9 +209,15 @@ class _RangeCounter:
 
     def __init__(self, fmt: Format, kind: str):
         self.fmt = fmt
-        # Which FP8 encoding the recipe uses for this kind of tensor: tensorwise keeps E5M2's
-        # range for gradients, the rowwise recipes use E4M3 everywhere.
-        self.fp8_dtype = FP8_E5M2 if kind == "grad" and fmt is Format.FP8 else FP8_E4M3
+        # How the recipe rounds this kind of tensor: as the first operand of the forward GEMM
+        # (activations and weights) or of the input-gradient GEMM (gradients), its element
+        # dtype (tensorwise keeps E5M2's range for gradients, the rowwise recipes use E4M3
+        # everywhere) and whether it has one scale per tensor. Block scales (MX, NVFP4) are
+        # counted per row, and FP4 elements with E4M3's range: the nearest these statistics
+        # have.
+        gemm = fmt.numerics.dgrad if kind == "grad" else fmt.numerics.fwd
+        self.fp8_dtype = gemm.a if gemm.a in (FP8_E4M3, FP8_E5M2) else FP8_E4M3
+        self.per_tensor = gemm.scaling == "tensor"
         self.over: torch.Tensor | int = 0
         self.under: torch.Tensor | int = 0
         self.total = 0
@@ -222,7 +228,7 @@ class _RangeCounter:
         if self.fmt.is_fp8:
             # The recipe's own scale: the same amax, clamp and rounding as autoprec.runtime.fp8
             # (rows along the last dimension: the contracted one of the forward's operands).
-            rowwise = self.fmt is not Format.FP8 and x.dim() > 0
+            rowwise = not self.per_tensor and x.dim() > 0
             scaled = a * (rowwise_scale(x, self.fp8_dtype, -1) if rowwise
                           else tensorwise_scale(x, self.fp8_dtype))
             fi = torch.finfo(self.fp8_dtype)
