@@ -105,6 +105,25 @@ def test_the_best_warm_start_is_the_one_fastest_when_re_timed():
 
 
 @pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("factor, winner", [(0.85, 1), (1.05, 0)])
+def test_a_policy_clearly_faster_or_slower_than_fp32_is_decided_so(seed, factor, winner):
+    # the rule below, where its outcome is not in doubt: bf16 15% faster than fp32 wins with
+    # an interval that excludes 1; 5% slower, all-fp32 wins
+    true = {"fp32": 0.3, 0: 0.3 * 1.02, 1: 0.3 * factor}
+    policies = {0: Policy(default="fp32"), 1: Policy(default="bf16")}
+    finalists = [Finalist(k, policies[k], 0.001 * k, predicted=true[k] / true["fp32"])
+                 for k in (0, 1)]
+    ev = FakeEvaluator(BurstyMachine(seed, mean_gap=1.0), true)
+    sel = select(ev, finalists, [0, 1], TimingConfig(final_rounds=6, max_final_rounds=10,
+                                                     final_seconds=1e9))
+    assert sel.winner == winner, sel
+    if winner == 1:
+        assert sel.speedup[1].low > 1.0, sel
+    else:
+        assert sel.speedup[0] == Interval(1.0, 1.0, 1.0, 0), sel.speedup
+
+
+@pytest.mark.parametrize("seed", range(6))
 def test_a_policy_not_faster_than_fp32_beyond_noise_loses_to_all_fp32(seed):
     # trial 1 (bf16) is truly 1% faster than fp32, trial 0 is all-fp32 (the regions cost 2%)
     true = {"fp32": 0.3, 0: 0.3 * 1.02, 1: 0.3 * 0.99}
