@@ -61,8 +61,7 @@ from autoprec._util import shown
 from autoprec.formats import Format
 from autoprec.policy import Policy, PolicyError, load_policy
 from autoprec.runtime import apply
-from autoprec.runtime.engines import (blackwell, float8_linear_config, torchao_available,
-                                      torchao_takes)
+from autoprec.runtime.engines import blackwell, float8_linear_config, torchao_available, torchao_takes
 from autoprec.task import Task
 
 torchao_available()  # imports torchao (before torchtitan does) without its CUDA-less noise
@@ -449,13 +448,20 @@ def _registry(module: str) -> Callable:
 
 
 def build_model(module: str = "llama3", flavor: str = "debugmodel", *, n_layers: int | None = None,
-                device: str | torch.device = "cpu", seed: int = 0) -> nn.Module:
+                device: str | torch.device = "cpu", seed: int = 0,
+                shard: bool = False) -> nn.Module:
     """torchtitan's ``module`` model of ``flavor``, built as its trainer builds it (meta, then
     materialised on ``device`` and initialised by its ``init_weights``), names and shapes as
     its trainer's, for tuning. Attention is plain causal SDPA: torchtitan's flex and varlen
     backends need the trainer's document masks and compile (they hold no parameters, so the
     policy's names and fingerprint are the trainer's). ``n_layers`` keeps the first blocks only
-    (a model too large to tune whole: its policy's fingerprint is then the shorter model's)."""
+    (a model too large to tune whole: its policy's fingerprint is then the shorter model's).
+
+    ``shard=True`` (every rank of a ``torchrun``): sharded over the default process group by
+    torchtitan's own FSDP2 units (``apply_fsdp_to_decoder``: the embedding, the norm with the
+    head, each block, the root) while still on the meta device, with FP32 parameters and
+    reductions (the measurement's reference is FP32), so each rank materialises and
+    initialises its shards only: for ``tune(task, model=...)`` of a model no process holds."""
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
     config = _registry(module)(flavor).model
@@ -467,11 +473,27 @@ def build_model(module: str = "llama3", flavor: str = "debugmodel", *, n_layers:
             attention.inner_attention = ScaledDotProductAttention.Config()
     with torch.device("meta"):
         model = config.build()
+    if shard:
+        _shard(model, torch.device(device))
     model.to_empty(device=device)
     torch.manual_seed(seed)
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device(device))
     return model
+
+
+def _shard(model: nn.Module, device: torch.device) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("build_model(shard=True) shards over the ranks of a torchrun: "
+                         "initialise the default process group first "
+                         "(torch.distributed.init_process_group).")
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    apply_fsdp_to_decoder(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32,
+                          pp_enabled=False)
 
 
 def _next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,13 @@ unpickles nothing) or from HF's random initialisation. Then every rank calls
         --target h100 -o policies/llama3_8b_2layers.yaml            # random init
     torchrun --nproc-per-node 8 examples/tune_sharded.py --model-dir /ckpt/Meta-Llama-3-8B \\
         --target h100 -o policies/llama3_8b.yaml                    # config.json + *.safetensors
+    torchrun --nproc-per-node 8 examples/tune_sharded.py --torchtitan 8B --layers 2 \\
+        --target h100 --formats fp32 bf16 fp8 -o policies/titan_8b_2layers.yaml
+
+``--torchtitan FLAVOR`` builds torchtitan's Llama 3 of that flavor as its trainer does, sharded
+by torchtitan's own FSDP2 units in FP32 (:func:`autoprec.torchtitan.build_model` with
+``shard=True``) and initialised by its ``init_weights``, so the policy's names and fingerprint
+are the trainer's model's (no fp16: torchtitan's trainer scales no loss).
 
 CUDA devices use NCCL, CPUs gloo. Trials are priced for ``--target`` (a sharded tune does not
 time steps); numerics are measured in FP32 on the ranks' devices. The byte tokens (0..255) are
@@ -115,6 +122,9 @@ def main(argv=None) -> int:
     where = ap.add_mutually_exclusive_group(required=True)
     where.add_argument("--model-dir", help="a directory with config.json and *.safetensors")
     where.add_argument("--preset", choices=sorted(PRESETS), help="a config, random weights")
+    where.add_argument("--torchtitan", metavar="FLAVOR",
+                       help="torchtitan's Llama 3 of this flavor (debugmodel, 8B, ...), random "
+                            "weights")
     ap.add_argument("--layers", type=int, help="keep only the first LAYERS blocks")
     ap.add_argument("--random-init", action="store_true",
                     help="with --model-dir: its config, random weights")
@@ -128,13 +138,23 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     device = _setup()
     rank = dist.get_rank()
-    config = config_of(args.model_dir, args.preset, args.layers)
-    checkpoint = None if args.random_init or args.model_dir is None else args.model_dir
-    model = build_sharded(config, checkpoint, device)
-    name = os.path.basename(os.path.normpath(args.model_dir or args.preset))
-    task = autoprec.Task(model=model, name=name, device=device,
-                         batches=byte_batches(args.batches, args.batch_size, args.seq_len,
-                                              seed=1))
+    if args.torchtitan is not None:
+        from autoprec.torchtitan import build_model
+        from autoprec.torchtitan import task as titan_task
+
+        model = build_model("llama3", args.torchtitan, n_layers=args.layers, device=device,
+                            shard=True)
+        tokens = [b["input_ids"] for b in byte_batches(args.batches, args.batch_size,
+                                                       args.seq_len, seed=1)]
+        task = titan_task(tokens, "llama3", args.torchtitan, n_layers=args.layers, device=device)
+    else:
+        config = config_of(args.model_dir, args.preset, args.layers)
+        checkpoint = None if args.random_init or args.model_dir is None else args.model_dir
+        model = build_sharded(config, checkpoint, device)
+        name = os.path.basename(os.path.normpath(args.model_dir or args.preset))
+        task = autoprec.Task(model=model, name=name, device=device,
+                             batches=byte_batches(args.batches, args.batch_size, args.seq_len,
+                                                  seed=1))
     result = autoprec.tune(task, target=args.target, formats=tuple(args.formats),
                            n_trials=args.trials, output=args.output, model=model,
                            progress=rank == 0)

@@ -17,6 +17,9 @@ from test_sensitivity_fsdp import _shard
 OPTIONS = dict(target="cpu-amx", formats=("fp32", "bf16", "fp16"), n_trials=6, seed=3,
                sensitivity="fast", progress=False, max_grad_error=0.004)
 
+# FP32 norms of a tensor and of its two halves agree to about this (relative)
+NORMS = 1e-3
+
 
 def _llama():
     return tiny_llama(hidden=256, intermediate=512)
@@ -113,15 +116,16 @@ def test_a_sharded_models_tune_is_the_one_process_tune_on_every_rank(tmp_path):
         for key in ("trials", "winner", "policy", "profile"):
             assert sharded[key] == alone[key], (rank, key)
         # each rank sums only its part of the bias (the norms summed over the ranks): the
-        # same to float rounding
-        assert sharded["bias"] == pytest.approx(alone["bias"], rel=1e-6)
+        # same to the rounding of FP32 norms (a whole large tensor's and its halves' round
+        # differently: 1e-7 to 2e-4 relative measured)
+        assert sharded["bias"] == pytest.approx(alone["bias"], rel=NORMS)
         numerics = got["numerics"]
         for (fmt, per_batch, is_sharded), (*same, bias, bias_sq) in numerics.items():
             if is_sharded:
                 *one, one_bias, one_sq = numerics[fmt, per_batch, False]
                 assert same == one, (fmt, per_batch)
-                assert 0 < bias == pytest.approx(one_bias, rel=1e-6), (fmt, per_batch)
-                assert bias_sq == pytest.approx(one_sq, rel=1e-5), (fmt, per_batch)
+                assert 0 < bias == pytest.approx(one_bias, rel=NORMS), (fmt, per_batch)
+                assert bias_sq == pytest.approx(one_sq, rel=NORMS), (fmt, per_batch)
         assert set(alone["winner"].values()) != {"fp32"}, alone["trials"]
         assert alone["memory"] and sharded["memory"] is None
         assert got["refused"]["target"].startswith("tune(model=...) of a model FSDP2 shards "
@@ -193,3 +197,46 @@ def test_the_sharded_example_loads_a_checkpoint_slice_by_slice_and_tunes(tmp_pat
     model = tiny_llama()
     assert policy.model_name == "LlamaForCausalLM"
     assert policy.fingerprint == autoprec.policy.model_fingerprint(model)
+
+
+def _titan(rank: int, world: int, port: int, out_dir: str, cases: list) -> None:
+    """torchtitan's debug Llama sharded by torchtitan's own FSDP2 units (build_model(shard=True))
+    and tuned, against one process tuning the whole model with the same weights."""
+    _init(rank, world, port)
+    from autoprec import tune
+    from autoprec.measure import shards
+    from autoprec.torchtitan import build_model
+    from autoprec.torchtitan import task as titan_task
+
+    task = titan_task([b["input_ids"] for b in byte_batches(4, 4, 64, seed=3)], "llama3",
+                      "debugmodel", n_layers=2)
+    options = {**OPTIONS, "formats": ("fp32", "bf16"), "max_grad_error": None}
+    here = os.path.join(out_dir, f"rank{rank}")
+    out = {"alone": _summary(tune(task, output=os.path.join(here, "alone", "p.yaml"),
+                                  **options))}
+    model = build_model(n_layers=2, shard=True)
+    own = {n: p.full_tensor() for n, p in model.named_parameters()}
+    out["own_init"] = all(bool(t.isfinite().all()) and float(t.std()) > 0
+                          for n, t in own.items() if "norm" not in n)
+    out["units"] = sum(type(m).__name__.startswith("FSDP") for m in model.modules())
+    whole = dict(build_model(n_layers=2).named_parameters())
+    with torch.no_grad():  # the one process's weights, each rank its part
+        for n, p in model.named_parameters():
+            p.to_local().copy_(shards.local(shards.like(whole[n].detach(), p)))
+    out["sharded"] = _summary(tune(task, output=os.path.join(here, "sharded", "p.yaml"),
+                                   model=model, **options))
+    _save_results(out, out_dir, rank)
+    _teardown(rank)
+
+
+@pytest.mark.slow
+def test_torchtitans_own_sharding_tunes_as_one_process(tmp_path):
+    ranks = run_ranks(tmp_path, [], timeout=600.0, worker=_titan)
+    for rank, got in enumerate(ranks):
+        alone, sharded = got["alone"], got["sharded"]
+        assert len({str(t[1]) for t in alone["trials"]}) >= 2, alone["trials"]
+        for key in ("trials", "winner", "policy", "profile"):
+            assert sharded[key] == alone[key], (rank, key)
+        assert sharded["bias"] == pytest.approx(alone["bias"], rel=NORMS)
+        # torchtitan's units: embedding, norm + head, 2 blocks, the root
+        assert got["own_init"] and got["units"] >= 5, got["units"]

@@ -670,7 +670,7 @@ def _decide(handle: StudyHandle, task: Task, ev: Evaluator, space: SearchSpace,
         log(f"timing noise during the search: the trials' fp32 steps took {drift[0]:.2f}-"
             f"{drift[1]:.2f}x the calibrated time (10-90%); trial speeds are rough, the final "
             "re-timing decides")
-    if not ev.reference_only:
+    if not ev.reference_only and ev.steps is not None:  # priced trials are not re-timed
         log(f"re-timing {len(finalists)} leading policies against fp32 until the verdict is "
             "significant")
     sel = select(ev, finalists, [t.number for t in warm_picks], config.timing, log=log)
