@@ -112,6 +112,23 @@ def _same(a, b) -> bool:
                       and math.isnan(b))
 
 
+# FIELDS' gradient errors: an exact comparison keeps each rank's part of the reference's
+# gradients and sums the squared norms of its parts' differences over the ranks, so these
+# equal one process's to the rounding of FP32 norms (a tensor's and its halves' differ by
+# 1e-7 to 2e-4 relative); the first-order estimate's are bit for bit
+GRAD_FIELDS = (1, 2)
+
+
+def _close(a, b, exact: bool) -> bool:
+    return _same(a, b) or (not exact and isinstance(a, float) and isinstance(b, float)
+                           and abs(a - b) <= 1e-3 * abs(b))
+
+
+def _all_close(sharded: tuple, alone: tuple, mode: str) -> bool:
+    return all(_close(a, b, mode != "exact" or i not in GRAD_FIELDS)
+               for i, (a, b) in enumerate(zip(sharded, alone)))
+
+
 @pytest.mark.slow
 def test_a_sharded_models_sensitivity_is_the_one_process_numbers_and_each_rank_estimates_its_share(
         tmp_path):
@@ -123,7 +140,7 @@ def test_a_sharded_models_sensitivity_is_the_one_process_numbers_and_each_rank_e
             alone, sharded = got[key]["alone"], got[key]["sharded"]
             assert sharded.keys() == alone.keys(), key
             for pair, numbers in alone.items():
-                assert all(map(_same, sharded[pair], numbers)), \
+                assert _all_close(sharded[pair], numbers, mode), \
                     f"{key} rank {rank} {pair}: sharded {sharded[pair]} alone {numbers}"
             # not vacuous: the estimates are finite and differ between layers
             assert all(v[-1] for v in sharded.values()), key

@@ -32,8 +32,10 @@ def _task():
 
 
 def _summary(result) -> dict:
-    return {"trials": [(t.number, t.assignment, t.loss_increase, t.grad_error, t.step_seconds,
-                        t.feasible, t.origin) for t in result.trials],
+    return {"trials": [(t.number, t.assignment, t.loss_increase, t.step_seconds, t.feasible,
+                        t.origin) for t in result.trials],
+            # summed over the ranks' parts: to the rounding of FP32 norms (NORMS)
+            "grad_error": [t.grad_error for t in result.trials],
             "bias": [t.grad_bias for t in result.trials],
             "winner": result.best.assignment,
             "policy": _policy(result.policy),
@@ -112,18 +114,20 @@ def test_a_sharded_models_tune_is_the_one_process_tune_on_every_rank(tmp_path):
         alone, sharded = got["alone"], got["sharded"]
         # not vacuous: several distinct trials, some feasible and some not under the budget
         assert len({str(t[1]) for t in alone["trials"]}) >= 4
-        assert {t[5] for t in alone["trials"]} == {True, False}, alone["trials"]
+        assert {t[4] for t in alone["trials"]} == {True, False}, alone["trials"]
         for key in ("trials", "winner", "policy", "profile"):
             assert sharded[key] == alone[key], (rank, key)
         # each rank sums only its part of the bias (the norms summed over the ranks): the
         # same to the rounding of FP32 norms (a whole large tensor's and its halves' round
         # differently: 1e-7 to 2e-4 relative measured)
         assert sharded["bias"] == pytest.approx(alone["bias"], rel=NORMS)
+        assert sharded["grad_error"] == pytest.approx(alone["grad_error"], rel=NORMS)
         numerics = got["numerics"]
-        for (fmt, per_batch, is_sharded), (*same, bias, bias_sq) in numerics.items():
+        for (fmt, per_batch, is_sharded), (loss, grad, *same, bias, bias_sq) in numerics.items():
             if is_sharded:
-                *one, one_bias, one_sq = numerics[fmt, per_batch, False]
-                assert same == one, (fmt, per_batch)
+                one_loss, one_grad, *one, one_bias, one_sq = numerics[fmt, per_batch, False]
+                assert (loss, same) == (one_loss, one), (fmt, per_batch)
+                assert 0 < grad == pytest.approx(one_grad, rel=NORMS), (fmt, per_batch)
                 assert 0 < bias == pytest.approx(one_bias, rel=NORMS), (fmt, per_batch)
                 assert bias_sq == pytest.approx(one_sq, rel=NORMS), (fmt, per_batch)
         assert set(alone["winner"].values()) != {"fp32"}, alone["trials"]
@@ -238,5 +242,6 @@ def test_torchtitans_own_sharding_tunes_as_one_process(tmp_path):
         for key in ("trials", "winner", "policy", "profile"):
             assert sharded[key] == alone[key], (rank, key)
         assert sharded["bias"] == pytest.approx(alone["bias"], rel=NORMS)
+        assert sharded["grad_error"] == pytest.approx(alone["grad_error"], rel=NORMS)
         # torchtitan's units: embedding, norm + head, 2 blocks, the root
         assert got["own_init"] and got["units"] >= 5, got["units"]

@@ -233,16 +233,27 @@ class Numerics:
         return ref
 
     def _batch_grads(self, b: int) -> list[torch.Tensor]:
-        """The reference's gradients on batch ``b`` alone, computed again (per_batch)."""
+        """The reference's gradients on batch ``b`` alone, computed again (per_batch); on a
+        model FSDP2 shards, this rank's part of each, kept as autograd finishes it."""
         with _fp32(self.model), torch.random.fork_rng(devices=_rng_devices(self.model)):
             torch.manual_seed(self.seed + b)
-            return _grads(self._loss(self.batches[b]), self.params)
+            loss = self._loss(self.batches[b])
+            if self._parts is None:
+                return _grads(loss, self.params)
+            out: list = [None] * len(self.params)
+
+            def keep(i: int, g: torch.Tensor) -> None:
+                out[i] = shards.part(g, self._parts[i])
+
+            _as_they_arrive(loss, self.params, keep)
+            return [torch.zeros_like(shards.local(s), dtype=torch.float32) if g is None else g
+                    for g, s in zip(out, self._parts)]
 
     def _summed_reference_sq(self, ref: Reference) -> list[float]:
         if self._ref_sum_sq is None:
             total = None
             for g in ref.grads:
-                total = _accumulate(total, self._kept(g))
+                total = _accumulate(total, g)  # this rank's part, as kept
             self._ref_sum_sq = self._across(_sq_norms(total)).tolist()
         return self._ref_sum_sq
 
@@ -260,7 +271,7 @@ class Numerics:
                 if keep:
                     g = _grads(loss, self.params)
                     sq, finite = _sq_norms(g), all_finite(g)
-                    grads.append(g)
+                    grads.append(self._kept(g))
                     del g
                 else:  # only their norms: each gradient dropped as soon as it is read
                     sq, finite, summed = _differences(loss, self.params, None, total=summed,
@@ -306,6 +317,7 @@ class Numerics:
                     sq, ok, total = _differences(loss, self.params, grads, scale=scale,
                                                  total=total if total or not bias else [],
                                                  hold=not self.per_batch, parts=self._parts)
+                    sq = self._across(sq)  # the differences of this rank's parts
                 del grads, loss
                 r = ref.losses[b]
                 changes.append((value - r) / abs(r) if r != 0 else value - r)
@@ -326,7 +338,7 @@ class Numerics:
             bias_sq=tuple(bias_sq), ref_sum_sq=tuple(ref_sum_sq))
 
     def _kept(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """What this rank keeps of whole ``grads`` in a sum: its shards' part of them."""
+        """What this rank keeps of whole ``grads`` (a reference's, a sum): its shards' part."""
         if self._parts is None:
             return grads
         return [shards.part(g, s) for g, s in zip(grads, self._parts)]
@@ -419,7 +431,9 @@ def _differences(loss: torch.Tensor, params: list[torch.Tensor],
     finite (an overflow voids it); ``hold=False`` reads it in a second backward at the scale
     that did not overflow instead (the same gradients: a backward is deterministic here).
     ``parts``: the shards of a model FSDP2 shards, one per parameter: the sum keeps only this
-    rank's part of each difference (:func:`autoprec.measure.shards.part`)."""
+    rank's part of each difference (:func:`autoprec.measure.shards.part`), and ``ref`` is this
+    rank's part of the reference's gradients, so the differences and their norms are of this
+    rank's parts (the caller sums the squares over the ranks)."""
     if scale != 1.0 and not bool(torch.isfinite(loss.detach())):
         scale = 1.0
     while True:
@@ -446,6 +460,7 @@ class _Reading:
                  scale: float, total: list | None, *, retry: bool = True,
                  parts: Sequence[torch.Tensor] | None = None):
         self.params, self.ref, self.scale, self.parts = params, ref, scale, parts
+        # a sharded model's reference is kept in parts: so is each difference
         self.may_retry = retry and scale > 1.0  # a gradient that overflows voids this reading
         self.overflowed = False
         self.finite = True
@@ -466,11 +481,13 @@ class _Reading:
         self.finite = self.finite and ok
         if self.scale != 1.0:
             g = g.div_(self.scale)  # the parameter's own .grad: in place (it obeys its layout)
+        if self.parts is not None and self.ref is not None:
+            g = shards.part(g, self.parts[i])
         d = g if self.ref is None else g.sub_(self.ref[i])
         self.norms[i] = torch._foreach_norm([d])[0]
         if self.summed is None:
             return
-        if self.parts is not None:
+        if self.parts is not None and self.ref is None:
             d = shards.part(d, self.parts[i])
         if self.held:
             self.waiting[i] = d
