@@ -19,9 +19,17 @@ BENCHMARKS.md), and the floor scaled by that check's measured / predicted is pri
 a scale fitted on one run of one model. On the CPU the FP8 trials are emulated, slower than an
 FP32 pass, where a GPU runs them faster, so that count is high for a GPU.
 
-What it cannot say: anything about sharding (every figure is one process holding the whole
-model: issue 38's item 4, FSDP2 across ranks, is not built), or GPU memory (the bench reads
-host RSS; on the H200 a 3.2B Llama's fast profile was 1.04x its step, see BENCHMARKS.md).
+Sharded (issue 38, item 4): where the log has a part both in one process (``tune-lean``) and
+on 2 ranks (``tune-lean@2``) at one size, the per-rank peak is split into what the ranks
+share (``S``: it halves on 2 ranks, so ``S = 2 (one process - per rank)``) and what each rank
+holds whole (``R = one process - S``). ``S`` is taken to grow with P and shrink with the GPUs
+(``S/P x P / n``); ``R`` -- at the bench's sizes the gathered unit (the head) with FSDP2's
+gather buffers, the head's local re-runs, one batch's activations and the fixed cost of the
+machinery -- to grow with the head, the largest unit (vocabulary x hidden x 4 bytes). One size
+measured, so neither assumption is checked: a prediction to check on GPUs.
+
+What it cannot say: GPU memory (the bench reads host RSS; on the H200 a 3.2B Llama's fast
+profile was 1.04x its step, see BENCHMARKS.md).
 
     python benchmarks/bench_profile_memory.py --sizes 512x4 1024x4 1024x8 | tee mem.log
     python benchmarks/predict_scale.py mem.log
@@ -39,7 +47,7 @@ H200 = 141e9
 _CELL = re.compile(r"([\d.]+) MiB")
 # the bench's calibration batch: 2 sequences of 64 tokens
 TOKENS = 2 * 64
-_PASSES = re.compile(r"([\w-]+) ([\d.]+) s = (\d+) passes")
+_PASSES = re.compile(r"([\w@-]+) ([\d.]+) s = (\d+) passes")
 
 
 def shapes() -> dict:
@@ -91,7 +99,8 @@ def _passes_fit(points: list[tuple[int, int]]) -> tuple[float, float]:
 def predict_time(lines: list[str]) -> None:
     from autoprec.costmodel import TrainingSetup
 
-    rows = {k: v for k, v in read_passes(lines).items() if k != "step"}
+    # one process's parts: the time of one GPU doing all the work
+    rows = {k: v for k, v in read_passes(lines).items() if k != "step" and "@" not in k}
     if not rows:
         print("\n(no passes in the log: rerun bench_profile_memory.py for the time prediction)")
         return
@@ -160,19 +169,45 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     return a, my - a * mx
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("log", help="bench_profile_memory.py's output")
-    args = ap.parse_args()
-    with open(args.log) as f:
-        lines = f.readlines()
+# the bench's vocabulary, and the two models' (Llama 3's tokenizer) with their hidden widths
+BENCH_VOCAB = 32_000
+HEADS = {"Llama-3-8B": 128_256 * 4096 * 4, "Llama-3-70B": 128_256 * 8192 * 4}
+GPUS = 8
+
+
+def predict_sharded(lines: list[str]) -> None:
+    """Per-GPU peaks of a sharded tune or profile on ``GPUS`` GPUs (see the module docstring)."""
     parts, rows = read_table(lines)
-    if len(rows[parts[0]]) < 2:
-        raise SystemExit("the fit needs at least two sizes in the table")
+    start = next(i for i, line in enumerate(lines) if line.startswith("| model | P"))
+    sizes = [line.split("|")[1].strip() for line in lines[start + 2:start + 2 + len(rows[parts[0]])]]
+    pairs = [p for p in parts if f"{p}@2" in rows]
+    if not pairs:
+        print("\n(no part measured both in one process and on 2 ranks: no sharded prediction)")
+        return
+    print(f"\nPREDICTION per GPU of a sharded run on {GPUS} GPUs (S: shared by the ranks, "
+          "scales with P / GPUs; R: held whole by each, scales with the head; from the "
+          "largest size measured on 2 ranks):")
+    print("| part | size | S | R | " + " | ".join(f"{m} on {GPUS}" for m in MODELS) + " |")
+    print("|---|---|---|---|" + "---|" * len(MODELS))
+    for p in pairs:
+        (P, one), (_, two) = rows[p][-1], rows[f"{p}@2"][-1]
+        hidden = int(sizes[-1].split("x")[0])
+        head = BENCH_VOCAB * hidden * 4
+        shared = 2 * (one - two)
+        whole = one - shared
+        cells = []
+        for name, params in MODELS.items():
+            peak = shared / P * params / GPUS + whole / head * HEADS[name]
+            cells.append(f"{peak / 1e9:.0f} GB ({peak / H200:.2f} H200)")
+        print(f"| {p} | {sizes[-1]} | {shared / P:.2f} P | {whole / head:.1f} x head "
+              f"({whole / P:.2f} P) | " + " | ".join(cells) + " |")
+
+
+def predict_whole(parts: list[str], rows: dict) -> None:
     print("PREDICTION (extrapolated from the measured sizes; one process, whole model):")
     print("| part | fit | worst residual | " + " | ".join(MODELS) + " |")
     print("|---|---|---|" + "---|" * len(MODELS))
-    for p in parts:
+    for p in [p for p in parts if "@" not in p]:
         a, b = fit(rows[p])
         worst = max(abs(y - (a * x + b)) / y for x, y in rows[p])
         cells = []
@@ -181,6 +216,20 @@ def main() -> None:
             cells.append(f"{peak / 1e9:.0f} GB ({peak / H200:.2f} H200)")
         print(f"| {p} | {a:.2f} P + {b / 2**20:.0f} MiB | {worst:.1%} | " + " | ".join(cells)
               + " |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("log", help="bench_profile_memory.py's output")
+    args = ap.parse_args()
+    with open(args.log) as f:
+        lines = f.readlines()
+    parts, rows = read_table(lines)
+    if len(rows[parts[0]]) < 2:
+        print("(one size in the table: the one-process peaks need two or more to fit)")
+    else:
+        predict_whole(parts, rows)
+    predict_sharded(lines)
     predict_time(lines)
 
 
