@@ -38,6 +38,7 @@ sys.path.insert(0, ROOT)
 
 import autoprec  # noqa: E402
 from examples.data import byte_batches  # noqa: E402
+from examples.train_fsdp import setup  # noqa: E402
 
 __all__ = ["PRESETS", "config_of", "build_sharded"]
 
@@ -105,18 +106,6 @@ def build_sharded(config, checkpoint: str | None = None, device: str | torch.dev
     return model.train()
 
 
-def _setup() -> torch.device:
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    return device
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     where = ap.add_mutually_exclusive_group(required=True)
@@ -136,7 +125,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("-o", "--output", required=True, help="the policy file (rank 0 writes)")
     args = ap.parse_args(argv)
-    device = _setup()
+    _, _, device = setup()  # the process group torchrun describes (NCCL or gloo)
     rank = dist.get_rank()
     if args.torchtitan is not None:
         from autoprec.torchtitan import build_model

@@ -107,6 +107,16 @@ def _worker(rank: int, world: int, port: int, out_dir: str, cases: list) -> None
     _teardown(rank)
 
 
+def _same_tune(sharded: dict, alone: dict, rank: int) -> None:
+    for key in ("trials", "winner", "policy", "profile"):
+        assert sharded[key] == alone[key], (rank, key)
+    # each rank sums only its part of the differences and of the bias (the norms summed over
+    # the ranks): the same to the rounding of FP32 norms (a whole large tensor's and its
+    # halves' round differently: 1e-7 to 2e-4 relative measured)
+    assert sharded["bias"] == pytest.approx(alone["bias"], rel=NORMS)
+    assert sharded["grad_error"] == pytest.approx(alone["grad_error"], rel=NORMS)
+
+
 @pytest.mark.slow
 def test_a_sharded_models_tune_is_the_one_process_tune_on_every_rank(tmp_path):
     ranks = run_ranks(tmp_path, [], timeout=600.0, worker=_worker)
@@ -115,13 +125,7 @@ def test_a_sharded_models_tune_is_the_one_process_tune_on_every_rank(tmp_path):
         # not vacuous: several distinct trials, some feasible and some not under the budget
         assert len({str(t[1]) for t in alone["trials"]}) >= 4
         assert {t[4] for t in alone["trials"]} == {True, False}, alone["trials"]
-        for key in ("trials", "winner", "policy", "profile"):
-            assert sharded[key] == alone[key], (rank, key)
-        # each rank sums only its part of the bias (the norms summed over the ranks): the
-        # same to the rounding of FP32 norms (a whole large tensor's and its halves' round
-        # differently: 1e-7 to 2e-4 relative measured)
-        assert sharded["bias"] == pytest.approx(alone["bias"], rel=NORMS)
-        assert sharded["grad_error"] == pytest.approx(alone["grad_error"], rel=NORMS)
+        _same_tune(sharded, alone, rank)
         numerics = got["numerics"]
         for (fmt, per_batch, is_sharded), (loss, grad, *same, bias, bias_sq) in numerics.items():
             if is_sharded:
@@ -239,9 +243,6 @@ def test_torchtitans_own_sharding_tunes_as_one_process(tmp_path):
     for rank, got in enumerate(ranks):
         alone, sharded = got["alone"], got["sharded"]
         assert len({str(t[1]) for t in alone["trials"]}) >= 2, alone["trials"]
-        for key in ("trials", "winner", "policy", "profile"):
-            assert sharded[key] == alone[key], (rank, key)
-        assert sharded["bias"] == pytest.approx(alone["bias"], rel=NORMS)
-        assert sharded["grad_error"] == pytest.approx(alone["grad_error"], rel=NORMS)
+        _same_tune(sharded, alone, rank)
         # torchtitan's units: embedding, norm + head, 2 blocks, the root
         assert got["own_init"] and got["units"] >= 5, got["units"]
