@@ -449,7 +449,9 @@ class _Estimator:
         params = numerics.params
         self.index = {id(p): i for i, p in enumerate(params)}
         stored = numerics.shards  # where the values are (each rank's part under FSDP2)
-        total = math.fsum(shards.summed(_sq(shards.local(p)), p) for p in stored)
+        sq = torch.tensor([_sq(shards.local(p)) for p in stored], dtype=torch.float64,
+                          device=shards.local(stored[0]).device)
+        total = math.fsum(shards.summed_each(sq, stored).tolist())
         rms = math.sqrt(total / max(1, sum(p.numel() for p in stored)))
         self.step = PROBE_STEP * (rms or 1.0)
         # per probe of the batch running, the generator state each parameter's direction was

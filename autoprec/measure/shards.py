@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-__all__ = ["is_sharded", "unsharded", "local", "summed", "like", "ranks", "divide", "gathered",
+__all__ = ["is_sharded", "unsharded", "local", "like", "ranks", "divide", "gathered",
            "broadcast", "part", "summed_each"]
 
 
@@ -58,16 +58,6 @@ def unsharded(model: nn.Module) -> dict[int, nn.Parameter]:
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t`` (``t`` itself unless it is a ``DTensor``)."""
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def summed(value: float, over: torch.Tensor) -> float:
-    """``value``, a sum over this rank's part of ``over``, summed over the ranks holding the
-    rest of it (``value`` itself unless ``over`` is a ``DTensor``)."""
-    if not isinstance(over, DTensor) or over.device_mesh.size() == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=local(over).device)
-    dist.all_reduce(t, group=over.device_mesh.get_group())
-    return float(t)
 
 
 def summed_each(values: torch.Tensor, over: Sequence[torch.Tensor]) -> torch.Tensor:
