@@ -101,6 +101,8 @@ def child(part: str, size: str) -> None:
     if part.endswith("@2"):
         import torch.distributed as dist
 
+        import examples.tune_sharded  # noqa: F401  (the sharded build: imported before the baseline)
+
         dist.init_process_group("gloo")
     base = _rss()
     start = time.perf_counter()
@@ -140,29 +142,13 @@ def child(part: str, size: str) -> None:
 
 
 def _sharded(hidden: int, layers: int):
-    """The Llama built on the meta device, sharded by FSDP2 over
-    the ranks torchrun started, and only then given memory (its own shard on each rank) and
-    initialised: no rank ever holds the whole model."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-    from transformers import LlamaForCausalLM
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    """The Llama built on the meta device, sharded by FSDP2 over the ranks torchrun started (the
+    embedding, each block, the head, then the root: torchtitan's units), and only then given
+    memory (its own shard on each rank) and initialised: no rank ever holds the whole model
+    (``examples/tune_sharded.py``'s build)."""
+    from examples.tune_sharded import build_sharded
 
-    with torch.device("meta"):
-        model = LlamaForCausalLM(_config(hidden, layers))
-    # torchtitan's units: the embedding, each block, the head, then the root (the norm)
-    fully_shard(model.model.embed_tokens)
-    for block in model.model.layers:
-        fully_shard(block)
-    fully_shard(model.lm_head)
-    fully_shard(model)
-    model.to_empty(device="cpu")
-    torch.manual_seed(dist.get_rank())
-    model.init_weights()  # HF's init, shard by shard
-    # the rotary frequencies: a buffer computed at construction, so meta until built again
-    model.model.rotary_emb = LlamaRotaryEmbedding(model.config)
-    return model.train()
+    return build_sharded(_config(hidden, layers))
 
 
 def _pass_seconds(task) -> float:
