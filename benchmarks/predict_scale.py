@@ -142,21 +142,25 @@ def predict_time(lines: list[str]) -> None:
               + " |")
 
 
-def read_table(lines: list[str]) -> tuple[list[str], dict[str, list[tuple[float, float]]]]:
-    """The bench's markdown table: its parts, and per part the (P, peak) bytes of each size."""
+def read_table(lines: list[str]) -> tuple[list[str], dict[str, list[tuple[float, float]]],
+                                          list[str]]:
+    """The bench's markdown table: its parts, per part the (P, peak) bytes of each size, and
+    the sizes (``HIDDENxLAYERS``) in the same order."""
     start = next((i for i, line in enumerate(lines) if line.startswith("| model | P")), None)
     if start is None:
         raise SystemExit("no bench_profile_memory table in the log; run that bench first")
     parts = [c.split(" (")[0].strip() for c in lines[start].strip("|\n").split("|")[2:]]
     rows: dict[str, list[tuple[float, float]]] = {p: [] for p in parts}
+    sizes: list[str] = []
     for line in lines[start + 2:]:  # the first table only
         cells = line.strip("|\n").split("|")
         if not re.fullmatch(r"\s*\d+x\d+\s*", cells[0]) or len(cells) != len(parts) + 2:
             break
+        sizes.append(cells[0].strip())
         P = float(_CELL.search(cells[1]).group(1)) * 2**20
         for p, cell in zip(parts, cells[2:]):
             rows[p].append((P, float(_CELL.search(cell).group(1)) * 2**20))
-    return parts, rows
+    return parts, rows, sizes
 
 
 def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -175,11 +179,8 @@ HEADS = {"Llama-3-8B": 128_256 * 4096 * 4, "Llama-3-70B": 128_256 * 8192 * 4}
 GPUS = 8
 
 
-def predict_sharded(lines: list[str]) -> None:
+def predict_sharded(parts: list[str], rows: dict, sizes: list[str]) -> None:
     """Per-GPU peaks of a sharded tune or profile on ``GPUS`` GPUs (see the module docstring)."""
-    parts, rows = read_table(lines)
-    start = next(i for i, line in enumerate(lines) if line.startswith("| model | P"))
-    sizes = [line.split("|")[1].strip() for line in lines[start + 2:start + 2 + len(rows[parts[0]])]]
     pairs = [p for p in parts if f"{p}@2" in rows]
     if not pairs:
         print("\n(no part measured both in one process and on 2 ranks: no sharded prediction)")
@@ -224,12 +225,12 @@ def main() -> None:
     args = ap.parse_args()
     with open(args.log) as f:
         lines = f.readlines()
-    parts, rows = read_table(lines)
+    parts, rows, sizes = read_table(lines)
     if len(rows[parts[0]]) < 2:
         print("(one size in the table: the one-process peaks need two or more to fit)")
     else:
         predict_whole(parts, rows)
-    predict_sharded(lines)
+    predict_sharded(parts, rows, sizes)
     predict_time(lines)
 
 
