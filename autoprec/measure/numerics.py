@@ -193,7 +193,8 @@ class Numerics:
         self._leaf = shards.unsharded(model) if shards.is_sharded(model) else {}
         self.shards = [p for p in model.parameters() if p.requires_grad]
         self.params = [self._leaf.get(id(p), p) for p in self.shards]
-        # what a rank keeps of a sum of whole gradients (the bias's): its shards' part of them
+        # under FSDP2, each rank keeps its shards' part of the reference's gradients and of
+        # the bias sums (None: one process keeps them whole)
         self._parts = self.shards if self._leaf else None
         if not self.params:
             raise ValueError(f"{type(model).__name__} has no parameter with requires_grad=True, "

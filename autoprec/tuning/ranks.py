@@ -5,9 +5,9 @@ files. A trial's numerics are FSDP2 forwards and backwards that every rank takes
 rank 0 announces each comparison before it runs it and the other ranks run the same one
 beside it (:func:`follow`); at the end every rank returns rank 0's result. What rank 0 decides
 alone (a stored profile, whether to keep held-out gradients) reaches the others the same way
-(:func:`decided`), and so does its error: the others stop in one line instead of waiting. Nothing else a
-tune does runs collectives after the evaluator's reference: the price comes from the cost
-model and the memory model is not calibrated on a sharded model.
+(:func:`decided`), and so does its error: the others stop in one line instead of waiting.
+Nothing else a tune does runs collectives after the evaluator's reference: the price comes
+from the cost model and the memory model is not calibrated on a sharded model.
 """
 
 from __future__ import annotations

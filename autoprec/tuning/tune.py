@@ -75,9 +75,9 @@ def tune(task: Task, config: TuneConfig | None = None, *, prof: Profile | None =
     ``model``: measure on this build of the task's model instead of building one. A model
     FSDP2 shards (``fully_shard``, every rank of a ``torchrun`` calling ``tune`` alike, on
     the same batches): the profile and every trial's numerics are FSDP2 passes all ranks run
-    together, the numbers one process computes; rank 0 runs the study and writes nothing
-    the others do not return (every rank returns its result). Trials are priced
-    (``target=``); memory is not predicted.
+    together, the numbers one process computes (gradient errors and biases to the rounding of
+    FP32 norms); rank 0 alone holds the study, and every rank returns its result. Trials are
+    priced (``target=``); memory is not predicted.
     """
     config = (config or TuneConfig()).replace(**options)
     rank = 0
