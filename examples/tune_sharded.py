@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 import torch
@@ -37,6 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import autoprec  # noqa: E402
+from autoprec._util import shown  # noqa: E402
 from examples.data import byte_batches  # noqa: E402
 from examples.train_fsdp import setup  # noqa: E402
 
@@ -125,6 +127,14 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("-o", "--output", required=True, help="the policy file (rank 0 writes)")
     args = ap.parse_args(argv)
+    if args.model_dir is not None:
+        files = os.listdir(args.model_dir) if os.path.isdir(args.model_dir) else []
+        if "config.json" not in files:
+            ap.error(f"--model-dir {shown(args.model_dir)} holds no config.json: give the "
+                     "directory of an HF model (config.json and *.safetensors).")
+        if not args.random_init and not any(f.endswith(".safetensors") for f in files):
+            ap.error(f"--model-dir {shown(args.model_dir)} holds no *.safetensors weights: give "
+                     "them, or pass --random-init for the config with random weights.")
     _, _, device = setup()  # the process group torchrun describes (NCCL or gloo)
     rank = dist.get_rank()
     if args.torchtitan is not None:
@@ -140,7 +150,10 @@ def main(argv=None) -> int:
         config = config_of(args.model_dir, args.preset, args.layers)
         checkpoint = None if args.random_init or args.model_dir is None else args.model_dir
         model = build_sharded(config, checkpoint, device)
-        name = os.path.basename(os.path.normpath(args.model_dir or args.preset))
+        # the task's name is printed and written into the policy: the directory's name, with
+        # anything but letters, digits, '.', '_' and '-' made '_'
+        name = re.sub(r"[^\w.-]", "_", os.path.basename(os.path.normpath(args.model_dir
+                                                                          or args.preset)))
         task = autoprec.Task(model=model, name=name, device=device,
                              batches=byte_batches(args.batches, args.batch_size, args.seq_len,
                                                   seed=1))
@@ -150,7 +163,7 @@ def main(argv=None) -> int:
     if rank == 0:
         print(result.summary())
         written = result.save(args.output)
-        print("wrote " + ", ".join(written))
+        print("wrote " + ", ".join(map(shown, written)))
     dist.barrier()
     dist.destroy_process_group()
     return 0
