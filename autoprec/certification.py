@@ -12,7 +12,7 @@ The certificate limits how far chaos can amplify, and pairs everything else:
    keeps its state (weights, optimizer, schedule).
 2. **A branch** starts the policy from one such state and trains ``horizon`` steps on the
    batches the reference trains on next, with the same per-step seeds (dropout masks,
-   stochastic rounding: :func:`autoprec.runtime.blockscale.seed_rounding`); the reference's
+   stochastic rounding: :func:`autoprec.blockscale.seed_rounding`); the reference's
    own run is the other side of the pair. Both are judged on the same held-out batches; the
    branch's gap is ``(policy - reference) / reference``.
 3. **The interval** over the branches' gaps is Student's t: the mean damage of a window of
@@ -53,11 +53,11 @@ from typing import Any
 
 import torch
 
+from autoprec import blockscale
 from autoprec._util import log, shown
 from autoprec.certificate import HELD_EQUAL, Certificate, verdict_of
 from autoprec.formats import slow_16bit_dtypes
 from autoprec.policy import Policy, load_policy
-from autoprec.runtime import blockscale
 from autoprec.runtime.fp8 import emulating
 from autoprec.runtime.phases import PhaseSwitcher
 from autoprec.runtime.rewrite import apply

@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 
+from autoprec import profile_view
 from autoprec._util import EscapingStream, shown
 
 __all__ = ["main"]
@@ -113,7 +114,7 @@ def _cmd_profile(args) -> int:
     task = _load_task(args.task)
     prof = profile(task, formats=args.formats, target=args.target, n_batches=args.batches,
                    sensitivity=args.sensitivity, only_winnable=args.only_winnable)
-    print(prof.table())
+    print(profile_view.table(prof))
     print(f"\nprofiled {len(prof.layers)} layers in {prof.elapsed:.1f} s "
           f"(capture: {prof.capture_method})")
     if args.output:
@@ -412,7 +413,6 @@ def _bias_lines(bias) -> list[str]:
 
 def _layer_reasons(policy, prof, prof_path: str) -> str:
     from autoprec._util import text_table
-
     from autoprec.policy import DEFAULT_MAX_LOSS_INCREASE
     from autoprec.pricing import CostSource
 
@@ -422,7 +422,7 @@ def _layer_reasons(policy, prof, prof_path: str) -> str:
     mix: dict[str, float] = {}
     for lp in prof.layers:
         fmt = policy.format_for(lp.fqn)
-        why = prof.fp8_reason(lp.fqn, fmt, max_loss_change=limit)
+        why = profile_view.fp8_reason(prof, lp.fqn, fmt, max_loss_change=limit)
         rows.append((shown(lp.fqn, 200), shown(lp.layer.kind), fmt.label,
                      f"{lp.layer.flops / 1e9:.3f}", shown(why, 400), _sources(lp)))
         mix[fmt.label] = mix.get(fmt.label, 0.0) + lp.layer.flops
@@ -436,7 +436,7 @@ def _layer_reasons(policy, prof, prof_path: str) -> str:
                           "sensitivity"), rows, indent="  ", rule=False)
             + "\n  (recipes: speed vs bf16 as profiled, loss change with the layer alone in it;"
             + "\n  sensitivity: est = first-order estimate, meas = measured exactly)"
-            + f"\n  {shown(prof.sensitivity_summary(), 1000)}"
+            + f"\n  {shown(profile_view.sensitivity_summary(prof), 1000)}"
             + f"\n\nmatmul FLOPs by format: {shares}"
             + (f"\n{CostSource.of(prof.target).calibration()}" if prof.target else ""))
 

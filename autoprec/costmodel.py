@@ -47,7 +47,7 @@ import torch
 from autoprec.formats import BLOCK_FORMATS, FORMAT_ORDER, FP8_FORMATS, Format, Gemm, Numerics, Support
 from autoprec.graph import Layer
 from autoprec.measure.timing import MODEL_PREFIX, LayerTime
-from autoprec.runtime.calls import shape_multiple
+from autoprec.scaling import scalings, shape_multiple
 
 __all__ = [
     "DeviceSpec",
@@ -118,6 +118,10 @@ class _PerFormat(dict):
         for named, value in list(self.items()):
             if _gemm_key(named.numerics.fwd) == _gemm_key(gemm):
                 return value
+        if self and all(isinstance(v, Support) for v in self.values()):
+            # a scaling no format of this device's table has: the device has no kernel for
+            # it, autoprec's emulation runs it (priced as such)
+            return Support.EMULATED
         raise KeyError(gemm)
 
 
@@ -197,11 +201,12 @@ class DeviceSpec:
             if not 0 < value <= 1:
                 raise ValueError(f"DeviceSpec {self.name!r} has {key}={value!r}; it must be in "
                                  "(0, 1].")
+        scaled = [s for s in scalings() if s.is_scaled]
         bad = {k: v for k, v in dict(self.scaled_efficiency).items()
-               if k not in ("tensor", "row", "mx", "nvfp4") or not 0 < v <= 1}
+               if k not in scaled or not 0 < v <= 1}
         if bad:
             raise ValueError(f"DeviceSpec {self.name!r} has scaled_efficiency {bad!r}; keys are "
-                             "scalings (tensor, row, mx, nvfp4), values in (0, 1].")
+                             f"scalings ({', '.join(scaled)}), values in (0, 1].")
         if not self.bandwidth > 0 or self.launch_s < 0:
             raise ValueError(f"DeviceSpec {self.name!r} needs bandwidth > 0 and launch_s >= 0, "
                              f"got bandwidth={self.bandwidth!r}, launch_s={self.launch_s!r}.")
@@ -440,7 +445,7 @@ def _scaled_casts(b: int, m: int, k: int, n: int, numerics: Numerics,
         gemms = [numerics.gemms[name] for name, _ in _TAKEN_BY[role]]
         scaled = [g for g in gemms if g.is_fp8]
         total += sum(max((_BF + g.operand_bytes) * numel / bw, spec.launch_s) for g in scaled)
-        amaxes = {g.hadamard for g in scaled if g.scaling in ("tensor", "nvfp4")}
+        amaxes = {g.hadamard for g in scaled if g.scaling.tensor_amax}
         total += len(amaxes) * max(_BF * numel / bw, spec.launch_s)
     return total
 
@@ -807,7 +812,7 @@ def _step_spec(target: str | DeviceSpec, step: StepSpec | None) -> StepSpec:
 
 
 def _check_all_gather(fmt: Format, fp8_all_gather: bool) -> None:
-    if fp8_all_gather and not (fmt.is_fp8 and fmt.numerics.scaling == "tensor"):
+    if fp8_all_gather and not (fmt.is_fp8 and fmt.numerics.scaling.one_scale):
         raise ValueError(f"FP8 all-gather needs per-tensor scales (torchao's tensorwise "
                          f"recipe); {fmt} has {fmt.numerics.scaling if fmt.is_fp8 else 'none'}.")
 
@@ -1009,7 +1014,7 @@ def _block_moment(setup: TrainingSetup, fmt: Format, fp8_all_gather: bool) -> di
     work = _BF * t * (3 * h + 5 * f)
     fp8 = 0.0
     if fmt.is_fp8:
-        rowwise = fmt.numerics.scaling != "tensor"
+        rowwise = not fmt.numerics.scaling.one_scale
         fp8 = _F8 * t * (2 * f + (2 if rowwise else 1) * h) + (_BF * h * f if rowwise else 0)
     return {"block backward: recompute + grads": work + fp8,
             "block's unsharded grads (bf16)": (setup.block_linear_params() + 2 * h) * _BF,
@@ -1040,7 +1045,7 @@ def price_training_memory(setup: TrainingSetup, fmt: Format | str,
     parts["unsharded params (root + last block)"] = setup.root_params() * _BF + \
         _unsharded_block(setup, fp8_all_gather)
     parts["SAC saved activations (all blocks)"] = setup.layers * _saved_per_block(setup)
-    if sac_saves_abs and fmt.is_fp8 and fmt.numerics.scaling != "tensor":
+    if sac_saves_abs and fmt.is_fp8 and not fmt.numerics.scaling.one_scale:
         parts["SAC saved abs() (pre torchtitan#820)"] = setup.layers * _abs_saves_per_block(setup)
     moments = dict(zip(_MEMORY_MOMENTS, (_loss_moment(setup),
                                          _block_moment(setup, fmt, fp8_all_gather))))

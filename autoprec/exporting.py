@@ -56,8 +56,9 @@ from torch import nn
 from autoprec._util import atomic_write, escape_line
 from autoprec.formats import FP4_E2M1, Format, Support, supported_formats
 from autoprec.policy import Policy, PolicyError, load_policy
-from autoprec.runtime.calls import class_kind, layer_kind, shape_multiple
+from autoprec.runtime.calls import class_kind, layer_kind
 from autoprec.runtime.engines import blackwell, mxfp8_config
+from autoprec.scaling import shape_multiple
 
 __all__ = [
     "ExportError",

@@ -17,7 +17,7 @@ FP32 master weights. The formats and what they mean:
   - ``fp8:rowwise``: one scale per row of each operand (along the contracted dimension), E4M3
     everywhere, gradients included;
   - ``fp8:rowwise_with_gw_hp``: rowwise, with the weight-gradient product in BF16.
-- Blackwell's block-scaled formats (:mod:`autoprec.runtime.blockscale` has their rounding;
+- Blackwell's block-scaled formats (:mod:`autoprec.blockscale` has their rounding;
   real kernels on CUDA compute capability 10.0, through torchao where it has them, emulated
   everywhere by autoprec's own kernel):
 
@@ -69,6 +69,16 @@ from dataclasses import dataclass
 import torch
 
 from autoprec._util import quoted
+from autoprec.scaling import (
+    FP4_E2M1,
+    FP8_E4M3,
+    FP8_E5M2,
+    NONE,
+    Scaling,
+    scaling_named,
+    scalings,
+    shape_multiple,
+)
 
 __all__ = [
     "Format",
@@ -78,6 +88,7 @@ __all__ = [
     "register",
     "unregister",
     "fp8_recipes",
+    "torchao_takes",
     "Support",
     "FP8_E4M3",
     "FP8_E5M2",
@@ -95,39 +106,6 @@ __all__ = [
     "slow_16bit_dtypes",
 ]
 
-# torch's names for the two FP8 encodings of "FP8 Formats for Deep Learning"
-# (Micikevicius et al. 2022): E4M3 (max 448, no infinities) for weights and activations,
-# E5M2 (max 57344) for gradients.
-FP8_E4M3 = torch.float8_e4m3fn
-FP8_E5M2 = torch.float8_e5m2
-# E2M1 (OCP MX v1.0's FP4: 0, 0.5, 1, 1.5, 2, 3, 4, 6), as torch names its packed dtype (two
-# values a byte); operands are emulated as the FP32 values they stand for.
-FP4_E2M1 = torch.float4_e2m1fn_x2
-_FP8_DTYPES = (FP8_E4M3, FP8_E5M2)
-_LOW_DTYPES = (*_FP8_DTYPES, FP4_E2M1)
-
-# How a GEMM's operands are scaled: not at all (a plain autocast or FP32 GEMM), one scale per
-# tensor, one per row along the contracted dimension (each GEMM of the backward scales its
-# operands along its own contraction), or per block of values along the contraction: ``mx``
-# (32 FP8 values share an E8M0 power of two) and ``nvfp4`` (16 E2M1 values share an E4M3
-# scale, under an FP32 scale per tensor).
-SCALINGS = ("none", "tensor", "row", "mx", "nvfp4")
-# the element dtypes each scaling takes, and its block along the contraction
-_ELEMENTS = {"tensor": _FP8_DTYPES, "row": _FP8_DTYPES, "mx": _FP8_DTYPES, "nvfp4": (FP4_E2M1,)}
-_BLOCK = {"mx": 32, "nvfp4": 16}
-# Scale bytes per operand element: an E8M0 byte per 32, an E4M3 byte per 16.
-_SCALE_BYTES = {"mx": 1 / 32, "nvfp4": 1 / 16}
-# Precision a GEMM gives up, for the tie-break among equally fast policies: a 16-bit GEMM 1,
-# FP8 twice that, a row-scaled FP8 GEMM a quarter less (each row keeps its own range), an MX
-# one less again (a scale per 32 values), FP4 three times. A format's rank is the mean over
-# its three GEMMs.
-_GEMM_PRECISION = {"none": 1.0, "tensor": 2.0, "row": 1.75, "mx": 1.6, "nvfp4": 3.0}
-# Smallest CUDA compute capability with tensor-core kernels for GEMMs so scaled (block scales:
-# Blackwell's sm_100).
-_SCALED_MM_CAPABILITY = {"tensor": (8, 9), "row": (9, 0), "mx": (10, 0), "nvfp4": (10, 0)}
-_MX_ROUNDINGS = ("rceil", "floor")
-
-
 @dataclass(frozen=True)
 class Gemm:
     """One GEMM of a layer's product: what its two operands are cast to, and their scales."""
@@ -135,7 +113,8 @@ class Gemm:
     # the dtypes of the first and second operand in the kernel
     a: torch.dtype
     b: torch.dtype
-    # "none", "tensor" or "row" (along the contraction); FP8 operands need a scale
+    # how the operands are scaled: a registered scaling's name (autoprec.scaling), read back
+    # as the Scaling object; FP8 and FP4 operands need one
     scaling: str = "none"
     # scales rounded down to powers of two (torchao's rowwise recipes)
     pow2_scales: bool = False
@@ -148,48 +127,48 @@ class Gemm:
     stochastic: bool = False
 
     def __post_init__(self):
-        if self.scaling not in SCALINGS:
-            raise ValueError(f"Gemm scaling {self.scaling!r} is not one of {', '.join(SCALINGS)}.")
-        low = self.a in _LOW_DTYPES or self.b in _LOW_DTYPES
-        if (self.scaling != "none") != low:
-            raise ValueError(f"A Gemm of {self.a} x {self.b} with scaling {self.scaling!r}: FP8 "
+        s = scaling_named(self.scaling)
+        object.__setattr__(self, "scaling", s)
+        low = any(d in t.elements for t in scalings() for d in (self.a, self.b))
+        if s.is_scaled != low:
+            raise ValueError(f"A Gemm of {self.a} x {self.b} with scaling {quoted(s)}: FP8 "
                              "and FP4 operands need scales (tensor, row, mx or nvfp4), other "
                              "dtypes none.")
-        if low and not {self.a, self.b} <= set(_ELEMENTS[self.scaling]):
-            raise ValueError(f"A Gemm with {self.scaling} scaling takes operands in "
-                             f"{', '.join(map(str, _ELEMENTS[self.scaling]))}, not {self.a} x "
-                             f"{self.b}.")
-        if self.scaling == "mx" and not self.rounding:
-            object.__setattr__(self, "rounding", "rceil")
-        if (self.rounding not in _MX_ROUNDINGS) if self.scaling == "mx" else self.rounding:
-            raise ValueError(f"Gemm rounding {self.rounding!r}: MX scales round by one of "
-                             f"{', '.join(_MX_ROUNDINGS)}; other scalings take none.")
-        if (self.hadamard or self.stochastic) and self.scaling != "nvfp4":
+        if low and not {self.a, self.b} <= set(s.elements):
+            raise ValueError(f"A Gemm with {s} scaling takes operands in "
+                             f"{', '.join(map(str, s.elements))}, not {self.a} x {self.b}.")
+        if not self.rounding:
+            object.__setattr__(self, "rounding", s.roundings[0])
+        if self.rounding not in s.roundings:
+            ways = f"round by one of {', '.join(s.roundings)}" if any(s.roundings) else \
+                "take no rounding"
+            raise ValueError(f"Gemm rounding {quoted(self.rounding)}: {s} scales {ways}.")
+        if (self.hadamard or self.stochastic) and not s.transforms:
             raise ValueError("The Hadamard transform and stochastic rounding are NVFP4's; a "
-                             f"Gemm with {self.scaling} scaling takes neither.")
+                             f"Gemm with {s} scaling takes neither.")
 
     @property
     def is_fp8(self) -> bool:
         """Whether the GEMM is scaled low precision (FP8, MXFP8 or NVFP4)."""
-        return self.scaling != "none"
+        return self.scaling.is_scaled
 
     @property
     def block(self) -> int | None:
         """Values per scale along the contraction for block scalings (32, 16), else None."""
-        return _BLOCK.get(self.scaling)
+        return self.scaling.block
 
     @property
     def operand_bytes(self) -> float:
         """Bytes per element the kernel reads of each operand (the wider of the two), block
         scales included (an FP4 value is half a byte)."""
         bits = max(4 if d is FP4_E2M1 else 8 * d.itemsize for d in (self.a, self.b))
-        return bits / 8 + _SCALE_BYTES.get(self.scaling, 0.0)
+        return bits / 8 + self.scaling.scale_bytes
 
     @property
     def precision_rank(self) -> float:
         if self.a is torch.float32:
             return 0.0
-        return _GEMM_PRECISION[self.scaling]
+        return self.scaling.precision
 
 
 def _plain(dtype: torch.dtype) -> Gemm:
@@ -236,9 +215,9 @@ class Numerics:
         return self.fwd.a
 
     @property
-    def scaling(self) -> str:
-        """The FP8 GEMMs' scaling ("tensor" or "row"), "none" without FP8 GEMMs."""
-        return next((g.scaling for g in self.gemms.values() if g.is_fp8), "none")
+    def scaling(self) -> Scaling:
+        """The scaled GEMMs' scaling (the first's), ``none`` without scaled GEMMs."""
+        return next((g.scaling for g in self.gemms.values() if g.is_fp8), NONE)
 
     @property
     def high_precision(self) -> tuple[str, ...]:
@@ -253,7 +232,7 @@ class Numerics:
         per-tensor scale is the same along either axis, so dgrad and wgrad reuse them; a
         row-scaled recipe saves its inputs and quantizes them again along each contraction
         (so does every format with a GEMM not tensor-scaled)."""
-        return self.fwd.scaling == self.dgrad.scaling == self.wgrad.scaling == "tensor"
+        return all(g.scaling.one_scale for g in self.gemms.values())
 
     @property
     def is_block_scaled(self) -> bool:
@@ -269,7 +248,9 @@ class Numerics:
     @property
     def cuda_capability(self) -> tuple[int, int] | None:
         """The CUDA compute capability with FP8 kernels for every FP8 GEMM (None: no FP8)."""
-        needs = [_SCALED_MM_CAPABILITY[g.scaling] for g in self.gemms.values() if g.is_fp8]
+        needs = [g.scaling.capability for g in self.gemms.values() if g.is_fp8]
+        if None in needs:  # a scaling no GPU has kernels for
+            return None
         return max(needs) if needs else None
 
     @property
@@ -484,9 +465,9 @@ _FP4_RANGE = (6.0, 1.0, 0.5)
 def register(numerics: Numerics, attribute: str | None = None) -> Format:
     """The one factory of formats: make ``numerics`` a Format (``Format(numerics.name)``,
     parsed from its name and label), optionally bound as ``Format.<attribute>``. The emulation
-    and engines must have kernels for its GEMMs (:func:`autoprec.runtime.fp8.check_kernels`
-    says which they have); a name already taken is an error, and so is a name with ``/`` (the
-    spelling of a per-GEMM mix: :func:`per_gemm` makes those)."""
+    and engines must have kernels for its GEMMs (each GEMM's scaling says which it has:
+    :meth:`autoprec.scaling.Scaling.has_kernel`); a name already taken is an error, and so is
+    a name with ``/`` (the spelling of a per-GEMM mix: :func:`per_gemm` makes those)."""
     taken = [s for s in (numerics.name, numerics.label) if s in _SPELLINGS]
     if taken:
         raise ValueError(f"Format {quoted(taken[0])} is already registered; give the new format "
@@ -499,14 +480,31 @@ def register(numerics: Numerics, attribute: str | None = None) -> Format:
         raise ValueError(f"Format {quoted(numerics.name)} demotes to {quoted(numerics.demotes_to)}"
                          ", which is not a registered format.")
     if numerics.is_fp8:
-        from autoprec.runtime.fp8 import check_kernels
-
-        check_kernels(numerics)
+        _check_kernels(numerics)
     fmt = _make(numerics, attribute)
     _REGISTRY[numerics.name] = fmt
     _SPELLINGS.update({numerics.name: fmt, numerics.label: fmt})
     _mix_order[0] = None
     return fmt
+
+
+def _check_kernels(numerics: Numerics) -> None:
+    """A ValueError unless autoprec's scaled kernels (:mod:`autoprec.runtime.fp8`) compute
+    ``numerics``: per-tensor scales on all three GEMMs with the forward operands reused by
+    dgrad and wgrad, or per GEMM whatever each GEMM's scaling has a kernel for."""
+    fwd, dgrad, wgrad = numerics.fwd, numerics.dgrad, numerics.wgrad
+    if numerics.saves_quantized:
+        ok = (not any(g.pow2_scales for g in (fwd, dgrad, wgrad))
+              and dgrad.b == fwd.b and wgrad.a == fwd.a and dgrad.a == wgrad.b)
+    else:
+        ok = all(g.scaling.has_kernel(g) for g in (fwd, dgrad, wgrad))
+    if not ok:
+        raise ValueError(
+            f"autoprec's scaled kernels do not compute {numerics.label}: they take per-tensor "
+            "scales on all three GEMMs (the forward operands reused by dgrad and wgrad, one "
+            "dtype for the gradient), or per GEMM what each GEMM's scaling has a kernel for "
+            "(power-of-two row scales in E4M3, MX or NVFP4 blocks, a BF16 or FP32 GEMM). Give "
+            "the scaling a kernel (autoprec.scaling.Scaling) for these numerics.")
 
 
 def _make(numerics: Numerics, attribute: str | None, parts: tuple[Format, ...] = ()) -> Format:
@@ -555,9 +553,7 @@ def per_gemm(fwd: Format | str, dgrad: Format | str, wgrad: Format | str, *,
     numerics = Numerics(name=name, label="/".join(p.label for p in parts), fwd=gemms[0],
                         dgrad=gemms[1], wgrad=gemms[2], autocast=torch.bfloat16,
                         output=torch.bfloat16, demotes_to="bf16")
-    from autoprec.runtime.fp8 import check_kernels
-
-    check_kernels(numerics)
+    _check_kernels(numerics)
     made = _MIXES[name] = _make(numerics, None, parts)
     _mix_order[0] = None
     return made
@@ -584,6 +580,19 @@ def unregister(fmt: Format) -> None:
     if getattr(Format, fmt.name, None) is fmt:
         type.__delattr__(Format, fmt.name)
     _mix_order[0] = None
+
+
+def torchao_takes(fmt: Format, *, linear: bool, in_features: int, out_features: int) -> bool:
+    """The one rule of which layers torchao's float8 training computes: an ``nn.Linear``
+    (``linear``) in an FP8 format torchao has a recipe for (``Numerics.torchao_recipe``) whose
+    in and out features are multiples of 16 (MX: 32). The FP8 kernel cannot take other
+    widths; torchao's own filter skips them too, and autoprec runs them in bf16. Whether
+    torchao *does* run the
+    layer also depends on the policy's engine and the machine: :func:`autoprec.runtime.engines.torchao_runs`,
+    :func:`~autoprec.runtime.engines.engine_for`."""
+    multiple = shape_multiple(fmt.numerics)
+    return (linear and fmt.numerics.torchao_recipe is not None
+            and not in_features % multiple and not out_features % multiple)
 
 
 def fp8_recipes() -> tuple[str, ...]:

@@ -14,7 +14,8 @@ from typing import Any
 
 from autoprec._util import check_keys, check_schema, read_json, text_table, write_json
 from autoprec.runtime import calls
-from autoprec.runtime.calls import KERNEL_MULTIPLE, KINDS, Product
+from autoprec.runtime.calls import KINDS, Product
+from autoprec.scaling import KERNEL_MULTIPLE
 
 __all__ = ["Layer", "LayerGraph", "METHODS"]
 
@@ -83,7 +84,7 @@ class Layer:
     def fp8_blockers(self, multiple: int = KERNEL_MULTIPLE) -> list[str]:
         """Per matmul, why it would not run in FP8 in an fp8 region ("" where it would);
         ``multiple``: what the format's kernels need M, K, N multiples of (its
-        :func:`~autoprec.runtime.calls.shape_multiple`)."""
+        :func:`~autoprec.scaling.shape_multiple`)."""
         names = self.calls or ("",) * len(self.matmuls)  # older records: the shape rule alone
         out = []
         for name, p in zip(names, self.matmuls):

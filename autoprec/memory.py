@@ -71,7 +71,7 @@ from autoprec.costmodel import produced_elements
 from autoprec.formats import Format
 from autoprec.graph import Layer
 from autoprec.policy import Policy
-from autoprec.runtime.calls import shape_multiple
+from autoprec.scaling import shape_multiple
 
 __all__ = ["StepMemory", "MemoryModel", "measure_step_memory", "parse_size", "format_size"]
 

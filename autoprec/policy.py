@@ -50,7 +50,7 @@ from torch import nn
 
 from autoprec._util import MAX_INT, atomic_write, brief, class_name, number, quoted, read_bounded, shown
 from autoprec.certificate import Certificate
-from autoprec.formats import Format, fp8_recipes
+from autoprec.formats import Format, fp8_recipes, torchao_takes
 from autoprec.phases import MAX_PHASES, Phase, final_phase, parse_phases, phase_starts
 from autoprec.stats import Interval
 
@@ -713,8 +713,7 @@ class Policy:
         .from_recipe_name(recipe))``): the layers ``apply`` gives torchao. A Linear whose
         in/out features are not multiples of 16 is left out: the FP8 kernel cannot take it
         (torchao's own auto filter skips it too), so it runs in bf16; so is a recipe torchao
-        has no name for (:func:`autoprec.runtime.engines.torchao_takes`, the one rule)."""
-        from autoprec.runtime.engines import torchao_takes
+        has no name for (:func:`autoprec.formats.torchao_takes`, the one rule)."""
 
         def keep(module: nn.Module, fqn: str) -> bool:
             if not isinstance(module, nn.Linear):

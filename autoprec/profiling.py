@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from autoprec import profile_view
 from autoprec._util import (
     MAX_INT,
     brief,
@@ -52,7 +51,7 @@ from autoprec.measure.sensitivity import (
     measure_sensitivity,
 )
 from autoprec.measure.timing import LayerTime, measure_layers
-from autoprec.policy import DEFAULT_MAX_LOSS_INCREASE, Budget
+from autoprec.policy import Budget
 from autoprec.pricing import CostSource
 from autoprec.reporter import Reporter
 from autoprec.runtime.calls import COMPUTING_KINDS
@@ -222,30 +221,6 @@ class Profile:
         edges = [(a, b) for a, b in self.edges if a in names and b in names]
         return estimate_step(layers, {k: Format.parse(v) for k, v in assignment.items()},
                              target, edges=edges)
-
-    # ------------------------------------------------------------ output (profile_view)
-    def reason(self, fqn: str, fmt: Format, *,
-               max_loss_change: float = DEFAULT_MAX_LOSS_INCREASE) -> str:
-        """The measured reason this layer is not in ``fmt`` (for `autoprec show`)."""
-        return profile_view.reason(self, fqn, fmt, max_loss_change=max_loss_change)
-
-    def fp8_reason(self, fqn: str, chosen: Format, *,
-                   max_loss_change: float = DEFAULT_MAX_LOSS_INCREASE) -> str:
-        """Why this layer is in ``chosen`` against the FP8 recipes (for ``autoprec show``);
-        see :func:`autoprec.profile_view.fp8_reason`."""
-        return profile_view.fp8_reason(self, fqn, chosen, max_loss_change=max_loss_change)
-
-    def table(self) -> str:
-        """The per-layer table of ``autoprec profile``."""
-        return profile_view.table(self)
-
-    def sensitivity_summary(self) -> str:
-        """One line: how many layer x format numbers were estimated and how many measured,
-        and why the measured ones were (for ``autoprec show``)."""
-        return profile_view.sensitivity_summary(self)
-
-    def __str__(self) -> str:
-        return self.table()
 
     def to_dict(self) -> dict:
         return {"autoprec_profile": PROFILE_SCHEMA, "task_name": self.task_name,

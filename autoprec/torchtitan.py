@@ -58,10 +58,10 @@ import torch
 from torch import nn
 
 from autoprec._util import shown
-from autoprec.formats import Format
+from autoprec.formats import Format, torchao_takes
 from autoprec.policy import Policy, PolicyError, load_policy
 from autoprec.runtime import apply
-from autoprec.runtime.engines import blackwell, float8_linear_config, torchao_available, torchao_takes
+from autoprec.runtime.engines import blackwell, float8_linear_config, torchao_available
 from autoprec.task import Task
 
 torchao_available()  # imports torchao (before torchtitan does) without its CUDA-less noise

@@ -30,6 +30,7 @@ import _common  # noqa: F401
 from _common import device_line, print_table
 from scipy.stats import spearmanr
 
+from autoprec import profile_view
 from autoprec.formats import Format
 from autoprec.measure.capture import capture
 from autoprec.measure.sensitivity import measure_sensitivity
@@ -150,7 +151,7 @@ def tune_rows() -> list[list[str]]:
                      f"{a.speedup.value / e.speedup.value:.3f}",
                      f"{a.best.loss_increase:+.3%}", f"{e.best.loss_increase:+.3%}",
                      "yes" if same else "no", f"{a.profile.elapsed:.0f}",
-                     f"{e.profile.elapsed:.0f}", a.profile.sensitivity_summary()
+                     f"{e.profile.elapsed:.0f}", profile_view.sensitivity_summary(a.profile)
                      .split(": ", 1)[1].split(",")[1].strip()])
     return rows
 

@@ -39,8 +39,8 @@ from _common import device_line, interleaved, print_table, ratio_cell
 
 import autoprec
 from autoprec import Policy
-from autoprec.runtime.guard import GuardConfig
 from autoprec.measure.timer import quantile, ratio_interval
+from autoprec.runtime.guard import GuardConfig
 from examples.data import byte_batches
 from examples.gpt2_bytes import make_model
 
@@ -85,7 +85,7 @@ def trainer_run(model, dataset, steps, out_dir, policy=None):
     from transformers import Trainer, TrainerCallback, TrainingArguments
     from transformers.trainer_callback import PrinterCallback
 
-    from autoprec.runtime.integrations import PolicyCallback
+    from autoprec.integrations import PolicyCallback
 
     step_times: list[float] = []
 
@@ -175,7 +175,7 @@ def compiled_guard_row(base, batch, rounds: int) -> list:
 def drift_run(predict: bool, steps: int = 400) -> tuple[int | None, int | None]:
     """The planted drift under the guard: (its first demotion's step, the step of the
     drifting layer's first output beyond FP16's range or non-finite; None: none)."""
-    from autoprec.runtime.integrations import training_kit
+    from autoprec.integrations import training_kit
     from examples.drift import DRIFT_LAYER, FP16_MAX, drift_policy, plant_drift
 
     torch.manual_seed(0)

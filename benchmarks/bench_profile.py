@@ -38,12 +38,13 @@ if {what!r} == "train":
             model(**t.batches[0]).loss.backward()
         opt.step()
 else:
+    from autoprec import profile_view
     from autoprec.profiling import profile
     t0 = time.perf_counter()
     prof = profile(t, progress=False, sensitivity={what!r})
     out["wall"] = time.perf_counter() - t0
     out["layers"] = len(prof.layers)
-    out["summary"] = prof.sensitivity_summary()
+    out["summary"] = profile_view.sensitivity_summary(prof)
 out["rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print("RESULT " + json.dumps(out))
 """

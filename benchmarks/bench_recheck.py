@@ -26,9 +26,9 @@ from _common import device_line, interleaved, print_table, ratio_cell
 from bench_guard import plain_step  # the same training step the guard's overhead is timed on
 
 from autoprec import Policy
+from autoprec.integrations import training_kit
 from autoprec.measure.timer import ratio_interval
 from autoprec.recheck import Rechecker
-from autoprec.runtime.integrations import training_kit
 from examples.data import byte_batches
 from examples.gpt2_bytes import make_model, task
 

@@ -20,8 +20,9 @@ import warnings
 import _common  # noqa: F401
 from _common import device_line
 
-from autoprec.tuning import tune
+from autoprec import profile_view
 from autoprec.certification import certify
+from autoprec.tuning import tune
 from examples.gpt2_bytes import task
 
 
@@ -41,7 +42,7 @@ def main():
         print(f"\ntune wall time: {wall:.0f} s ({wall / 60:.1f} min; target <= 15 min); profile "
               f"{prof.elapsed:.0f} s for {len(prof.layers)} layers; "
               f"{len(result.trials)} trials")
-        print(prof.sensitivity_summary())
+        print(profile_view.sensitivity_summary(prof))
         t1 = time.perf_counter()
         val = certify(t, result.policy, steps=args.validate_steps)
         print(val.report())

@@ -19,7 +19,7 @@ import time
 import _common  # noqa: F401
 from _common import device_line
 
-from autoprec import Format, Policy
+from autoprec import Format, Policy, profile_view
 from autoprec.pricing import calibration_line, priced_tie
 from autoprec.tuning import tune, validate_front
 from examples.gpt2_bytes import gpu_task
@@ -67,7 +67,7 @@ def main():
     print("\nper layer: why not fp8, or why this recipe (speed vs bf16 priced, loss measured):")
     for f in layers:
         fmt = pol.format_for(f)
-        print(f"  {f:<30} {fmt.label:<22} {prof.fp8_reason(f, fmt)}")
+        print(f"  {f:<30} {fmt.label:<22} {profile_view.fp8_reason(prof, f, fmt)}")
     uniform = prof.estimate_step({f: Policy(default="fp8").format_for(f) for f in layers},
                                  args.target)
     tie = " (a tie)" if priced_tie(uniform, bf16, args.target) else ""

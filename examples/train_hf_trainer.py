@@ -5,7 +5,7 @@
 ``PolicyCallback(policy)`` goes in ``Trainer(callbacks=[...])``: it applies the policy when the
 Trainer is built, before the Trainer's Accelerator prepares the model, and steps the runtime
 guard after every optimizer step. ``bf16`` and ``fp16`` stay False: the policy decides the
-formats (see ``autoprec.runtime.integrations`` for fp16 layers on a GPU).
+formats (see ``autoprec.integrations`` for fp16 layers on a GPU).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def train(model, policy, dataset, *, steps: int, output_dir: str, batch_size: in
     steps. Returns ``(trainer, callback)``; ``callback.guard`` is the guard (or None)."""
     from transformers import Trainer, TrainingArguments
 
-    from autoprec.runtime.integrations import PolicyCallback
+    from autoprec.integrations import PolicyCallback
 
     args = TrainingArguments(output_dir=output_dir, max_steps=steps,
                              per_device_train_batch_size=batch_size, learning_rate=lr,

@@ -77,7 +77,7 @@ def train(model, policy, batches, *, steps: int, lr: float = 1e-3, guard=None,
     ``follow_bias``: the bias watch that may bring the final phase forward."""
     import lightning as L
 
-    from autoprec.runtime.lightning import AutoprecCallback
+    from autoprec.lightning import AutoprecCallback
 
     lit = lit_module(model.train(), lr=lr, plant_at=plant_at)
     callback = AutoprecCallback(policy, guard=guard, module=module, amended_to=amended_to,

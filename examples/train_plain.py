@@ -25,8 +25,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from autoprec.integrations import training_kit  # noqa: E402
 from autoprec.runtime.guard import GuardConfig  # noqa: E402
-from autoprec.runtime.integrations import training_kit  # noqa: E402
 from examples.data import byte_batches  # noqa: E402
 from examples.gpt2_bytes import model_and_policy, training_arg_parser  # noqa: E402
 

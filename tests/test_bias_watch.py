@@ -17,9 +17,9 @@ import autoprec
 from autoprec import Policy, PolicyError
 from autoprec.certification import start_run, train_step, training_stream
 from autoprec.formats import Format
+from autoprec.integrations import PHASES_STATE_FILE
 from autoprec.policy import SCHEMA_VERSION
 from autoprec.runtime.bias import DEFAULT_BIAS_BUDGET, RULE_RATIO, BiasWatch, FollowBias
-from autoprec.runtime.integrations import PHASES_STATE_FILE
 from autoprec.runtime.phases import PhaseSwitcher
 from autoprec.runtime.rewrite import applied_policy
 
@@ -134,7 +134,7 @@ def _hf_run(task, out_dir: str, *, steps: int, resume_at: int | None = None,
             save_steps: int = 0, **callback_kwargs):
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from autoprec.runtime.integrations import PolicyCallback
+    from autoprec.integrations import PolicyCallback
     from examples.train_hf_trainer import as_dataset
 
     torch.manual_seed(0)
@@ -171,7 +171,7 @@ def test_the_hf_trainer_follows_the_bias_and_a_resume_keeps_the_moved_phase(task
     resumed, _ = _hf_run(task, out, steps=20, resume_at=10)
     assert resumed == {s: "bf16" for s in range(10, 20)}, resumed
     with pytest.raises(PolicyError, match="phases"):
-        from autoprec.runtime.integrations import PolicyCallback
+        from autoprec.integrations import PolicyCallback
 
         PolicyCallback(Policy(default="bf16"), follow_bias=5)
 

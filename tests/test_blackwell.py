@@ -1,5 +1,5 @@
 """Blackwell's formats (issue 25): MXFP8 and NVFP4 as factory entries, their emulation in the
-scaled-GEMM kernel (against the block rules of autoprec.runtime.blockscale bit for bit, and
+scaled-GEMM kernel (against the block rules of autoprec.blockscale bit for bit, and
 against torchao's own MXFP8Linear where it runs: its emulated kernels), per-GEMM formats, the
 b200 cost model, the engines, the exports and the tune."""
 
@@ -16,7 +16,7 @@ from test_export import validate_megatron
 from torch import nn
 
 import autoprec
-from autoprec import Policy
+from autoprec import Policy, blockscale
 from autoprec.cli import main
 from autoprec.costmodel import (
     BLACKWELL_PUBLISHED,
@@ -47,7 +47,7 @@ from autoprec.formats import (
     unregister,
 )
 from autoprec.graph import Layer
-from autoprec.runtime import blockscale, engines
+from autoprec.runtime import engines
 from autoprec.runtime.fp8 import round_operand, scaled_matmul
 from autoprec.tuning import TuneConfig
 from autoprec.tuning.config import per_gemm_candidates

@@ -1,4 +1,4 @@
-"""Block-scaled quantization (autoprec.runtime.blockscale): MX (E8M0 scale per 32, floor and
+"""Block-scaled quantization (autoprec.blockscale): MX (E8M0 scale per 32, floor and
 RCEIL) and NVFP4 (E4M3 scale per 16, FP32 tensor scale, E2M1 values), checked bit for bit on
 crafted blocks against the rules and against torchao's reference implementation."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autoprec.runtime.blockscale import (
+from autoprec.blockscale import (
     E2M1_GRID,
     mx_dequantize,
     mx_quantize,
@@ -150,6 +150,8 @@ def test_nvfp4_matches_torchao_bit_for_bit(two_level):
     from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
     from torchao.prototype.mx_formats.nvfp4_tensor import (
         nvfp4_quantize as ref_quantize,
+    )
+    from torchao.prototype.mx_formats.nvfp4_tensor import (
         per_tensor_amax_to_scale,
     )
 

@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from autoprec import profile_view
 from autoprec.formats import Format
 from autoprec.measure.capture import Layer
 from autoprec.measure.sensitivity import LayerSensitivity
@@ -172,14 +173,14 @@ def test_the_profile_the_search_space_and_show_read_the_same_rule():
                                skipped=lp.skipped, sensitivity=lp.sensitivity,
                                max_loss_increase=DEFAULT_MAX_LOSS_INCREASE)
             if not budgeted.can_win:
-                assert prof.reason(lp.fqn, fmt) == budgeted.why
-    assert "alone changes the loss by +5.00% (> 1.00%)" in prof.reason("b", BF16)
-    assert "non-finite" in prof.reason("b", FP16)
-    assert prof.reason("c", FP8) == prof.layer("c").fp8_blocker
-    assert "preferred another format" in prof.reason("a", BF16)
+                assert profile_view.reason(prof, lp.fqn, fmt) == budgeted.why
+    assert "alone changes the loss by +5.00% (> 1.00%)" in profile_view.reason(prof, "b", BF16)
+    assert "non-finite" in profile_view.reason(prof, "b", FP16)
+    assert profile_view.reason(prof, "c", FP8) == prof.layer("c").fp8_blocker
+    assert "preferred another format" in profile_view.reason(prof, "a", BF16)
     # the table's verdict: the fastest format within the default budget
-    verdicts = [line.split()[-1] for line in prof.table().splitlines()[2:5]]
-    assert verdicts[0] == "fp8" and verdicts[2] == "bf16", prof.table()
+    verdicts = [line.split()[-1] for line in profile_view.table(prof).splitlines()[2:5]]
+    assert verdicts[0] == "fp8" and verdicts[2] == "bf16", profile_view.table(prof)
     space = SearchSpace.build(prof, prof.formats, Grouping.LAYER)
     assert space.choices == {"a": ["fp32", "bf16", "fp16", "fp8"],
                              "b": ["fp32", "bf16", "fp8"], "c": ["fp32", "bf16", "fp16"]}

@@ -133,8 +133,8 @@ def _guard_worker(rank, world, port, out_dir):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from conftest import tiny_gpt2
 
+    from autoprec.integrations import training_kit
     from autoprec.runtime.guard import GuardConfig
-    from autoprec.runtime.integrations import training_kit
     from examples.data import byte_batches
     from examples.train_plain import PLANT_LAYER, plant_overflow
 

@@ -19,10 +19,10 @@ import torch
 
 import autoprec
 from autoprec import Format, Policy, PolicyError
+from autoprec.integrations import training_kit
 from autoprec.runtime.guard import GuardConfig, get_guard
 from autoprec.runtime.guard.demote import safer
 from autoprec.runtime.guard.forecast import Forecaster, Point, fit, hits
-from autoprec.runtime.integrations import training_kit
 from examples.data import byte_batches
 from examples.drift import DRIFT_LAYER, drift_policy, plant_drift
 from examples.gpt2_bytes import make_model

@@ -432,8 +432,8 @@ def test_huge_json_int_is_one_line_error(tmp_path):
 
 
 def test_deeply_nested_guard_state_is_one_line_error(tmp_path):
+    from autoprec.integrations import GUARD_STATE_FILE, load_guard_state
     from autoprec.runtime.guard import Guard
-    from autoprec.runtime.integrations import GUARD_STATE_FILE, load_guard_state
 
     (tmp_path / GUARD_STATE_FILE).write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(PolicyError, match=rf"{GUARD_STATE_FILE}.*nest"):
@@ -448,7 +448,7 @@ def test_guard_outputs_carry_hostile_module_names_as_escaped_text(tmp_path):
     from torch import nn
 
     import autoprec
-    from autoprec.runtime.integrations import GUARD_STATE_FILE, save_guard_state
+    from autoprec.integrations import GUARD_STATE_FILE, save_guard_state
 
     hostile = "fc\ndefault: fp8\n#"
     model = nn.Sequential()

@@ -19,8 +19,8 @@ from torch import nn
 
 import autoprec
 from autoprec import Format, Policy, PolicyError
+from autoprec.integrations import training_kit
 from autoprec.runtime.guard import get_guard
-from autoprec.runtime.integrations import training_kit
 from examples import train_accelerate, train_hf_trainer, train_plain
 from examples.data import byte_batches
 
@@ -230,7 +230,7 @@ def test_policy_callback_added_after_prepare_under_bf16_is_refused(fresh_acceler
     from accelerate.state import AcceleratorState
     from transformers import Trainer, TrainingArguments
 
-    from autoprec.runtime.integrations import PolicyCallback, use_policy
+    from autoprec.integrations import PolicyCallback, use_policy
 
     dataset = train_hf_trainer.as_dataset(byte_batches(1, 4, 32, seed=8))
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, use_cpu=True, bf16=True,
@@ -370,8 +370,8 @@ def _trainer_run(out_dir: str, resume: bool = False) -> dict:
     train(resume_from_checkpoint=...)."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
+    from autoprec.integrations import PolicyCallback
     from autoprec.runtime.guard import GuardConfig
-    from autoprec.runtime.integrations import PolicyCallback
 
     model = tiny_gpt2(n_layer=3)
     losses, last = {}, []

@@ -25,21 +25,23 @@ def _modules() -> dict[str, str]:
     return out
 
 
+def _imported(node: ast.AST, modules: dict[str, str]) -> set[str]:
+    """The package modules one import statement needs (none for any other node)."""
+    names = []
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        subs = [f"{node.module}.{a.name}" for a in node.names]
+        # `from pkg import submodule` needs the submodule; a name defined in pkg's
+        # __init__ needs the package itself
+        names = subs + ([node.module] if any(s not in modules for s in subs) else [])
+    return {n for n in names if n in modules}
+
+
 def _top_level_imports(path: str, modules: dict[str, str]) -> set[str]:
     """The package modules a module imports when it is imported (not inside functions)."""
     tree = ast.parse(open(path, encoding="utf-8").read())
-    found = set()
-    for node in tree.body:
-        names = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            subs = [f"{node.module}.{a.name}" for a in node.names]
-            # `from pkg import submodule` needs the submodule; a name defined in pkg's
-            # __init__ needs the package itself
-            names = subs + ([node.module] if any(s not in modules for s in subs) else [])
-        found.update(n for n in names if n in modules)
-    return found
+    return set().union(*(_imported(node, modules) for node in tree.body))
 
 
 def test_no_import_cycle_inside_the_package():
@@ -62,6 +64,127 @@ def test_no_import_cycle_inside_the_package():
     for m in sorted(graph):
         if m not in state:
             visit(m, [m])
+
+
+def _all_imports(path: str, modules: dict[str, str]) -> set[str]:
+    """The package modules a module imports anywhere: at the top, inside functions (a
+    deferred import is still an arrow), under ``TYPE_CHECKING``."""
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    return set().union(*(_imported(node, modules) for node in ast.walk(tree)))
+
+
+def _room(module: str, parent: str) -> str | None:
+    """The room of ``parent`` (a package) that ``module`` is in: the child module or
+    sub-package of ``parent`` that holds it; None outside ``parent`` or for ``parent`` itself."""
+    if not module.startswith(parent + "."):
+        return None
+    return parent + "." + module[len(parent) + 1:].split(".")[0]
+
+
+def _room_cycle(modules: dict[str, str], parent: str) -> list[str] | None:
+    """A cycle among ``parent``'s rooms (its modules and sub-packages, each taken whole), by
+    every import their modules make, or None."""
+    graph: dict[str, set[str]] = {}
+    for m, path in modules.items():
+        a = _room(m, parent)
+        if a is None:
+            continue
+        graph.setdefault(a, set())
+        for dep in _all_imports(path, modules):
+            b = _room(dep, parent)
+            if b is not None and b != a:
+                graph[a].add(b)
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> list[str] | None:
+        state[m] = 1
+        for dep in sorted(graph.get(m, ())):
+            if state.get(dep) == 1:
+                return path[path.index(dep):] + [dep]
+            if dep not in state:
+                found = visit(dep, path + [dep])
+                if found:
+                    return found
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state:
+            found = visit(m, [m])
+            if found:
+                return found
+    return None
+
+
+def test_no_circle_between_rooms_by_any_import():
+    # Each package's rooms (its files and its sub-packages, each whole) import one way, counting
+    # imports deferred into functions and those under TYPE_CHECKING: an import that runs back
+    # up a floor closes a circle at some level, so this finds both.
+    modules = _modules()
+    packages = sorted({m for m, p in modules.items() if p.endswith("__init__.py")})
+    for parent in packages:
+        cycle = _room_cycle(modules, parent)
+        assert cycle is None, f"rooms of {parent} import in a circle: " + " -> ".join(cycle)
+
+
+def test_the_room_check_finds_a_deferred_import_back_up():
+    modules = {"pkg": "pkg/__init__.py", "pkg.low": "low.py", "pkg.high.top": "top.py",
+               "pkg.high": "high/__init__.py"}
+    sources = {"low.py": "def f():\n    from pkg.high.top import g\n",
+               "top.py": "from pkg.low import f\n", "pkg/__init__.py": "", "high/__init__.py": ""}
+    real_open = open
+
+    def fake_open(path, *args, **kwargs):
+        import io
+        return io.StringIO(sources[path]) if path in sources else real_open(path, *args, **kwargs)
+
+    import builtins
+    builtins.open, saved = fake_open, builtins.open
+    try:
+        assert _room_cycle(modules, "pkg") == ["pkg.high", "pkg.low", "pkg.high"]
+        sources["low.py"] = ""
+        assert _room_cycle(modules, "pkg") is None
+    finally:
+        builtins.open = saved
+
+
+# The scalings' names, as a Gemm spells them: outside autoprec/scaling.py nothing compares a
+# scaling with one of them (a new scaling would have to be added there); its facts are read
+# from the Scaling object instead.
+SCALING_NAMES = {"none", "tensor", "row", "mx", "nvfp4"}
+
+
+def _scaling_comparisons(source: str) -> list[str]:
+    """Comparisons in ``source`` of a ``.scaling`` attribute with a scaling's name (or a
+    collection of names)."""
+    def names(node) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in SCALING_NAMES
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(names(e) for e in node.elts)
+        return False
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(isinstance(n, ast.Attribute) and n.attr == "scaling" for n in sides) \
+                    and any(names(n) for n in sides):
+                found.append(f"{node.lineno}: {ast.unparse(node)[:80]}")
+    return found
+
+
+def test_no_comparison_with_a_scaling_name_outside_the_scaling_module():
+    assert _scaling_comparisons("ok = g.scaling.one_scale\nbad = g.scaling in ('row', 'mx')\n"
+                                "also = fmt.numerics.scaling != 'tensor'\n") == [
+        "2: g.scaling in ('row', 'mx')", "3: fmt.numerics.scaling != 'tensor'"]
+    found = {}
+    for name, path in _modules().items():
+        if name != "autoprec.scaling":
+            hits = _scaling_comparisons(open(path, encoding="utf-8").read())
+            if hits:
+                found[name] = hits
+    assert not found, f"scaling names compared outside autoprec.scaling: {found}"
 
 
 def _functions():
@@ -189,7 +312,7 @@ def test_applying_a_policy_loads_no_tuning_library():
             "autoprec.apply(m, autoprec.Policy(default='bf16'), guard=True)\n"
             "m(torch.randn(2, 8)).sum().backward()\n"
             "autoprec.get_guard(m).step()\n"
-            "from autoprec.runtime.integrations import training_kit\n"
+            "from autoprec.integrations import training_kit\n"
             "heavy = sorted({k.split('.')[0] for k in sys.modules} & "
             "{'optuna', 'scipy', 'matplotlib', 'transformers', 'accelerate'})\n"
             "print(heavy)\n")

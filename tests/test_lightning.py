@@ -23,7 +23,7 @@ from examples.train_plain import PLANT_LAYER
 
 L = pytest.importorskip("lightning")
 
-from autoprec.runtime.lightning import AutoprecCallback  # noqa: E402
+from autoprec.lightning import AutoprecCallback  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -206,13 +206,13 @@ def test_a_module_the_policy_does_not_fit_is_named_in_one_line(tmp_path):
 
 
 def test_import_autoprec_does_not_load_lightning_and_its_absence_is_one_line():
-    code = ("import sys, autoprec, autoprec.runtime.integrations\n"
+    code = ("import sys, autoprec, autoprec.integrations\n"
             "print('lightning' in sys.modules)\n"
             "sys.modules['lightning'] = sys.modules['lightning.pytorch'] = None\n"
-            "import autoprec.runtime.lightning\n")
+            "import autoprec.lightning\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
     assert out.stdout.strip() == "False", out.stdout + out.stderr[-2000:]
     assert out.stderr.strip().splitlines()[-1].startswith(
-        "ImportError: autoprec.runtime.lightning needs Lightning, which is not installed: pip "
+        "ImportError: autoprec.lightning needs Lightning, which is not installed: pip "
         "install lightning"), out.stderr[-2000:]

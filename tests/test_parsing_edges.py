@@ -22,8 +22,8 @@ from torch import nn
 import autoprec
 from autoprec import Format, Policy, PolicyError, load_policy
 from autoprec.formats import unregister
+from autoprec.integrations import GUARD_STATE_FILE, load_guard_state
 from autoprec.runtime.guard import Guard, GuardConfig, get_guard
-from autoprec.runtime.integrations import GUARD_STATE_FILE, load_guard_state
 
 # What a refusal of oversized input may take. The bounds are set for ~0.6-0.9 s on this 2-core
 # machine idle; measured at most 1.4 s with the other core and more busy (load average 2.8).

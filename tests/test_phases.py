@@ -12,7 +12,7 @@ import torch
 
 import autoprec
 from autoprec import Format, Policy, PolicyError, load_policy
-from autoprec.runtime.integrations import training_kit
+from autoprec.integrations import training_kit
 from autoprec.runtime.phases import PhaseSwitcher, get_phases
 from examples.data import byte_batches
 
@@ -240,7 +240,7 @@ def _formats_by_step(get_step, get_model):
 def _hf_run(out_dir: str, *, steps: int, resume: bool = False, save_steps: int = 0) -> dict:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from autoprec.runtime.integrations import PolicyCallback
+    from autoprec.integrations import PolicyCallback
     from examples.train_hf_trainer import as_dataset
 
     model = _model("gpt2")
@@ -437,7 +437,7 @@ def _rechecked(events) -> list:
 def test_hf_trainer_rechecks_every_n_steps_and_the_guard_demotes_at_that_step(tmp_path):
     from transformers import Trainer, TrainingArguments
 
-    from autoprec.runtime.integrations import PolicyCallback
+    from autoprec.integrations import PolicyCallback
     from examples.train_hf_trainer import as_dataset
 
     with pytest.raises(PolicyError, match="pass guard=True as well"):

@@ -16,11 +16,10 @@ import yaml
 
 import autoprec
 from autoprec.formats import Format
+from autoprec.integrations import training_kit
 from autoprec.measure.sensitivity import LayerSensitivity
 from autoprec.policy import Budget, Policy, load_policy
-from autoprec.recheck import (PROMOTE_SHARE, Rechecker, judge, load_checkpoint, read_state_dict,
-                              recheck)
-from autoprec.runtime.integrations import training_kit
+from autoprec.recheck import PROMOTE_SHARE, Rechecker, judge, load_checkpoint, read_state_dict, recheck
 from autoprec.runtime.rewrite import applied_policy
 from examples.data import byte_batches
 from examples.drift import DRIFT_LAYER, drift_policy, plant_drift

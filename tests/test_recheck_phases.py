@@ -12,9 +12,9 @@ from torch import nn
 
 import autoprec
 from autoprec.formats import Format
+from autoprec.integrations import training_kit
 from autoprec.policy import Budget, Policy, load_policy
 from autoprec.recheck import Rechecker, RecheckResult, RecheckRow, recheck
-from autoprec.runtime.integrations import training_kit
 from examples.data import byte_batches
 from examples.gpt2_bytes import make_model
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autoprec import Policy
+from autoprec import Policy, profile_view
 from autoprec.formats import FP8_E4M3, FP8_FORMATS, Format, expand_formats
 from autoprec.policy import PolicyError, load_policy
 from autoprec.runtime.fp8 import fp8_linear, fp8_matmul
@@ -190,13 +190,13 @@ def test_profile_measures_and_prices_each_recipe(llama_profile):
     # a GQA k projection (N = 4 x 64 = 256) loses in every recipe: nothing measured
     k = prof.layer("model.layers.0.self_attn.k_proj")
     assert all(f in k.skipped for f in FP8_FORMATS), k.skipped
-    why = prof.fp8_reason(up, Format.FP8_ROWWISE_GW_HP)
+    why = profile_view.fp8_reason(prof, up, Format.FP8_ROWWISE_GW_HP)
     assert why.startswith("chosen: rowwise_with_gw_hp") and "tensorwise" in why, why
 
 
 def test_search_offers_the_recipes_a_layer_gains_from_and_couples_qkv(llama_profile):
-    from autoprec.tuning.space import SearchSpace
     from autoprec.tuning.config import Grouping
+    from autoprec.tuning.space import SearchSpace
 
     space = SearchSpace.build(llama_profile, llama_profile.formats, Grouping.LAYER,
                               couple=[("q_proj", "k_proj", "v_proj")])

@@ -108,6 +108,7 @@ from autoprec.measure.numerics import Numerics, all_finite, writable
 from autoprec.policy import Budget, LossScaling, Policy
 from autoprec.runtime import calls, rewrite
 from autoprec.runtime.fp8 import emulating, round_operand
+from autoprec.scaling import shape_multiple
 
 __all__ = ["Estimate", "estimate_during_reference", "needs_exact"]
 
@@ -230,7 +231,7 @@ def _rounding_of(fmt: Format, call: calls.Call, args: tuple, kwargs: dict,
     form = calls.matmul_form(call, args, kwargs) if num.is_fp8 else None
     if form is not None:
         p = calls.product_of(form[0].shape, form[1].shape)
-        if calls.fp8_shape_supported(p.m, p.k, p.n, calls.shape_multiple(num))[0]:
+        if calls.fp8_shape_supported(p.m, p.k, p.n, shape_multiple(num))[0]:
             first = operand == call.multiplied[0]
             dim = -1 if first or call.name == "linear" else -2
             return _Rounding(num.fwd.a if first else num.fwd.b, dim, gemm=num.fwd,

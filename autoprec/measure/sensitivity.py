@@ -67,7 +67,7 @@ from autoprec.measure.estimate import estimate_during_reference, needs_exact
 from autoprec.measure.numerics import Deviation, Numerics, prepare_for_measurement, prepared
 from autoprec.policy import DEFAULT_MAX_LOSS_INCREASE, Budget, LossScaling, Policy
 from autoprec.runtime import calls, rewrite
-from autoprec.runtime.fp8 import rowwise_scale, tensorwise_scale
+from autoprec.scaling import rowwise_scale, tensorwise_scale
 from autoprec.task import Task, default_loss
 
 __all__ = [
@@ -217,7 +217,7 @@ class _RangeCounter:
         # have.
         gemm = fmt.numerics.dgrad if kind == "grad" else fmt.numerics.fwd
         self.fp8_dtype = gemm.a if gemm.a in (FP8_E4M3, FP8_E5M2) else FP8_E4M3
-        self.per_tensor = gemm.scaling == "tensor"
+        self.per_tensor = gemm.scaling.one_scale
         self.over: torch.Tensor | int = 0
         self.under: torch.Tensor | int = 0
         self.total = 0

@@ -2,9 +2,11 @@
 
 Parts, each on its own: :mod:`~autoprec.runtime.calls` (the registry of matmul-like calls),
 :mod:`~autoprec.runtime.fp8` (the FP8 autograd function), :mod:`~autoprec.runtime.rewrite`
-(precision regions; knows nothing of guards), :mod:`~autoprec.runtime.guard` (watches and
-demotes, through rewrite's public surface only) and :mod:`~autoprec.runtime.integrations`
-(plain loops, Accelerate, the HF Trainer). Imports torch and yaml only.
+(precision regions; knows nothing of guards) and :mod:`~autoprec.runtime.guard` (watches and
+demotes, through rewrite's public surface only). The training integrations that use them
+(plain loops, Accelerate, the HF Trainer: :mod:`autoprec.integrations`; Lightning:
+:mod:`autoprec.lightning`) sit above this package, as they also reach the re-check. Imports
+torch and yaml only.
 """
 
 from __future__ import annotations

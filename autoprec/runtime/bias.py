@@ -48,8 +48,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoprec import blockscale
 from autoprec.policy import DEFAULT_BIAS_BUDGET, Policy, PolicyError
-from autoprec.runtime import blockscale, rewrite
+from autoprec.runtime import rewrite
 from autoprec.runtime.guard import get_guard
 from autoprec.runtime.guard.demote import reapply
 from autoprec.runtime.phases import get_phases

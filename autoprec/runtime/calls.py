@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autoprec.scaling import KERNEL_MULTIPLE
+
 __all__ = [
     "Call",
     "Product",
@@ -46,14 +48,10 @@ __all__ = [
     "product_of",
     "matmul_form",
     "fp8_shape_supported",
-    "shape_multiple",
     "fp8_blocker",
     "layer_kind",
     "class_kind",
 ]
-
-# torch._scaled_mm's kernels need M, K and N to be multiples of 16 (forward, dgrad, wgrad).
-KERNEL_MULTIPLE = 16
 
 # What a module that computes is. Embedding lookups and norms compute the same in every format
 # (autocast keeps norms in FP32; a lookup has no arithmetic), so only COMPUTING_KINDS are tuned
@@ -106,13 +104,6 @@ def product_of(a: Shape, b: Shape) -> Product:
         return Product(1, _prod(a[:-1]), a[-1], b[-1])
     batch = _prod(torch.broadcast_shapes(a[:-2], b[:-2]))
     return Product(batch, a[-2], a[-1], b[-1])
-
-
-def shape_multiple(numerics) -> int:
-    """What M, K and N of a product must be multiples of in a scaled format: 16 for
-    ``torch._scaled_mm``, the block for block-scaled ones (32 for MX: each of M, K, N is the
-    contraction of one of the three GEMMs)."""
-    return max(KERNEL_MULTIPLE, numerics.block)
 
 
 def fp8_shape_supported(m: int, k: int, n: int,

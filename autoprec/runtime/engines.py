@@ -38,10 +38,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from autoprec.formats import Format, Support, supported_formats
-from autoprec.runtime.calls import shape_multiple
+from autoprec.formats import Format, Support, supported_formats, torchao_takes
 
-__all__ = ["Swap", "torchao_available", "torchao_takes", "torchao_runs", "engine_for",
+__all__ = ["Swap", "torchao_available", "torchao_runs", "engine_for",
            "swap_to_torchao", "restore", "keeping_sharded_swaps", "is_float8_linear",
            "computes_own", "blackwell", "mxfp8_config", "mxfp8_linear",
            "float8_linear_config"]
@@ -87,23 +86,10 @@ def _quiet():
             logging.getLogger(name).setLevel(level)
 
 
-def torchao_takes(fmt: Format, *, linear: bool, in_features: int, out_features: int) -> bool:
-    """The one rule of which layers torchao's float8 training computes: an ``nn.Linear``
-    (``linear``) in an FP8 format torchao has a recipe for (``Numerics.torchao_recipe``) whose
-    in and out features are multiples of 16 (MX: 32). The FP8 kernel cannot take other
-    widths; torchao's own filter skips them too, and autoprec runs them in bf16. Whether
-    torchao *does* run the
-    layer also depends on the policy's engine and the machine: :func:`torchao_runs`,
-    :func:`engine_for`."""
-    multiple = shape_multiple(fmt.numerics)
-    return (linear and fmt.numerics.torchao_recipe is not None
-            and not in_features % multiple and not out_features % multiple)
-
-
 def torchao_runs(fmt: Format, *, linear: bool, in_features: int, out_features: int,
                  engine: str) -> bool:
     """Whether ``apply`` gives such a layer (not yet sharded) to torchao: it takes it
-    (:func:`torchao_takes`), the policy's engine is not "autoprec" and torchao imports here.
+    (:func:`~autoprec.formats.torchao_takes`), the policy's engine is not "autoprec" and torchao imports here.
     What :func:`engine_for` decides for a module, for a layer known by its shape (the memory
     model's captured layers)."""
     return (torchao_takes(fmt, linear=linear, in_features=in_features, out_features=out_features)
@@ -118,8 +104,8 @@ def _takes(module: nn.Module, fmt: Format) -> bool:
 
 def engine_for(module: nn.Module, fmt: Format, engine: str) -> str:
     """The engine that runs ``module`` in ``fmt``: "torchao" for an ``nn.Linear`` in fp8 when
-    the policy's engine allows it, torchao is installed and takes it (:func:`torchao_takes`),
-    else "autoprec" (a Linear whose K or N is not a multiple of 16 runs in bf16 there, a
+    the policy's engine allows it, torchao is installed and takes it
+    (:func:`~autoprec.formats.torchao_takes`), else "autoprec" (a Linear whose K or N is not a multiple of 16 runs in bf16 there, a
     recipe torchao has no name for in autoprec's FP8 kernel). Asking for
     "torchao" where it is not installed is an error that says how to get it."""
     kept = (_KEPT.get() or {}).get(id(module))
@@ -183,8 +169,7 @@ def mxfp8_config(recipe: str, *, emulate: bool = False):
     ``MXFP8TrainingOpConfig.from_recipe``); ``emulate``: torchao's own emulated kernels
     (``KernelPreference.EMULATED``, any device)."""
     with _quiet():
-        from torchao.prototype.moe_training.config import (MXFP8TrainingOpConfig,
-                                                           MXFP8TrainingRecipe)
+        from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
         from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
     config = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe(recipe))
     return dataclasses.replace(config, kernel_preference=KernelPreference.EMULATED) \

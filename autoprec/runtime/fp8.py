@@ -1,15 +1,15 @@
 """Scaled low-precision matmul with an explicit backward: real ``torch._scaled_mm`` on CUDA sm_89+ for FP8, exact emulation elsewhere.
 
 The kernels read a format's :class:`~autoprec.formats.Numerics` (what each GEMM's operands are
-cast to and how they are scaled); :func:`check_kernels` says which numerics they compute. Two
-kernels:
+cast to and how they are scaled: :mod:`autoprec.scaling`, whose scalings say which GEMMs these
+kernels compute and how each rounds an operand). Two kernels:
 
 - per-tensor scales on all three GEMMs, any FP8 dtype per operand (the quantized forward
   operands are saved and reused by dgrad and wgrad, the gradient quantized once);
 - per GEMM (:class:`_PerGemmMatmul`): the inputs are saved and each GEMM rounds its two
   operands along its own contraction as its :class:`~autoprec.formats.Gemm` says: per-row
   power-of-two scales in E4M3, a per-tensor FP8 scale, MX or NVFP4 blocks
-  (:mod:`autoprec.runtime.blockscale`, with NVFP4's Hadamard transform and stochastic
+  (:mod:`autoprec.blockscale`, with NVFP4's Hadamard transform and stochastic
   rounding of the gradient operand where the Gemm asks), or none (a BF16 or FP32 GEMM). Any
   mix of these per GEMM is one format (:func:`autoprec.formats.per_gemm`). Block-scaled GEMMs
   are emulated on every device (their real kernels are torchao's, ``engine=torchao``).
@@ -59,9 +59,10 @@ from collections.abc import Iterator
 
 import torch
 
-from autoprec.formats import FP8_E4M3, FP8_E5M2, Format, Gemm, Numerics, fp8_is_native
-from autoprec.runtime import blockscale
-from autoprec.runtime.calls import fp8_shape_supported, product_of, shape_multiple
+from autoprec import blockscale
+from autoprec.formats import Format, Gemm, Numerics, fp8_is_native
+from autoprec.runtime.calls import fp8_shape_supported, product_of
+from autoprec.scaling import dequantize, quantize, shape_multiple, tensorwise_scale
 
 __all__ = [
     "fp8_matmul",
@@ -71,16 +72,7 @@ __all__ = [
     "emulated_dtypes",
     "round_operand",
     "fp8_linear",
-    "tensorwise_scale",
-    "rowwise_scale",
-    "quantize",
-    "dequantize",
-    "check_kernels",
 ]
-
-# Lower bound on amax: an all-zero tensor would otherwise give an infinite scale
-# (the failure fixed in pytorch/ao#3356 by the same kind of bound).
-_AMAX_EPS = 1e-12
 
 # The 16-bit dtypes whose GEMMs compute as FP32 matmuls of rounded operands (see `emulating`).
 _EMULATED: frozenset[torch.dtype] = frozenset()
@@ -126,34 +118,6 @@ def _plain_product(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype,
     if bias is not None:
         return torch.nn.functional.linear(a.to(dtype), b.to(dtype).t(), bias.to(dtype))
     return torch.matmul(a.to(dtype), b.to(dtype))
-
-
-def tensorwise_scale(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """FP32 scalar ``fp8_max / amax(x)``; ``x * scale`` fills the FP8 range. No autograd."""
-    with torch.no_grad():
-        amax = x.detach().abs().amax().to(torch.float32).clamp(min=_AMAX_EPS)
-        return torch.finfo(fp8_dtype).max / amax
-
-
-def quantize(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """Round ``x * scale`` to ``fp8_dtype`` (saturating at the format's max)."""
-    fp8_max = torch.finfo(fp8_dtype).max
-    with torch.no_grad():
-        return (x.detach().to(torch.float32) * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """FP32 values an FP8 tensor stands for."""
-    return q.to(torch.float32) / scale
-
-
-def rowwise_scale(x: torch.Tensor, fp8_dtype: torch.dtype, dim: int) -> torch.Tensor:
-    """FP32 ``fp8_max / amax(x)`` along ``dim`` (kept, so it broadcasts against ``x``), rounded
-    down to a power of two as torchao's rowwise recipes do. No autograd."""
-    with torch.no_grad():
-        amax = x.detach().abs().amax(dim=dim, keepdim=True).to(torch.float32)
-        scale = torch.finfo(fp8_dtype).max / amax.clamp(min=_AMAX_EPS)
-        return torch.exp2(torch.floor(torch.log2(scale)))
 
 
 def _col_major(x: torch.Tensor) -> torch.Tensor:
@@ -338,7 +302,7 @@ def _plain_dtype(numerics: Numerics) -> torch.dtype | None:
     gemms = (numerics.fwd, numerics.dgrad, numerics.wgrad)
     dtype = numerics.fwd.a
     if dtype in (torch.bfloat16, torch.float16) and all(
-            g.scaling == "none" and g.a is dtype and g.b is dtype for g in gemms):
+            not g.is_fp8 and g.a is dtype and g.b is dtype for g in gemms):
         return dtype
     return None
 
@@ -354,14 +318,6 @@ def _operands(a: torch.Tensor, b: torch.Tensor,
     return a32, b32
 
 
-def _rowwise_product(a: torch.Tensor, b: torch.Tensor, native: bool) -> torch.Tensor:
-    """``a [..., M, K] @ b [..., K, N]`` in FP32 from E4M3 operands scaled along K: per row of
-    ``a``, per column of ``b``."""
-    sa, sb = rowwise_scale(a, FP8_E4M3, -1), rowwise_scale(b, FP8_E4M3, -2)
-    return _mm(quantize(a, sa, FP8_E4M3), sa, quantize(b, sb, FP8_E4M3), sb, native=native,
-               out_dtype=torch.float32)
-
-
 def round_operand(x: torch.Tensor, gemm: Gemm, operand: int, *,
                   stochastic: bool = False) -> torch.Tensor:
     """The FP32 values a GEMM multiplies in place of its ``operand`` (0: first, 1: second)
@@ -369,19 +325,8 @@ def round_operand(x: torch.Tensor, gemm: Gemm, operand: int, *,
     Gemm's dtype, or quantized with its scaling and dequantized."""
     dtype = gemm.a if operand == 0 else gemm.b
     with torch.no_grad():
-        x = x.detach().to(torch.float32)
-        if gemm.scaling == "none":
-            return x.to(dtype).to(torch.float32)
-        if gemm.scaling in ("tensor", "row"):
-            s = tensorwise_scale(x, dtype) if gemm.scaling == "tensor" else \
-                rowwise_scale(x, dtype, -1)
-            return dequantize(quantize(x, s, dtype), s)
-        if gemm.scaling == "mx":
-            return blockscale.mx_dequantize(*blockscale.mx_quantize(x, dtype,
-                                                                    rounding=gemm.rounding))
-        ts = blockscale.nvfp4_tensor_scale(x).clamp(min=_AMAX_EPS)
-        scales, values = blockscale.nvfp4_quantize(x, ts, stochastic=stochastic)
-        return blockscale.nvfp4_dequantize(scales, values, ts)
+        return gemm.scaling.round(x.detach().to(torch.float32), gemm, dtype,
+                                  stochastic=stochastic)
 
 
 def _gemm_product(a: torch.Tensor, b: torch.Tensor, gemm: Gemm, native: bool, *,
@@ -390,12 +335,11 @@ def _gemm_product(a: torch.Tensor, b: torch.Tensor, gemm: Gemm, native: bool, *,
     along K (``b`` through its transpose), NVFP4's Hadamard transform first where the Gemm has
     it, stochastic rounding for the gradient operand (``grad_operand``) where it has that. A
     plain GEMM multiplies in its dtype; FP8 GEMMs run ``_scaled_mm`` where ``native``."""
-    if gemm.scaling == "none":
+    if not gemm.is_fp8:
         return _plain_product(a, b, gemm.a).float()
-    if gemm.scaling == "row":
-        return _rowwise_product(a, b, native)
-    if gemm.scaling == "tensor":
-        sa, sb = tensorwise_scale(a, gemm.a), tensorwise_scale(b, gemm.b)
+    scale = gemm.scaling.scale
+    if scale is not None:  # one FP32 scale per tensor or row: the scaled-matmul kernel's
+        sa, sb = scale(a, gemm.a, -1), scale(b, gemm.b, -2)
         return _mm(quantize(a, sa, gemm.a), sa, quantize(b, sb, gemm.b), sb, native=native,
                    out_dtype=torch.float32)
     bt = b.transpose(-1, -2)
@@ -416,33 +360,6 @@ def _bf16_matmul(a, b, bias):
         if bias is not None:
             out = out + bias.to(torch.bfloat16)
         return out
-
-
-def _has_kernel(g: Gemm) -> bool:
-    """Whether :func:`_gemm_product` computes this GEMM."""
-    if g.scaling == "none":
-        return g.a is g.b and g.a in (torch.float32, torch.bfloat16)
-    if g.scaling == "row":
-        return g == Gemm(FP8_E4M3, FP8_E4M3, "row", pow2_scales=True)
-    return not g.pow2_scales and (g.scaling != "tensor" or {g.a, g.b} <= {FP8_E4M3, FP8_E5M2})
-
-
-def check_kernels(numerics: Numerics) -> None:
-    """A ValueError unless this module's kernels compute ``numerics`` (see the module
-    docstring); :func:`autoprec.formats.register` calls it for every new scaled format."""
-    fwd, dgrad, wgrad = numerics.fwd, numerics.dgrad, numerics.wgrad
-    if numerics.saves_quantized:
-        ok = (not any(g.pow2_scales for g in (fwd, dgrad, wgrad))
-              and dgrad.b == fwd.b and wgrad.a == fwd.a and dgrad.a == wgrad.b)
-    else:
-        ok = all(_has_kernel(g) for g in (fwd, dgrad, wgrad))
-    if not ok:
-        raise ValueError(
-            f"autoprec's scaled kernels do not compute {numerics.label}: they take per-tensor "
-            "scales on all three GEMMs (the forward operands reused by dgrad and wgrad, one "
-            "dtype for the gradient), or per GEMM power-of-two row scales in E4M3, MX or NVFP4 "
-            "blocks, or a BF16/FP32 GEMM. Add a kernel in autoprec/runtime/fp8.py for these "
-            "numerics.")
 
 
 def scaled_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,

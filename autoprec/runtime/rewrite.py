@@ -69,6 +69,7 @@ from autoprec.formats import Format, Support, supported_formats
 from autoprec.policy import Policy, PolicyError, load_policy
 from autoprec.runtime import calls, engines
 from autoprec.runtime.fp8 import emulated_dtypes, plain_matmul, scaled_matmul
+from autoprec.scaling import KERNEL_MULTIPLE
 
 __all__ = [
     "apply",
@@ -245,7 +246,7 @@ def _tokens_fit_fp8(args: tuple, kwargs: dict) -> bool:
     x = args[0] if args else next(iter(kwargs.values()), None)
     if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] == 0:
         return False
-    return (x.numel() // x.shape[-1]) % calls.KERNEL_MULTIPLE == 0
+    return (x.numel() // x.shape[-1]) % KERNEL_MULTIPLE == 0
 
 
 def _to_bf16(value: Any) -> Any:

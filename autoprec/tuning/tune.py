@@ -36,6 +36,7 @@ from typing import Any
 import optuna
 from torch import nn
 
+from autoprec import profile_view
 from autoprec._util import free_memory, shown, tensors, worker_id
 from autoprec.formats import Format, Support, supported_formats
 from autoprec.measure import shards
@@ -298,7 +299,7 @@ def _new_profile(handle: StudyHandle | None, task: Task, config: TuneConfig,
     prof = run_profile(task, formats=config.formats, target=config.target, batches=batches,
                        progress=log, sensitivity=config.sensitivity, budget=config.budget,
                        share=share, only_winnable=True, model=model)
-    log(prof.sensitivity_summary())
+    log(profile_view.sensitivity_summary(prof))
     return prof
 
 

@@ -97,7 +97,7 @@ the same step and holds the same events and amended policy
 (``save_to`` is written by rank 0). Every rank must call ``step()``.
 ``state_dict()``/``load_state_dict()`` carry the demotions and the forecast history (at most
 ``window`` points per layer and kind) through a checkpoint (see
-``autoprec.runtime.integrations`` for the Trainer and Accelerate).
+``autoprec.integrations`` for the Trainer and Accelerate).
 
 Cost: one fused reduction per watched output, output gradient and own weight gradient, kept on
 the device: a count of the values above the limit (or NaN) for fp16 layers (a finite FP32 value
@@ -187,7 +187,7 @@ class Guard:
         # The policy in force on the model (the original one, amended by each demotion).
         self.policy: Policy | None = None
         self.model: nn.Module | None = None
-        # GradScaler consulted by step() when none is passed (set by autoprec.runtime.integrations).
+        # GradScaler consulted by step() when none is passed (set by autoprec.integrations).
         self.scaler: torch.amp.GradScaler | None = None
         self.recorder = Recorder(self.config.check_gradients, predict=self.config.predict)
         self.forecaster = Forecaster(self.config.window, self.config.horizon,

@@ -50,10 +50,10 @@ from typing import Any
 from torch import nn
 
 from autoprec.formats import Format
+from autoprec.integrations import follow_bias, init_follow_bias, make_rechecker, start_phases
 from autoprec.policy import Policy, PolicyError, load_policy
 from autoprec.runtime import apply
 from autoprec.runtime.guard import Guard, GuardConfig, get_guard
-from autoprec.runtime.integrations import follow_bias, init_follow_bias, make_rechecker, start_phases
 from autoprec.runtime.phases import PhaseSwitcher
 from autoprec.runtime.rewrite import applied_policy
 
@@ -62,7 +62,7 @@ try:
     from lightning.pytorch.utilities.model_helpers import is_overridden
 except ImportError as e:  # one line, with the fix, instead of a traceback into Lightning
     raise ImportError(
-        "autoprec.runtime.lightning needs Lightning, which is not installed: pip install "
+        "autoprec.lightning needs Lightning, which is not installed: pip install "
         "lightning (or pip install -e \".[lightning]\" in an autoprec checkout).") from e
 
 __all__ = ["AutoprecCallback"]

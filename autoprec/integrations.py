@@ -556,7 +556,7 @@ def _apply_in_callback(callback, model: nn.Module | None) -> None:
             "model with mixed precision (TrainingArguments bf16 or fp16): its autocast "
             "would sit inside the policy's regions and decide the format of every layer "
             "the policy does not name. Pass the callback in Trainer(callbacks=[...]), "
-            "call autoprec.runtime.integrations.use_policy(trainer, policy) before train(), or "
+            "call autoprec.integrations.use_policy(trainer, policy) before train(), or "
             "set bf16=False and fp16=False.")
     apply(model, callback.policy, strict=callback.strict, guard=callback.guard_arg)
     callback.guard = get_guard(model)
@@ -605,7 +605,7 @@ def _policy_callback_class():
 
 def __getattr__(name: str):
     # PolicyCallback subclasses transformers.TrainerCallback; building it on first use keeps
-    # `import autoprec.runtime.integrations` free of the transformers import (about a second).
+    # `import autoprec.integrations` free of the transformers import (about a second).
     if name == "PolicyCallback":
         return _policy_callback_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
