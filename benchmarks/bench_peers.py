@@ -42,7 +42,7 @@ the searched layers alone: in a whole step the rest of the work dilutes them (be
 1.56x on the blocks' linears is 1.25x on the step).
 
 Accuracy: each policy's certificate against bf16 (``autoprec.certify``: paired branches from
-one bf16 reference run, README "Does it train like BF16?"), at its defaults (200 steps,
+one bf16 reference run, docs/certificate.md), at its defaults (200 steps,
 branches of 100, tolerance 0.5%) or ``--steps``. Training at full width takes minutes per step
 on 2 CPU cores, so the certificates are of a narrower model of the same structure and the same
 layer names (``--loss-width``, default 512: hidden 512, SwiGLU 1792, 32 heads and 8 KV heads of

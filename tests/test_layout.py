@@ -388,7 +388,7 @@ def test_every_file_the_package_writes_goes_through_the_one_atomic_write():
 
 def test_every_exported_function_and_constant_has_a_user_outside_its_module():
     # __all__ is a module's interface, not its inventory: a function or constant listed there
-    # is called from another module, a test, a benchmark, an example or the README. Classes
+    # is called from another module, a test, a benchmark, an example, the README or docs/. Classes
     # may stand alone (a data type a listed function returns).
     import re
 
@@ -399,7 +399,10 @@ def test_every_exported_function_and_constant_has_a_user_outside_its_module():
                 if f.endswith(".py"):
                     path = os.path.join(here, f)
                     users[path] = open(path, encoding="utf-8").read()
-    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    docs = [os.path.join(ROOT, "README.md")] + sorted(
+        os.path.join(ROOT, "docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))
+        if f.endswith(".md"))
+    readme = "\n".join(open(p, encoding="utf-8").read() for p in docs)
     idle = []
     for name, path in _modules().items():
         tree = ast.parse(users[path])
