@@ -774,7 +774,7 @@ def _policy_parsers(sub) -> None:
                    help=f"steps of the reference run the branches start from (default "
                         f"{DEFAULT_STEPS})")
     p.add_argument("--horizon", type=_positive_int, default=None,
-                   help="steps each branch trains (default: a quarter of --steps)")
+                   help="steps each branch trains (default: half of --steps)")
     p.add_argument("--branches", type=_positive_int, default=DEFAULT_BRANCHES,
                    help=f"branch points over the run (default {DEFAULT_BRANCHES}; it stops "
                         "early once the interval decides)")

@@ -1,7 +1,7 @@
 """A griffe extension for the API page: the public names griffe's static loader cannot reach.
 
 ``autoprec/measure`` is a namespace package (no ``__init__.py``), which griffe does not enter
-inside a regular package; ``autoprec.runtime.integrations.PolicyCallback`` is a class built on
+inside a regular package; ``autoprec.integrations.PolicyCallback`` is a class built on
 first access (it subclasses transformers' ``TrainerCallback``). This loads the first from its
 folder and inspects the second, and hangs both where ``import autoprec`` finds them.
 """
@@ -24,8 +24,8 @@ class LazyNames(griffe.Extension):
                               docstring_parser=loader.docstring_parser,
                               docstring_options=loader.docstring_options)
         pkg.set_member("measure", measure)
-        importlib.import_module("autoprec.runtime.integrations").PolicyCallback  # noqa: B018
-        inspected = griffe.inspect("autoprec.runtime.integrations", import_paths=[str(ROOT)],
+        importlib.import_module("autoprec.integrations").PolicyCallback  # noqa: B018
+        inspected = griffe.inspect("autoprec.integrations", import_paths=[str(ROOT)],
                                    docstring_parser=loader.docstring_parser,
                                    docstring_options=loader.docstring_options)
-        pkg["runtime.integrations"].set_member("PolicyCallback", inspected["PolicyCallback"])
+        pkg["integrations"].set_member("PolicyCallback", inspected["PolicyCallback"])
