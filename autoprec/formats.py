@@ -199,6 +199,10 @@ class Numerics:
     recipe: str | None = None
     torchao_recipe: str | None = None
     megatron_recipe: str | None = None
+    # the torchtitan Linear that computes exactly these numerics, besides torchao's
+    # Float8Linear (which an FP8 recipe with a torchao name runs as): "MXFP8Linear",
+    # "NVFP4Linear"; None: none
+    torchtitan_linear: str | None = None
 
     @property
     def gemms(self) -> dict[str, Gemm]:
@@ -602,12 +606,13 @@ def fp8_recipes() -> tuple[str, ...]:
 
 
 def _block_entry(name: str, fwd: Gemm, dgrad: Gemm, wgrad: Gemm, demotes_to: str, *,
-                 torchao: str | None = None, megatron: str | None = None) -> Numerics:
+                 torchao: str | None = None, megatron: str | None = None,
+                 titan: str | None = None) -> Numerics:
     """A block-scaled format: as an FP8 recipe (BF16 autocast for the rest, BF16 output), not
     one of the ``fp8:`` recipes."""
     return Numerics(name=name, label=name, fwd=fwd, dgrad=dgrad, wgrad=wgrad,
                     autocast=torch.bfloat16, output=torch.bfloat16, demotes_to=demotes_to,
-                    torchao_recipe=torchao, megatron_recipe=megatron)
+                    torchao_recipe=torchao, megatron_recipe=megatron, torchtitan_linear=titan)
 
 
 def _fp8_entry(recipe: str, fwd: Gemm, dgrad: Gemm, wgrad: Gemm, *, name: str | None = None,
@@ -650,7 +655,7 @@ def _builtins() -> dict[str, Numerics]:
         # torchao's MXFP8 training recipes (MXFP8TrainingRecipe) and Transformer Engine's
         # MXFP8BlockScaling (E4M3 everywhere; Megatron's --fp8-recipe mxfp8)
         "MXFP8": _block_entry("mxfp8", mx, mx, mx, "bf16", torchao="mxfp8_rceil",
-                              megatron="mxfp8"),
+                              megatron="mxfp8", titan="MXFP8Linear"),
         "MXFP8_GW_HP": _block_entry("mxfp8:gw_hp", mx, mx, bf16, "bf16",
                                     torchao="mxfp8_rceil_wgrad_with_hp"),
         # Transformer Engine's NVFP4BlockScaling (Megatron's --fp4-recipe nvfp4): stochastic
@@ -658,7 +663,7 @@ def _builtins() -> dict[str, Numerics]:
         # (its 16x16 weight blocks are not emulated: weights are scaled per 1x16 here)
         "NVFP4": _block_entry("nvfp4", nv, Gemm(f4, f4, "nvfp4", stochastic=True),
                               Gemm(f4, f4, "nvfp4", hadamard=True, stochastic=True), "mxfp8",
-                              megatron="nvfp4"),
+                              megatron="nvfp4", titan="NVFP4Linear"),
         "NVFP4_PLAIN": _block_entry("nvfp4:plain", nv, nv, nv, "mxfp8"),
     }
 

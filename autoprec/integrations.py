@@ -64,7 +64,6 @@ import torch
 from torch import nn
 
 from autoprec._util import atomic_write, call_model, device_of, loss_of, read_json
-from autoprec.formats import Format
 from autoprec.policy import Policy, PolicyError, load_policy
 from autoprec.runtime import apply
 from autoprec.runtime.guard import Guard, GuardConfig, get_guard
@@ -383,7 +382,7 @@ def _begin_training(callback: Any, args: Any, state: Any, model: nn.Module | Non
     callback._model = model
     if (callback.rechecker is not None or callback.follow_bias is not None) and model is not None:
         _capture_batches(callback, model)
-    if callback.policy.uses(Format.FP16) and callback._scaler(args) is None \
+    if callback.policy.needs_loss_scaling and callback._scaler(args) is None \
             and not callback._warned:
         callback._warned = True
         _warn_unscaled_fp16()

@@ -49,7 +49,6 @@ from typing import Any
 
 from torch import nn
 
-from autoprec.formats import Format
 from autoprec.integrations import follow_bias, init_follow_bias, make_rechecker, start_phases
 from autoprec.policy import Policy, PolicyError, load_policy
 from autoprec.runtime import apply
@@ -145,7 +144,7 @@ class AutoprecCallback(pl.Callback):
             if self._pending_state is not None:
                 self.guard.load_state_dict(self._pending_state)
                 self._pending_state = None
-        if self.policy.uses(Format.FP16) and trainer.scaler is None:
+        if self.policy.needs_loss_scaling and trainer.scaler is None:
             warnings.warn(
                 f"The policy puts layers in fp16 but Trainer(precision={trainer.precision!r}) "
                 "scales no loss: fp16 gradients may underflow. On a GPU use precision="

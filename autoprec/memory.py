@@ -171,7 +171,7 @@ def measure_step_memory(model: nn.Module, batch: Any, policy: Policy,
         group["lr"] = 0.0
     scaler = None
     device = next(model.parameters()).device
-    if policy.uses(Format.FP16):
+    if policy.needs_loss_scaling:
         scaler = policy.grad_scaler(device)
     slow = frozenset((torch.bfloat16, torch.float16)) if emulate else \
         slow_16bit_dtypes(device) if emulate is None else frozenset()

@@ -645,6 +645,12 @@ class Policy:
     def uses(self, fmt: Format | str) -> bool:
         return Format.parse(fmt, fp8_recipe=self.fp8_recipe) in self.formats_used()
 
+    @property
+    def needs_loss_scaling(self) -> bool:
+        """Whether any layer, in any phase, is in a format whose gradients need loss scaling
+        (fp16): training needs an enabled GradScaler."""
+        return any(f.needs_loss_scaling for f in self.formats_used())
+
     def resolve(self, model: nn.Module) -> tuple[dict[str, Format], list[str]]:
         """Map each module (by its canonical fqn, as ``named_modules()`` lists it) that a
         pattern names to its format, and list unused patterns. A module reachable at several
@@ -704,7 +710,7 @@ class Policy:
         return torch.amp.GradScaler(
             device.type, init_scale=self.loss_scaling.init_scale,
             growth_interval=int(self.loss_scaling.growth_interval),
-            enabled=self.uses(Format.FP16))
+            enabled=self.needs_loss_scaling)
 
     def module_filter_fn(self, recipe: str | None = None) -> Callable[[nn.Module, str], bool]:
         """A torchao-style ``(module, fqn) -> bool`` that selects exactly this policy's fp8

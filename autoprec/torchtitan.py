@@ -111,7 +111,7 @@ def _load(policy: Policy | str | os.PathLike) -> Policy:
             f"Policy{' ' + policy.source if policy.source else ''} has phases, which "
             "torchtitan cannot follow: it builds each layer's precision once. Train each phase "
             "from its own policy without `phases:`, restarting from a checkpoint between them.")
-    if policy.uses(Format.FP16):
+    if policy.needs_loss_scaling:
         raise PolicyError(
             f"Policy{' ' + policy.source if policy.source else ''} puts layers in fp16, whose "
             "gradients need loss scaling, and torchtitan's trainer scales no loss: re-tune "
@@ -136,10 +136,11 @@ def _titan_builds(fmt: Format, config) -> bool:
                              out_features=config.out_features)
     if not blackwell(torch.device("cuda")):
         return False
-    if fmt is Format.MXFP8:
+    linear = fmt.numerics.torchtitan_linear
+    if linear == "MXFP8Linear":
         return MXFP8Linear is not None and torchao_takes(
             fmt, linear=True, in_features=config.in_features, out_features=config.out_features)
-    return fmt is Format.NVFP4 and NVFP4Linear is not None and not (
+    return linear == "NVFP4Linear" and NVFP4Linear is not None and not (
         config.in_features % _NVFP4_MULTIPLE or config.out_features % _NVFP4_MULTIPLE)
 
 
@@ -185,10 +186,10 @@ def _convert(model_config, policy: Policy):
             continue
         kept = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
                 if f.name != "_torchao_config"}
-        if fmt is Format.MXFP8:
-            new = MXFP8Linear.Config(**kept)
-        elif fmt is Format.NVFP4:
-            new = NVFP4Linear.Config(**kept)
+        linear = {"MXFP8Linear": MXFP8Linear, "NVFP4Linear": NVFP4Linear}.get(
+            fmt.numerics.torchtitan_linear)
+        if linear is not None:
+            new = linear.Config(**kept)
         else:
             new = Float8Linear.Config(**kept, _torchao_config=recipes[fmt])
         if parent is None:

@@ -174,6 +174,41 @@ def _scaling_comparisons(source: str) -> list[str]:
     return found
 
 
+def _format_comparisons(source: str, names: set[str]) -> list[str]:
+    """Comparisons in ``source`` (``is``, ``==``, ``in`` a literal collection) with one of the
+    formats ``Format.<name>`` for ``name`` in ``names``."""
+    def named(node) -> bool:
+        if isinstance(node, ast.Attribute):
+            return isinstance(node.value, ast.Name) and node.value.id == "Format" \
+                and node.attr in names
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(named(e) for e in node.elts)
+        return False
+
+    return [f"{node.lineno}: {ast.unparse(node)[:80]}" for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Compare) and any(named(n) for n in [node.left, *node.comparators])]
+
+
+def test_no_identity_check_of_a_scaled_or_fp16_format_outside_the_formats():
+    # what a scaled format (FP8 recipes, MXFP8, NVFP4) or fp16 is asked is a field of its
+    # numerics (needs_loss_scaling, output_dtype, scaling, torchao_recipe, ...), so that a
+    # registered format with the same fields is treated alike
+    from autoprec.formats import FORMAT_ORDER
+
+    names = {f.name for f in FORMAT_ORDER if f.is_fp8 or f.needs_loss_scaling}
+    assert {"FP16", "FP8", "MXFP8", "NVFP4"} <= names
+    assert _format_comparisons("a = fmt is Format.FP16\nb = fmt is Format.FP32\n"
+                               "c = f in (Format.BF16, Format.MXFP8)\n", names) == [
+        "1: fmt is Format.FP16", "3: f in (Format.BF16, Format.MXFP8)"]
+    found = {}
+    for name, path in _modules().items():
+        if name not in ("autoprec.formats", "autoprec.scaling"):
+            hits = _format_comparisons(open(path, encoding="utf-8").read(), names)
+            if hits:
+                found[name] = hits
+    assert not found, f"scaled or fp16 formats compared by identity: {found}"
+
+
 def test_no_comparison_with_a_scaling_name_outside_the_scaling_module():
     assert _scaling_comparisons("ok = g.scaling.one_scale\nbad = g.scaling in ('row', 'mx')\n"
                                 "also = fmt.numerics.scaling != 'tensor'\n") == [

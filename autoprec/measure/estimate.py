@@ -761,7 +761,7 @@ class _Estimator:
         if g_out is None:  # the FP32 reference: its grads use the true output grads
             g_out = [call.grads.get(i, torch.zeros_like(t)) for i, t in enumerate(out)]
         wrt = [*xs, *(watch.params if mode is None else ())]
-        scale = self.loss_scale if fmt is Format.FP16 else 1.0
+        scale = self.loss_scale if fmt is not None and fmt.needs_loss_scaling else 1.0
         grads = _local_grads(out, wrt, g_out, scale) if out and wrt else [None] * len(wrt)
         grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, wrt)]
         return ([t.detach() for t in out], grads[:len(xs)], grads[len(xs):])

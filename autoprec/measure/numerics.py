@@ -297,7 +297,7 @@ class Numerics:
         ``after_forward(b)`` is called after batch ``b``'s forward (to read probes); ``bias``
         also measures the gradient bias (one more gradient-sized buffer while it runs)."""
         ref = self.reference() if self.per_batch else self._reference_grads()
-        scale = policy.loss_scaling.init_scale if policy.uses(Format.FP16) else 1.0
+        scale = policy.loss_scaling.init_scale if policy.needs_loss_scaling else 1.0
         changes: list[float] = []
         diff_sq = torch.zeros(len(self.params), dtype=torch.float64,
                               device=ref.grad_sq[0].device)

@@ -92,7 +92,7 @@ def _narrow_range(fmt: Format) -> bool:
     """Formats whose exponent range is narrower than FP32's, so range statistics mean
     something: fp16 and every FP8 format, registered ones included; not the block-scaled ones
     (a power-of-two or FP32-scaled block scale per 16-32 values spans FP32's range)."""
-    return fmt is Format.FP16 or (fmt.is_fp8 and not fmt.numerics.is_block_scaled)
+    return fmt.output_dtype is torch.float16 or (fmt.is_fp8 and not fmt.numerics.is_block_scaled)
 
 # ------------------------------------------------------------------------------ result
 @dataclass(frozen=True)

@@ -283,7 +283,7 @@ class StepTimer:
 
     def runner(self, policy: Policy) -> Callable[[], float]:
         """A timer candidate: one timed step under ``policy`` per call."""
-        scaler = policy.grad_scaler(self.device) if policy.uses(Format.FP16) else None
+        scaler = policy.grad_scaler(self.device) if policy.needs_loss_scaling else None
 
         def step() -> None:
             optimizer_step(self.loss_fn(self.model, self.batch), self.optimizer, scaler)

@@ -105,9 +105,10 @@ def _takes(module: nn.Module, fmt: Format) -> bool:
 def engine_for(module: nn.Module, fmt: Format, engine: str) -> str:
     """The engine that runs ``module`` in ``fmt``: "torchao" for an ``nn.Linear`` in fp8 when
     the policy's engine allows it, torchao is installed and takes it
-    (:func:`~autoprec.formats.torchao_takes`), else "autoprec" (a Linear whose K or N is not a multiple of 16 runs in bf16 there, a
-    recipe torchao has no name for in autoprec's FP8 kernel). Asking for
-    "torchao" where it is not installed is an error that says how to get it."""
+    (:func:`~autoprec.formats.torchao_takes`), else "autoprec" (a Linear whose K or N is not
+    a multiple of 16 runs in bf16 there, a recipe torchao has no name for in autoprec's FP8
+    kernel). Asking for "torchao" where it is not installed is an error that says how to get
+    it."""
     kept = (_KEPT.get() or {}).get(id(module))
     if kept is not None:
         # a Float8Linear kept in place (sharded since its swap): it goes on computing its FP8
@@ -216,7 +217,7 @@ def computes_own(module: nn.Module, fmt: Format) -> bool:
         return num.torchao_recipe is not None and not num.is_block_scaled
     if name == "MXFP8Linear":
         return num.torchao_recipe is not None and num.is_block_scaled
-    return name == "NVFP4Linear" and fmt is Format.NVFP4
+    return name == "NVFP4Linear" and num.torchtitan_linear == name
 
 
 def is_sharded(module: nn.Module) -> bool:

@@ -11,6 +11,8 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import torch
+
 from autoprec.formats import Format
 from autoprec.runtime.guard.config import limit
 from autoprec.runtime.guard.record import Checks
@@ -146,7 +148,7 @@ def backward_culprit(checks: Checks, formats: Mapping[str, Format],
         if not bad("grad", fqn):
             continue
         a = grads[fqn]
-        fp16 = formats.get(fqn) is Format.FP16
+        fp16 = fqn in formats and formats[fqn].needs_loss_scaling
         if i == 0 and not math.isfinite(a):
             if not scaled and fp16:
                 # Without a GradScaler nothing scales the gradient back into FP16's range:
@@ -196,9 +198,10 @@ def describe(f: Failure, fmt: Format | None) -> str:
         return ("the gradients its backward sent upstream were non-finite, the gradient "
                 "reaching it was finite" + (f", loss scale {f.scale:g}" if f.scale else ""))
     share = None if f.fraction is None else f"{pct(f.fraction)} of {f.where}"
-    if fmt is Format.FP16 and f.where != "weight gradients":  # values counted (stat)
+    fp16 = fmt is not None and fmt.output_dtype is torch.float16
+    if fp16 and f.where != "weight gradients":  # values counted (stat)
         text = f"{share or f.where} overflow fp16 max {limit(fmt):g} or are NaN"
-    elif fmt is Format.FP16:  # an fp16 layer's own weight gradient went non-finite
+    elif fp16:  # an fp16 layer's own weight gradient went non-finite
         text = f"{share or f.where} overflow fp16 max {limit(fmt):g} (non-finite)"
     else:
         text = f"non-finite {f.where}" + (f" ({share} NaN or inf)" if share else "")

@@ -48,7 +48,7 @@ def watched(fmt: Format, formats: tuple[Format, ...]) -> bool:
 
 def limit(fmt: Format) -> float:
     """Largest magnitude a layer of ``fmt`` can hand on: the range of its output dtype."""
-    return FP16_MAX if fmt is Format.FP16 else BF16_MAX
+    return FP16_MAX if fmt.output_dtype is torch.float16 else BF16_MAX
 
 
 @dataclass(frozen=True)

@@ -180,7 +180,7 @@ class Watch:
         # the smallest normal of the format's outputs, for the underflow share (fp16 only: an
         # fp8 layer's outputs are BF16, its FP8 operands rescaled per tensor)
         self.tiny = float(torch.finfo(torch.float16).smallest_normal) \
-            if fmt is Format.FP16 else None
+            if fmt.output_dtype is torch.float16 else None
         self.device = device
         # made eagerly: a module found to compute during a compiled first forward gets its
         # sink at the next step() (a tensor made with requires_grad is a graph break)
@@ -349,7 +349,7 @@ class Recorder:
         # Weight gradients of fp16 layers only: their FP16 products (a sum over every token)
         # can overflow where the gradient at the output does not. A bf16 product has FP32's
         # range, and fp8's gradients are rescaled into E5M2 and come back FP32.
-        if self.check_gradients and fmt is Format.FP16:
+        if self.check_gradients and fmt.compute_dtype is torch.float16:
             counts = owned()
             for p in module.parameters(recurse=False):
                 # a tied weight (GPT-2's lm_head and wte) also gets gradients from its other
