@@ -41,19 +41,21 @@ import math
 import _common  # noqa: F401  (puts the repo root on sys.path)
 from _common import print_table
 
-from autoprec.costmodel import (
+from autoprec.calibration import (
     BLACKWELL_PUBLISHED,
     CALIBRATION,
-    DEVICES,
-    LLAMA3_8B,
     LLAMA3_8B_GB200,
     MEASURED_H200,
     PUBLISHED,
-    STEP_SPECS,
     blackwell_rows,
     check_rows,
     measured_rows,
     memory_rows,
+)
+from autoprec.costmodel import (
+    DEVICES,
+    LLAMA3_8B,
+    STEP_SPECS,
     price_training_memory,
     price_training_step,
     resolve_target,

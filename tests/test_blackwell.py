@@ -17,13 +17,10 @@ from torch import nn
 
 import autoprec
 from autoprec import Policy, blockscale
+from autoprec.calibration import BLACKWELL_PUBLISHED, CALIBRATION, LLAMA3_8B_GB200, blackwell_rows
 from autoprec.cli import main
 from autoprec.costmodel import (
-    BLACKWELL_PUBLISHED,
-    CALIBRATION,
     DEVICES,
-    LLAMA3_8B_GB200,
-    blackwell_rows,
     estimate_layer,
     gemm_seconds,
     linear_seconds,
