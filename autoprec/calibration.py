@@ -6,8 +6,9 @@ on one H200), the checks that price each as it ran (:func:`check_rows`, :func:`m
 off each target's model was, which :mod:`autoprec.pricing` prints beside every priced figure).
 
 benchmarks/bench_published.py prints the rows as tables, tests/test_calibration.py and
-tests/test_blackwell.py hold them within ``CALIBRATION``'s errors. This module imports the
-cost model; the cost model does not import it.
+tests/test_blackwell.py hold them within ``CALIBRATION``'s errors. Whole steps are priced by
+:mod:`autoprec.titan_step`, single linears and GEMMs by :mod:`autoprec.costmodel`; this module
+imports both, neither imports it.
 """
 
 from __future__ import annotations
@@ -16,17 +17,15 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from autoprec.costmodel import (
+from autoprec.costmodel import DeviceSpec, gemm_seconds, linear_seconds
+from autoprec.formats import Format
+from autoprec.titan_step import (
     LLAMA3_8B,
-    DeviceSpec,
     StepSpec,
     TrainingSetup,
-    gemm_seconds,
-    linear_seconds,
     price_training_memory,
     price_training_step,
 )
-from autoprec.formats import Format
 
 __all__ = [
     "CALIBRATION",

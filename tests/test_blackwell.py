@@ -19,13 +19,7 @@ import autoprec
 from autoprec import Policy, blockscale
 from autoprec.calibration import BLACKWELL_PUBLISHED, CALIBRATION, LLAMA3_8B_GB200, blackwell_rows
 from autoprec.cli import main
-from autoprec.costmodel import (
-    DEVICES,
-    estimate_layer,
-    gemm_seconds,
-    linear_seconds,
-    price_training_step,
-)
+from autoprec.costmodel import DEVICES, estimate_layer, gemm_seconds, linear_seconds
 from autoprec.exporting import ExportError, export
 from autoprec.formats import (
     BLOCK_FORMATS,
@@ -46,6 +40,7 @@ from autoprec.formats import (
 from autoprec.graph import Layer
 from autoprec.runtime import engines
 from autoprec.runtime.fp8 import round_operand, scaled_matmul
+from autoprec.titan_step import price_training_step
 from autoprec.tuning import TuneConfig
 from autoprec.tuning.config import per_gemm_candidates
 

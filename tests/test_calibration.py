@@ -19,16 +19,15 @@ from autoprec.calibration import (
     memory_rows,
     step_tokens_per_s,
 )
-from autoprec.costmodel import (
-    DEVICES,
+from autoprec.costmodel import DEVICES, linear_seconds
+from autoprec.pricing import CostSource, calibration_error, calibration_line, priced_tie
+from autoprec.titan_step import (
     LLAMA3_8B,
     STEP_SPECS,
     TrainingSetup,
-    linear_seconds,
     price_training_memory,
     price_training_step,
 )
-from autoprec.pricing import CostSource, calibration_error, calibration_line, priced_tie
 
 CAL = CALIBRATION["h100"]
 
