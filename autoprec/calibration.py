@@ -17,7 +17,8 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from autoprec.costmodel import DeviceSpec, gemm_seconds, linear_seconds
+from autoprec.costmodel import gemm_seconds, linear_seconds
+from autoprec.devices import DeviceSpec
 from autoprec.formats import Format
 from autoprec.titan_step import (
     LLAMA3_8B,

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from autoprec.calibration import CALIBRATION
-from autoprec.costmodel import estimate_layer, estimate_step, resolve_target
+from autoprec.costmodel import estimate_layer, estimate_step
+from autoprec.devices import resolve_target
 from autoprec.formats import Format
 
 __all__ = ["CostSource", "calibration_error", "calibration_line", "priced_tie"]

@@ -18,13 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoprec.costmodel import (
-    DeviceSpec,
-    forward_gemm_seconds,
-    linear_seconds,
-    resolve_target,
-    weight_cast_seconds,
-)
+from autoprec.costmodel import forward_gemm_seconds, linear_seconds, weight_cast_seconds
+from autoprec.devices import DeviceSpec, resolve_target
 from autoprec.formats import Format
 
 __all__ = [

@@ -69,7 +69,7 @@ from _common import device_line, print_table
 
 from autoprec import Certificate, Policy, Task, certify
 from autoprec.certification import DEFAULT_STEPS
-from autoprec.costmodel import DEVICES
+from autoprec.devices import DEVICES
 from autoprec.formats import Format, Support
 from autoprec.pricing import calibration_error, calibration_line, priced_tie
 from autoprec.tuning import TuneConfig, tune

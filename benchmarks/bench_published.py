@@ -52,7 +52,7 @@ from autoprec.calibration import (
     measured_rows,
     memory_rows,
 )
-from autoprec.costmodel import DEVICES, resolve_target
+from autoprec.devices import DEVICES, resolve_target
 from autoprec.pricing import calibration_line
 from autoprec.titan_step import LLAMA3_8B, STEP_SPECS, price_training_memory, price_training_step
 

@@ -19,7 +19,8 @@ import autoprec
 from autoprec import Policy, blockscale
 from autoprec.calibration import BLACKWELL_PUBLISHED, CALIBRATION, LLAMA3_8B_GB200, blackwell_rows
 from autoprec.cli import main
-from autoprec.costmodel import DEVICES, estimate_layer, gemm_seconds, linear_seconds
+from autoprec.costmodel import estimate_layer, gemm_seconds, linear_seconds
+from autoprec.devices import DEVICES
 from autoprec.exporting import ExportError, export
 from autoprec.formats import (
     BLOCK_FORMATS,

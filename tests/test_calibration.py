@@ -19,7 +19,8 @@ from autoprec.calibration import (
     memory_rows,
     step_tokens_per_s,
 )
-from autoprec.costmodel import DEVICES, linear_seconds
+from autoprec.costmodel import linear_seconds
+from autoprec.devices import DEVICES
 from autoprec.pricing import CostSource, calibration_error, calibration_line, priced_tie
 from autoprec.titan_step import (
     LLAMA3_8B,
