@@ -712,7 +712,7 @@ def _format_arg(text: str) -> str:
 
 def _common_options() -> dict[str, dict]:
     """The options several commands share: --formats, --target, --sensitivity."""
-    from autoprec.costmodel import DEVICES
+    from autoprec.devices import DEVICES
     from autoprec.formats import Format
     from autoprec.measure.sensitivity import SENSITIVITY_MODES
     from autoprec.tuning.config import default

@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
-from autoprec.costmodel import CALIBRATION, estimate_layer, estimate_step, resolve_target
+from autoprec.calibration import CALIBRATION
+from autoprec.costmodel import estimate_layer, estimate_step
+from autoprec.devices import resolve_target
 from autoprec.formats import Format
 
 __all__ = ["CostSource", "calibration_error", "calibration_line", "priced_tie"]
@@ -36,7 +38,7 @@ def _key(target: Any) -> str:
 
 def calibration_error(target: Any) -> float:
     """How far off the cost model of ``target`` was on the published whole-step speed-ups it
-    was checked against (``autoprec.costmodel.CALIBRATION``): the largest relative error of
+    was checked against (``autoprec.calibration.CALIBRATION``): the largest relative error of
     the figures no constant was fitted to. A target never checked against a measurement gets
     the checked one's (it is at least that uncertain)."""
     return (CALIBRATION.get(_key(target)) or CALIBRATION[_CHECKED]).speedup_error

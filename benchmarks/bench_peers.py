@@ -35,7 +35,7 @@ weight gradient), nvfp4 and their per-GEMM mixes (``per_gemm``):
 
 Speed: the cost model's step time of the searched layers (their matmuls, the FP8 casts and the
 casts on the graph's edges), as BF16 time / policy time. A model, not a measurement: it has no
-spread, but it has a calibration error (``autoprec.costmodel.CALIBRATION``: whole-step speed-ups
+spread, but it has a calibration error (``autoprec.calibration.CALIBRATION``: whole-step speed-ups
 within 3% of torchtitan's measured Llama-3-8B steps, benchmarks/bench_published.py), and two
 prices closer than that are a tie (``autoprec.pricing.priced_tie``), written as one. These are
 the searched layers alone: in a whole step the rest of the work dilutes them (bench_published:
@@ -69,7 +69,7 @@ from _common import device_line, print_table
 
 from autoprec import Certificate, Policy, Task, certify
 from autoprec.certification import DEFAULT_STEPS
-from autoprec.costmodel import DEVICES
+from autoprec.devices import DEVICES
 from autoprec.formats import Format, Support
 from autoprec.pricing import calibration_error, calibration_line, priced_tie
 from autoprec.tuning import TuneConfig, tune

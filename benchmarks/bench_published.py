@@ -4,7 +4,7 @@ torchao's float8 linear microbenchmarks. Pure pricing: no GPU, no timing, determ
 
     python benchmarks/bench_published.py
 
-A whole step is priced by ``autoprec.costmodel.price_training_step``: all 32 blocks' linears
+A whole step is priced by ``autoprec.titan_step.price_training_step``: all 32 blocks' linears
 (forward, dgrad, wgrad, the recipe's casts and scales, FP8 all-gather for tensorwise) with the
 layer model the tune uses, the forwards per-op SAC recomputes, the BF16 output layer, flash
 attention, the norms and elementwise ops, the loss, AdamW on this GPU's shard and FSDP2's
@@ -18,7 +18,7 @@ here by taking those kernels' priced time off). "after": the model as it is.
 
 Peak memory per GPU is published for every step (torchtitan logs the CUDA caching
 allocator's peak *reserved* bytes in GiB; torchao's README copies those figures under "GB").
-``autoprec.costmodel.price_training_memory`` prices it by part, as torchtitan runs the step:
+``autoprec.titan_step.price_training_memory`` prices it by part, as torchtitan runs the step:
 FSDP2's sharded FP32 weights, AdamW state and gradients (the gradients' blocks cached in the
 reduce-scatter stream's pool), the all-gather stream's pool, the unsharded parameters held
 (the root, never resharded after forward, and the last block; FP8 with FP8 all-gather), what
@@ -41,24 +41,20 @@ import math
 import _common  # noqa: F401  (puts the repo root on sys.path)
 from _common import print_table
 
-from autoprec.costmodel import (
+from autoprec.calibration import (
     BLACKWELL_PUBLISHED,
     CALIBRATION,
-    DEVICES,
-    LLAMA3_8B,
     LLAMA3_8B_GB200,
     MEASURED_H200,
     PUBLISHED,
-    STEP_SPECS,
     blackwell_rows,
     check_rows,
     measured_rows,
     memory_rows,
-    price_training_memory,
-    price_training_step,
-    resolve_target,
 )
+from autoprec.devices import DEVICES, resolve_target
 from autoprec.pricing import calibration_line
+from autoprec.titan_step import LLAMA3_8B, STEP_SPECS, price_training_memory, price_training_step
 
 TARGET = "h100"
 _GIB = 2**30
@@ -182,7 +178,7 @@ def main() -> None:
     priced = sum(price_training_step(LLAMA3_8B, "bf16", TARGET, step=unscaled).values())
     measured = LLAMA3_8B.tokens / bf16.value
     print(f"fit: {bf16.where} bf16 step {measured:.4f} s ({bf16.value:,.0f} tokens/s) / priced "
-          f"{priced:.4f} s = time_scale {measured / priced:.4f} (costmodel: "
+          f"{priced:.4f} s = time_scale {measured / priced:.4f} (titan_step: "
           f"{STEP_SPECS[TARGET].time_scale})")
     _parts_table()
     before, after = _before_rows(unscaled), check_rows(TARGET)
@@ -199,7 +195,7 @@ def main() -> None:
                                    step=dataclasses.replace(unscaled, reserved_ratio=1.0)).values())
     print(f"\nfit: {fitted.where} bf16 peak {fitted.peak_memory} (max reserved) / priced "
           f"{allocated / _GIB:.2f} GiB allocated = reserved_ratio "
-          f"{fitted.peak_memory_bytes() / allocated:.4f} (costmodel: "
+          f"{fitted.peak_memory_bytes() / allocated:.4f} (titan_step: "
           f"{STEP_SPECS[TARGET].reserved_ratio})")
     _memory_parts_table()
     memory = memory_rows(TARGET)
@@ -251,7 +247,7 @@ def _blackwell() -> None:
     measured = bf16.setup.tokens / bf16.value
     print(f"\n=== Blackwell ===\nfit: {bf16.where} bf16 step {measured:.4f} s "
           f"({bf16.value:,.0f} tokens/s) / priced {priced:.4f} s = time_scale "
-          f"{measured / priced:.4f} (costmodel: {STEP_SPECS['b200'].time_scale}); "
+          f"{measured / priced:.4f} (titan_step: {STEP_SPECS['b200'].time_scale}); "
           f"scaled_efficiency b200 {dict(DEVICES['b200'].scaled_efficiency)}, b300 "
           f"{dict(DEVICES['b300'].scaled_efficiency)}")
     runs = {"bf16": ("bf16", 0, "bf16"), "mxfp8 (all Linear)": ("mxfp8", 0, "mxfp8"),

@@ -53,7 +53,7 @@ _PASSES = re.compile(r"([\w@-]+) ([\d.]+) s = (\d+) passes")
 def shapes() -> dict:
     """The two models' shapes (blocks, widths, vocabulary) as the cost model's
     ``TrainingSetup``; :func:`pass_seconds` prices them at the calibration's tokens."""
-    from autoprec.costmodel import LLAMA3_8B, TrainingSetup
+    from autoprec.titan_step import LLAMA3_8B, TrainingSetup
 
     # Llama-3-70B's config.json: 80 layers, hidden 8192, SwiGLU 28672, 64 heads, 8 KV heads
     big = TrainingSetup(name="Llama-3-70B", layers=80, hidden=8192, intermediate=28672,
@@ -97,7 +97,7 @@ def _passes_fit(points: list[tuple[int, int]]) -> tuple[float, float]:
 
 
 def predict_time(lines: list[str]) -> None:
-    from autoprec.costmodel import TrainingSetup
+    from autoprec.titan_step import TrainingSetup
 
     # one process's parts: the time of one GPU doing all the work
     rows = {k: v for k, v in read_passes(lines).items() if k != "step" and "@" not in k}

@@ -17,18 +17,10 @@ from torch import nn
 
 import autoprec
 from autoprec import Policy, blockscale
+from autoprec.calibration import BLACKWELL_PUBLISHED, CALIBRATION, LLAMA3_8B_GB200, blackwell_rows
 from autoprec.cli import main
-from autoprec.costmodel import (
-    BLACKWELL_PUBLISHED,
-    CALIBRATION,
-    DEVICES,
-    LLAMA3_8B_GB200,
-    blackwell_rows,
-    estimate_layer,
-    gemm_seconds,
-    linear_seconds,
-    price_training_step,
-)
+from autoprec.costmodel import estimate_layer, gemm_seconds, linear_seconds
+from autoprec.devices import DEVICES
 from autoprec.exporting import ExportError, export
 from autoprec.formats import (
     BLOCK_FORMATS,
@@ -49,6 +41,7 @@ from autoprec.formats import (
 from autoprec.graph import Layer
 from autoprec.runtime import engines
 from autoprec.runtime.fp8 import round_operand, scaled_matmul
+from autoprec.titan_step import price_training_step
 from autoprec.tuning import TuneConfig
 from autoprec.tuning.config import per_gemm_candidates
 

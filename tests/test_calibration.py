@@ -10,23 +10,25 @@ import math
 import pytest
 import torch
 
-from autoprec.costmodel import (
+from autoprec.calibration import (
     CALIBRATION,
-    DEVICES,
-    LLAMA3_8B,
     PUBLISHED,
-    STEP_SPECS,
     Published,
-    TrainingSetup,
     check_rows,
-    linear_seconds,
     measured_rows,
     memory_rows,
-    price_training_memory,
-    price_training_step,
     step_tokens_per_s,
 )
+from autoprec.costmodel import linear_seconds
+from autoprec.devices import DEVICES
 from autoprec.pricing import CostSource, calibration_error, calibration_line, priced_tie
+from autoprec.titan_step import (
+    LLAMA3_8B,
+    STEP_SPECS,
+    TrainingSetup,
+    price_training_memory,
+    price_training_step,
+)
 
 CAL = CALIBRATION["h100"]
 

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from autoprec.costmodel import DEVICES, DeviceSpec, estimate_layer, estimate_layers, estimate_step
+from autoprec.costmodel import estimate_layer, estimate_layers, estimate_step
+from autoprec.devices import DEVICES, DeviceSpec
 from autoprec.formats import Format, Support
 from autoprec.measure.capture import capture
 

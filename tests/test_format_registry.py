@@ -16,7 +16,8 @@ from torch import nn
 import autoprec
 from autoprec import Policy
 from autoprec.cli import main
-from autoprec.costmodel import DEVICES, estimate_layer, estimate_step
+from autoprec.costmodel import estimate_layer, estimate_step
+from autoprec.devices import DEVICES
 from autoprec.exporting import ExportError, export
 from autoprec.formats import (FORMAT_ORDER, FP8_E4M3, FP8_E5M2, Format, Gemm, Numerics,
                               Support, register, unregister)

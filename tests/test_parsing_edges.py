@@ -207,10 +207,10 @@ def test_a_guard_states_policy_is_bounded_before_anything_is_compiled(tmp_path):
 
 # ======================================================================= 3. no global state
 def test_parsing_a_mix_before_the_cost_model_is_imported(tmp_path):
-    """A mix parsed before `autoprec.costmodel` was first imported made that import fail (its
-    devices were built over every format known then)."""
+    """A mix parsed before the cost model's devices (`autoprec.devices`) were first imported
+    made that import fail (they were built over every format known then)."""
     write(tmp_path / "p.yaml", "autoprec: 2\ndefault: bf16\nlayers:\n  a: nvfp4/mxfp8/mxfp8\n")
-    code = ("from autoprec import load_policy; load_policy('p.yaml'); import autoprec.costmodel "
+    code = ("from autoprec import load_policy; load_policy('p.yaml'); import autoprec.devices "
             "as c; from autoprec import Format; m = Format.parse('nvfp4/mxfp8/mxfp8'); "
             "print(c.DEVICES['h100'].support[m].value, c.DEVICES['b200'].support[m].value)")
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,

@@ -13,7 +13,8 @@ from conftest import tiny_gpt2, tiny_llama
 import autoprec
 from autoprec import Policy
 from autoprec.cli import main
-from autoprec.costmodel import DEVICES, estimate_layer
+from autoprec.costmodel import estimate_layer
+from autoprec.devices import DEVICES
 from autoprec.exporting import ExportError, export
 from autoprec.formats import FP8_E4M3, FP8_E5M2, Format, Gemm, Numerics, Support, register, unregister
 from autoprec.graph import Layer

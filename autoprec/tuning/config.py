@@ -208,7 +208,7 @@ def per_gemm_candidates(formats, target: str) -> tuple[Format, ...]:
     high-precision GEMM of its own), or in bf16 (Transformer Engine's
     ``backward_override="high_precision"``), each part running natively on the target (an
     emulated GEMM cannot pay). Registered with :func:`autoprec.formats.per_gemm`."""
-    from autoprec.costmodel import resolve_target
+    from autoprec.devices import resolve_target
 
     _, spec = resolve_target(target)
     scaled = [f for f in formats if f.is_fp8 and "/" not in f.value
