@@ -16,9 +16,9 @@ tuned: {...}                    # provenance written by `tune`; informational
 A policy may also say how its formats change over the run (``phases:``, schema 3; see
 :mod:`autoprec.phases`), e.g. ``phases: [{from_fraction: 0.9, formats: {fp8: bf16}}]``.
 
-Patterns: ``*`` matches within one dotted component, ``**`` across components, ``?`` one
-character (not a dot); matched in linear time, at most MAX_PATTERN_CHARS long. A module's
-format is its own best match (an exact fqn beats any glob; among globs, more literal
+Patterns (:mod:`autoprec.globs`): ``*`` matches within one dotted component, ``**`` across
+components, ``?`` one character (not a dot); matched in linear time, at most MAX_PATTERN_CHARS
+long. A module's format is its own best match (an exact fqn beats any glob; among globs, more literal
 characters win, then fewer wildcards), else its nearest matched ancestor's, else ``default``.
 No pattern matches the root module (fqn ``""``): ``default`` alone is its format.
 
@@ -51,6 +51,7 @@ from torch import nn
 from autoprec._util import MAX_INT, atomic_write, brief, class_name, number, quoted, read_bounded, shown
 from autoprec.certificate import Certificate
 from autoprec.formats import Format, fp8_recipes, torchao_takes
+from autoprec.globs import MAX_PATTERN_CHARS, Glob, specificity
 from autoprec.phases import MAX_PHASES, Phase, final_phase, parse_phases, phase_starts
 from autoprec.stats import Interval
 
@@ -399,89 +400,6 @@ def _shallow(value: Any, depth: int) -> bool:
     return value is None or isinstance(value, (str, float, bool))
 
 
-# The longest layer pattern (module names are rarely a tenth of it).
-MAX_PATTERN_CHARS = 512
-
-
-class _Glob:
-    """A compiled layer pattern. ``*`` is any run of characters within one dotted component,
-    ``**`` any run at all, ``?`` one character other than a dot. Matched as an automaton over
-    the pattern's positions (a bit set, one step per character of the name): time linear in
-    the name times the pattern, never the exponential backtracking of a regex built from a
-    run of wildcards. Cheap checks first (literal prefix and suffix, the count of dots) make
-    most non-matches one string comparison."""
-
-    __slots__ = ("exact", "prefix", "suffix", "dots", "min_len", "sized", "lit", "qmark",
-                 "star", "any", "accept")
-
-    def __init__(self, pattern: str):
-        # one token per literal character; "?"; "*" (within a component); "**" (any run)
-        tokens: list[str] = []
-        i = 0
-        while i < len(pattern):
-            if pattern[i] == "*":
-                j = i
-                while j < len(pattern) and pattern[j] == "*":
-                    j += 1
-                tokens.append("**" if j - i >= 2 else "*")  # `***` is `**` then `*`: any run
-                i = j
-            else:
-                tokens.append(pattern[i])
-                i += 1
-        wild = [k for k, t in enumerate(tokens) if t in _WILDCARDS]
-        self.exact = None if wild else pattern
-        self.prefix = "".join(tokens[:wild[0]]) if wild else pattern
-        self.suffix = "".join(tokens[wild[-1] + 1:]) if wild else ""
-        # without `**` every dot of a matching name is one of the pattern's literal dots
-        self.dots = None if "**" in tokens else tokens.count(".")
-        self.min_len = sum(t not in ("*", "**") for t in tokens)
-        self.sized = "*" not in tokens and "**" not in tokens  # then the length is min_len
-        self.lit: dict[str, int] = {}
-        self.qmark = self.star = self.any = 0
-        for k, t in enumerate(tokens):
-            if t == "?":
-                self.qmark |= 1 << k
-            elif t == "*":
-                self.star |= 1 << k
-            elif t == "**":
-                self.any |= 1 << k
-            else:
-                self.lit[t] = self.lit.get(t, 0) | 1 << k
-        self.accept = 1 << len(tokens)
-
-    def fullmatch(self, name: str) -> bool:
-        if self.exact is not None:
-            return name == self.exact
-        if len(name) < self.min_len or (self.sized and len(name) != self.min_len) \
-                or not name.startswith(self.prefix) or not name.endswith(self.suffix) \
-                or (self.dots is not None and name.count(".") != self.dots):
-            return False
-        lit, qmark, wild = self.lit, self.qmark, self.star | self.any
-        state = 1 | (1 & wild) << 1  # a star may match nothing: step over it
-        for c in name:
-            if c == ".":
-                state = (state & lit.get(c, 0)) << 1 | (state & self.any)
-            else:
-                state = (state & (lit.get(c, 0) | qmark)) << 1 | (state & wild)
-            if not state:
-                return False
-            state |= (state & wild) << 1  # no two stars are adjacent: one step closes it
-        return bool(state & self.accept)
-
-
-_WILDCARDS = ("?", "*", "**")
-
-
-def _is_glob(pattern: str) -> bool:
-    return any(c in pattern for c in "*?")
-
-
-def _specificity(pattern: str) -> tuple[int, int, int]:
-    wild = pattern.count("*") + pattern.count("?")
-    literal = len(pattern) - wild
-    return (0 if _is_glob(pattern) else 1, literal, -wild)
-
-
 @dataclass(frozen=True)
 class Policy:
     """A per-layer precision assignment. Build by hand, load with :func:`load_policy`, or get
@@ -546,7 +464,7 @@ class Policy:
         for ph in phases:  # each phase's layer patterns checked like the first's
             for pattern, fmt in ph.layers.items():
                 self._check_pattern(pattern, fmt)
-        object.__setattr__(self, "_compiled", {p: _Glob(p) for p in layers})
+        object.__setattr__(self, "_compiled", {p: Glob(p) for p in layers})
         # fqn -> its match: a model asks about the same few hundred names again and again
         object.__setattr__(self, "_matches", {})
 
@@ -579,7 +497,7 @@ class Policy:
         if fqn in cache:
             return cache[fqn]
         hits = [p for p, glob in self._compiled.items() if glob.fullmatch(fqn)] if fqn else []
-        found = max(hits, key=_specificity) if hits else None
+        found = max(hits, key=specificity) if hits else None
         if len(cache) >= 1 << 16:  # names come from models, but bound it all the same
             cache.clear()
         cache[fqn] = found
