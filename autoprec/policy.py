@@ -22,12 +22,11 @@ long. A module's format is its own best match (an exact fqn beats any glob; amon
 characters win, then fewer wildcards), else its nearest matched ancestor's, else ``default``.
 No pattern matches the root module (fqn ``""``): ``default`` alone is its format.
 
-A policy file is untrusted input: at most MAX_POLICY_BYTES and MAX_POLICY_LINES, parsed once
-with a safe loader that refuses anchors, aliases, duplicate keys, nesting past
-MAX_POLICY_DEPTH and more than MAX_POLICY_VALUES values or MAX_PHASES phases as it reads them
-(so that any refusal comes in about a second), and every field checked, ``tuned:`` included
-(see :func:`check_provenance`). A policy given as data (a guard state's) is held to the same
-bounds before any of it is compiled (:func:`check_bounds`).
+A policy file is untrusted input: read in bounded size, depth and time by
+:mod:`autoprec.policy_file` (a safe loader; no anchors, aliases or duplicate keys), then every
+field checked here, ``tuned:`` included (see :func:`check_provenance`). A policy given as
+data (a guard state's) is held to the same bounds before any of it is compiled
+(:func:`check_bounds`).
 
 This module is on the production path: it imports neither Optuna nor SciPy.
 """
@@ -48,11 +47,21 @@ import torch
 import yaml
 from torch import nn
 
-from autoprec._util import MAX_INT, atomic_write, brief, class_name, number, quoted, read_bounded, shown
+from autoprec._util import MAX_INT, atomic_write, brief, number, quoted, shown
 from autoprec.certificate import Certificate
+from autoprec.fingerprint import model_fingerprint
 from autoprec.formats import Format, fp8_recipes, torchao_takes
 from autoprec.globs import MAX_PATTERN_CHARS, Glob, specificity
 from autoprec.phases import MAX_PHASES, Phase, final_phase, parse_phases, phase_starts
+from autoprec.policy_file import (
+    BOUNDS_WHY,
+    MAX_POLICY_BYTES,
+    MAX_POLICY_DEPTH,
+    MAX_POLICY_VALUES,
+    PATH_CHARS,
+    PolicyFileError,
+    read_policy_file,
+)
 from autoprec.stats import Interval
 
 __all__ = [
@@ -65,7 +74,6 @@ __all__ = [
     "DEFAULT_MAX_LOSS_INCREASE",
     "DEFAULT_BIAS_BUDGET",
     "load_policy",
-    "model_fingerprint",
 ]
 
 # Version 2 added FP8 recipes per layer (`fp8:rowwise`) and `fp8: {engine: ...}`; version 1
@@ -488,7 +496,7 @@ class Policy:
         if self.source is None:
             return ""
         line = self.lines.get(key) if key is not None else None
-        return f" in {shown(self.source, _PATH_CHARS)}" + (f" line {line}" if line else "")
+        return f" in {shown(self.source, PATH_CHARS)}" + (f" line {line}" if line else "")
 
     def match(self, fqn: str) -> str | None:
         """The pattern that names ``fqn`` itself (most specific wins), or None. The root
@@ -721,7 +729,7 @@ class Policy:
                   lines: Mapping[str, int] | None = None) -> Policy:
         """Validate a parsed YAML mapping (schema 1, 2 or 3) and build the Policy."""
         lines = dict(lines or {})
-        src = f" in {shown(source, _PATH_CHARS)}" if source else ""
+        src = f" in {shown(source, PATH_CHARS)}" if source else ""
 
         def where(key):
             line = lines.get(key)
@@ -829,189 +837,18 @@ def listed(values: list[Any], most: int = 3) -> str:
     return shown_ + (f" and {len(values) - most} more" if len(values) > most else "")
 
 
-def _line_map(root: yaml.Node) -> dict[str, int]:
-    """1-based line of each top-level key, each `layers` pattern and each `tuned` field (as
-    ``tuned.<key>``), from the composed document."""
-    lines: dict[str, int] = {}
-    if not isinstance(root, yaml.MappingNode):
-        return lines
-    for key_node, value_node in root.value:
-        key = key_node.value
-        if not isinstance(key, str):  # a complex key (`? [a, b]`): the schema check names it
-            continue
-        lines[key] = key_node.start_mark.line + 1
-        if key in ("layers", "tuned") and isinstance(value_node, yaml.MappingNode):
-            for k, _ in value_node.value:
-                if isinstance(k.value, str):
-                    name = k.value if key == "layers" else f"tuned.{k.value}"
-                    lines.setdefault(name, k.start_mark.line + 1)
-    return lines
-
-
-# Bounds on a policy file: each far above what a real policy needs and below what takes a
-# second to parse. PyYAML's pure-Python parser (used whether or not libyaml is installed, so
-# that every machine refuses the same files) reads ~30,000 values a second on a 2-core Zen 3,
-# and blank lines or long scalars at 0.6-3 MB/s; a refusal comes within a second either way.
-# The explicit policy of a 1000-block model (~7,000 layer entries, a 70B Llama's ~560 times
-# 12) is ~0.3 MiB, ~7,000 lines and ~14,000 values, and nests 4 deep.
-MAX_POLICY_BYTES = 2 ** 20
-# Line breaks, counted before parsing: the parser spends ~1 us on a line even when it is blank.
-MAX_POLICY_LINES = 2 ** 16
-# Values (every scalar, list and mapping: a layer entry is two), counted as the parser hands
-# them over, so that a file of many tiny values stops early: 1.7 times that model's ~14,000,
-# and refused within ~0.6 s (~1.1 s with both cores busy).
-MAX_POLICY_VALUES = 24_000
-MAX_POLICY_DEPTH = 24
-# What a refusal says of why the bounds exist.
-_BOUNDS_WHY = ("the explicit policy of a 1000-block model has ~7,000 entries, ~0.3 MiB, and a "
-               "larger file would take seconds to parse. Is it the right file?")
-# How much of a path a message shows.
-_PATH_CHARS = 160
-_STR_TAG = "tag:yaml.org,2002:str"
-_LINE_BREAKS = ("\n", "\x85", "\u2028", "\u2029")
-
-
-def _line_breaks(text: str) -> int:
-    """The line breaks YAML sees in ``text`` (``\\r\\n`` is one), at C speed."""
-    return sum(text.count(c) for c in _LINE_BREAKS) + text.count("\r") - text.count("\r\n")
-
-
-class _PolicyLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses, as the parser hands over each event (before the
-    recursive composer descends), anchors and aliases (a small file could otherwise expand
-    into gigabytes: an alias bomb), nesting deeper than MAX_POLICY_DEPTH, more than
-    MAX_POLICY_VALUES values and more than MAX_PHASES entries under ``phases``; and refuses
-    duplicate keys (YAML would keep the last silently)."""
-
-    def __init__(self, stream: str, source: str):
-        super().__init__(stream)
-        self.source = source
-        self.depth = 0
-        self.values = 0
-        # the root mapping's children so far (keys and values alternate) and its last key
-        self.root_items, self.root_key, self.root_is_mapping = 0, None, False
-        # the phases so far while inside the top-level `phases:` list (None: not inside)
-        self.phases: int | None = None
-
-    def _fail(self, event: yaml.Event, what: str) -> None:
-        raise PolicyError(f"{shown(self.source, _PATH_CHARS)} line {event.start_mark.line + 1}"
-                          f": {what}")
-
-    def get_event(self):
-        event = super().get_event()
-        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
-            self._fail(event, "uses a YAML anchor or alias (& or *); policy files do not: write "
-                              "the values out (and quote a glob that starts with `*`).")
-        if isinstance(event, (yaml.ScalarEvent, yaml.CollectionStartEvent)):
-            self._count(event)
-        if isinstance(event, yaml.CollectionStartEvent):
-            self.depth += 1
-            if self.depth > MAX_POLICY_DEPTH:
-                self._fail(event, f"lists or mappings nest deeper than {MAX_POLICY_DEPTH} "
-                                  "levels; a policy needs a few. Is it the right file?")
-        elif isinstance(event, yaml.CollectionEndEvent):
-            self.depth -= 1
-            if self.depth < 2:
-                self.phases = None
-        return event
-
-    def _count(self, event: yaml.NodeEvent) -> None:
-        """Count a value (``event`` starts one) before it is composed."""
-        self.values += 1
-        if self.values > MAX_POLICY_VALUES:
-            self._fail(event, f"the file holds more than {MAX_POLICY_VALUES} values (scalars, "
-                              f"lists, mappings), the most a policy may: {_BOUNDS_WHY}")
-        if self.depth == 1 and self.root_is_mapping:
-            self.root_items += 1
-            if self.root_items % 2:  # a key
-                self.root_key = event.value if isinstance(event, yaml.ScalarEvent) else None
-            elif self.root_key == "phases" and isinstance(event, yaml.SequenceStartEvent):
-                self.phases = 0
-        elif self.depth == 2 and self.phases is not None:
-            self.phases += 1
-            if self.phases > MAX_PHASES:
-                self._fail(event, f"`phases` lists more than {MAX_PHASES} phases; a policy may "
-                                  f"have at most {MAX_PHASES} (a run with more is a schedule of "
-                                  "another kind, and every step checks the boundaries).")
-        elif self.depth == 0:
-            self.root_is_mapping = isinstance(event, yaml.MappingStartEvent)
-
-    def construct_mapping(self, node, deep=False):
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            line = key_node.start_mark.line + 1
-            try:
-                first = seen.get(key)
-            except TypeError:  # an unhashable key: SafeLoader says so with its line
-                break
-            if first is not None:
-                raise PolicyError(f"{shown(self.source, _PATH_CHARS)}: Duplicate key "
-                                  f"{quoted(key)} at lines {first} and {line}: a policy names "
-                                  "each key once; delete one of them.")
-            seen[key] = line
-        return super().construct_mapping(node, deep)
-
-
-def _check_layer_keys(root: yaml.Node, path: str) -> None:
-    """A layer pattern YAML reads as something other than text (`0:`, `1.10:`, `true:`) is
-    a string the user meant: say how to quote it, with the text as written."""
-    if not isinstance(root, yaml.MappingNode):
-        return
-    for key_node, value_node in root.value:
-        if key_node.value != "layers" or not isinstance(value_node, yaml.MappingNode):
-            continue
-        for k, v in value_node.value:
-            if isinstance(k, yaml.ScalarNode) and k.tag != _STR_TAG and k.value.strip() \
-                    and k.value not in ("~", "null", "Null", "NULL"):
-                fmt = v.value if isinstance(v, yaml.ScalarNode) else "fp32"
-                kind = k.tag.rpartition(":")[2]
-                raise PolicyError(f"Layer pattern {shown(k.value)} in {shown(path, _PATH_CHARS)} "
-                                  f"line {k.start_mark.line + 1} is read by YAML as a {kind}, "
-                                  f'not a module name: quote it, e.g. `"{shown(k.value)}": '
-                                  f"{shown(fmt, 40)}`.")
-
-
 def load_policy(path: str | os.PathLike) -> Policy:
     """Read a policy file (at most MAX_POLICY_BYTES, MAX_POLICY_LINES lines and
     MAX_POLICY_VALUES values, ``yaml.SafeLoader`` only, parsed once; no anchors or aliases, no
-    duplicate keys, nesting at most MAX_POLICY_DEPTH) and validate it against the policy schema
-    (version 1, 2 or 3), its ``tuned:`` provenance included."""
+    duplicate keys, nesting at most MAX_POLICY_DEPTH: :mod:`autoprec.policy_file`) and
+    validate it against the policy schema (version 1, 2 or 3), its ``tuned:`` provenance
+    included."""
     path = os.fspath(path)
-    name = shown(path, _PATH_CHARS)
     try:
-        raw = read_bounded(path, MAX_POLICY_BYTES, "policy")
-    except FileNotFoundError:
-        raise PolicyError(f"Policy file {name} does not exist; `autoprec tune TASK -o {name}` "
-                          "writes one.") from None
-    except IsADirectoryError:
-        raise PolicyError(f"{name} is a directory, not a policy file.") from None
-    except ValueError as e:  # too large
-        raise PolicyError(f"{str(e).removesuffix(' Is it the right file?')[:-1]}: "
-                          f"{_BOUNDS_WHY}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise PolicyError(f"{name} is not a policy file: byte {e.start} is not UTF-8 text (a "
-                          "policy is a YAML text file).") from None
-    if _line_breaks(text) > MAX_POLICY_LINES:
-        raise PolicyError(f"{name} has more than {MAX_POLICY_LINES} lines, the most a policy may "
-                          f"have: {_BOUNDS_WHY}")
-    loader = _PolicyLoader(text, path)
-    try:
-        root = loader.get_single_node()
-        if root is not None:
-            _check_layer_keys(root, path)
-        data = loader.construct_document(root) if root is not None else None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f" line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e)
-        raise PolicyError(f"Malformed YAML in {name}{line}: {shown(problem, 200)}. Fix the "
-                          "syntax (indentation, quotes around globs with `*`).") from None
-    finally:
-        loader.dispose()
-    return Policy.from_dict(data, source=path, lines=_line_map(root))
+        data, lines = read_policy_file(path)
+    except PolicyFileError as e:
+        raise PolicyError(str(e)) from None
+    return Policy.from_dict(data, source=path, lines=lines)
 
 
 def check_bounds(data: Any, what: str) -> None:
@@ -1028,7 +865,7 @@ def check_bounds(data: Any, what: str) -> None:
             chars += len(item)
             if chars > MAX_POLICY_BYTES:
                 raise PolicyError(f"{what} holds more than {MAX_POLICY_BYTES // 2 ** 20} MiB of "
-                                  f"text, the most a policy file may: {_BOUNDS_WHY}")
+                                  f"text, the most a policy file may: {BOUNDS_WHY}")
         elif isinstance(item, (Mapping, list, tuple)):
             if depth >= MAX_POLICY_DEPTH:
                 raise PolicyError(f"{what}: lists or mappings nest deeper than "
@@ -1036,7 +873,7 @@ def check_bounds(data: Any, what: str) -> None:
             values += 2 * len(item) if isinstance(item, Mapping) else len(item)
             if values > MAX_POLICY_VALUES:
                 raise PolicyError(f"{what} holds more than {MAX_POLICY_VALUES} values (scalars, "
-                                  f"lists, mappings), the most a policy may: {_BOUNDS_WHY}")
+                                  f"lists, mappings), the most a policy may: {BOUNDS_WHY}")
             children = [x for kv in item.items() for x in kv] if isinstance(item, Mapping) \
                 else item
             stack.extend((x, depth + 1) for x in children)
@@ -1045,15 +882,3 @@ def check_bounds(data: Any, what: str) -> None:
         raise PolicyError(f"{what}: `phases` lists {len(phases)} phases; a policy may have at "
                           f"most {MAX_PHASES}.")
 
-
-def model_fingerprint(model: nn.Module) -> str:
-    """``sha256:<hex>`` of the model's layer list: fqn, class name and parameter shapes of every
-    module that owns parameters. Same architecture and sizes -> same fingerprint; weights and
-    dtypes do not enter it."""
-    h = hashlib.sha256()
-    for fqn, module in model.named_modules():
-        params = [(n, tuple(p.shape)) for n, p in module.named_parameters(recurse=False)]
-        if not params:
-            continue
-        h.update(f"{fqn}|{class_name(module)}|{params}\n".encode())
-    return f"sha256:{h.hexdigest()}"
