@@ -44,6 +44,15 @@ __all__ = [
     "read_json",
     "read_bounded",
     "check_keys",
+    "fits",
+    "TEXT",
+    "OPT_TEXT",
+    "INT",
+    "NUM",
+    "OPT_NUM",
+    "BOOL",
+    "FLOATISH",
+    "PAIR",
     "check_schema",
     "text_table",
     "ProgressBar",
@@ -650,6 +659,37 @@ def read_json(path: str | os.PathLike, what: str, *, max_bytes: int = MAX_JSON_B
         raise ValueError(f"{name} is not a {what} file: its lists or objects nest deeper than "
                          f"{max_depth} levels. {fix}")
     return data
+
+
+# The kinds of field a record read from a file may have, each as the words a message says it
+# must be (:func:`fits`).
+TEXT, OPT_TEXT, INT, NUM, OPT_NUM, BOOL = "text", "text or null", "an integer", "a number", \
+    "a number or null", "true or false"
+FLOATISH = "a number, null, or one of 'inf', '-inf', 'nan'"
+PAIR = "two numbers"
+
+
+def fits(value: Any, kind: str) -> bool:
+    """Whether ``value``, as parsed from a file, is of the field kind ``kind``: TEXT a str,
+    BOOL a bool, INT an int (not a bool) below MAX_INT in size, NUM such an int or a float,
+    PAIR a list of two NUMs; OPT_TEXT and OPT_NUM also null, FLOATISH a NUM, null or one of
+    the strings "inf", "-inf", "nan"."""
+    if kind == PAIR:
+        return isinstance(value, list) and len(value) == 2 and all(fits(v, NUM) for v in value)
+    if kind in (TEXT, OPT_TEXT):
+        return isinstance(value, str) or (value is None and kind == OPT_TEXT)
+    if kind == BOOL:
+        return isinstance(value, bool)
+    if value is None:
+        return kind in (OPT_NUM, FLOATISH)
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return abs(value) < MAX_INT
+    if isinstance(value, float):
+        return kind != INT
+    return kind == FLOATISH and isinstance(value, str) and \
+        value.strip().lower() in ("inf", "-inf", "nan")
 
 
 def check_keys(data: Any, what: str, *, known: Sequence[str],

@@ -47,7 +47,20 @@ import torch
 import yaml
 from torch import nn
 
-from autoprec._util import MAX_INT, atomic_write, brief, number, quoted, shown
+from autoprec._util import (
+    BOOL,
+    INT,
+    MAX_INT,
+    NUM,
+    PAIR,
+    TEXT,
+    atomic_write,
+    brief,
+    fits,
+    number,
+    quoted,
+    shown,
+)
 from autoprec.certificate import Certificate
 from autoprec.fingerprint import model_fingerprint
 from autoprec.formats import Format, fp8_recipes, torchao_takes
@@ -320,37 +333,18 @@ def _budget(value: Any, key: str) -> Budget:
 
 # What `check_provenance` requires of the parts of `tuned:` that tune writes and `show` reads:
 # field -> a type or a check; these sections are mappings of them.
-_INT = "an integer"
-_NUM = "a number"
-_TEXT = "text"
-_BOOL = "true or false"
-_PAIR = "two numbers"
 _EXTRA_SCHEMA: dict[str, dict[str, str]] = {
-    "study": {"name": _TEXT, "trials": _INT, "distinct": _INT},
-    "timing": {"rounds": _INT, "aa_noise": _NUM, "too_noisy": _BOOL, "fp32_drift": _PAIR,
-               "run_interval": _PAIR},
-    "memory": {"predicted_peak_bytes": _INT, "*": _NUM},
-    "validation": {"steps": _INT, "gap": _NUM, "noise": _NUM, "passed": _BOOL, "trial": _INT,
-                   "note": _TEXT},
-    "fp8_runs_bf16": {"*": _TEXT},
-    "bias": {"grad_bias": _NUM, "step": _INT, "run_steps": _INT, "batches": _INT},
+    "study": {"name": TEXT, "trials": INT, "distinct": INT},
+    "timing": {"rounds": INT, "aa_noise": NUM, "too_noisy": BOOL, "fp32_drift": PAIR,
+               "run_interval": PAIR},
+    "memory": {"predicted_peak_bytes": INT, "*": NUM},
+    "validation": {"steps": INT, "gap": NUM, "noise": NUM, "passed": BOOL, "trial": INT,
+                   "note": TEXT},
+    "fp8_runs_bf16": {"*": TEXT},
+    "bias": {"grad_bias": NUM, "step": INT, "run_steps": INT, "batches": INT},
 }
 # How deep a free-form value of `tuned:` may nest (the guard's events: a list of mappings).
 _EXTRA_DEPTH = 3
-
-
-def _fits(value: Any, kind: str) -> bool:
-    if kind == _TEXT:
-        return isinstance(value, str)
-    if kind == _BOOL:
-        return isinstance(value, bool)
-    if kind == _INT:
-        return isinstance(value, int) and not isinstance(value, bool) and abs(value) < MAX_INT
-    if kind == _NUM:
-        return _fits(value, _INT) or isinstance(value, float)
-    if kind == _PAIR:
-        return isinstance(value, list) and len(value) == 2 and all(_fits(v, _NUM) for v in value)
-    raise AssertionError(kind)
 
 
 def check_provenance(tuned: Mapping[str, Any],
@@ -361,8 +355,8 @@ def check_provenance(tuned: Mapping[str, Any],
     allowed) and everything else shallow plain data, so that ``show`` prints any of it.
     Returns the Provenance; a bad field is a PolicyError naming it."""
     prov = Provenance.from_dict(tuned, where)
-    _descriptions = {_PAIR: "a list of two numbers", _INT: _INT, _NUM: _NUM, _TEXT: _TEXT,
-                     _BOOL: _BOOL}
+    _descriptions = {PAIR: "a list of two numbers", INT: INT, NUM: NUM, TEXT: TEXT,
+                     BOOL: BOOL}
     try:
         for key, value in prov.extra.items():
             name = f"tuned.{shown(key, 60)}"
@@ -379,7 +373,7 @@ def check_provenance(tuned: Mapping[str, Any],
                     kind = schema.get(field_, schema.get("*"))
                     if item is None or kind is None and _shallow(item, _EXTRA_DEPTH - 1):
                         continue
-                    if kind is None or not _fits(item, kind):
+                    if kind is None or not fits(item, kind):
                         raise _Bad(key, f"`{name}.{shown(field_, 60)}` must be "
                                         f"{_descriptions.get(kind, 'plain data')}, got "
                                         f"{brief(item)}")
