@@ -39,6 +39,9 @@ __all__ = [
     "atomic_write_all",
     "not_a_file",
     "refuse_non_file",
+    "unwritable_folder",
+    "same_file",
+    "distinct_files",
     "file_kind",
     "write_json",
     "read_json",
@@ -456,6 +459,32 @@ def unwritable_folder(path: str | os.PathLike) -> tuple[str, str] | None:
         return probe, "unwritable"
     return None
 
+
+def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether two paths name one file: the same resolved path (links followed), or the same
+    inode (hard links, and anything else realpath cannot see through)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def distinct_files(files: Sequence[tuple[str | None, str, bool]]) -> None:
+    """Refuse, before any work, one file in two roles where one role writes it (an output is
+    never one of the inputs, nor another output): ``files`` are (path, what it is in this
+    command, whether the command writes it); a path of None is left out. A one-line
+    ValueError names both roles."""
+    files = [f for f in files if f[0]]
+    for i, (a, what_a, writes_a) in enumerate(files):
+        for b, what_b, writes_b in files[i + 1:]:
+            if (writes_a or writes_b) and same_file(a, b):
+                written, other = (what_a, what_b) if writes_a else (what_b, what_a)
+                role = ("an input of this command" if not (writes_a and writes_b)
+                        else "a file this command also writes")
+                raise ValueError(f"{written} is {other}: writing it would destroy {role}. "
+                                 "Choose another path.")
 
 def escape_line(text: str) -> str:
     """``text`` as the rest of one line of generated Python, YAML or terminal output (a
