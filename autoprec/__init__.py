@@ -8,6 +8,7 @@ first use of their names.
 
 from __future__ import annotations
 
+from autoprec.fingerprint import model_fingerprint
 from autoprec.formats import Format, Support, supported_formats
 from autoprec.graph import Layer, LayerGraph
 from autoprec.policy import (
@@ -17,7 +18,6 @@ from autoprec.policy import (
     PolicyError,
     Provenance,
     load_policy,
-    model_fingerprint,
 )
 from autoprec.runtime import applied_formats, apply, remove
 from autoprec.runtime.guard import Guard, GuardConfig, GuardEvent, get_guard

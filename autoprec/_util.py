@@ -39,11 +39,23 @@ __all__ = [
     "atomic_write_all",
     "not_a_file",
     "refuse_non_file",
+    "unwritable_folder",
+    "same_file",
+    "distinct_files",
     "file_kind",
     "write_json",
     "read_json",
     "read_bounded",
     "check_keys",
+    "fits",
+    "TEXT",
+    "OPT_TEXT",
+    "INT",
+    "NUM",
+    "OPT_NUM",
+    "BOOL",
+    "FLOATISH",
+    "PAIR",
     "check_schema",
     "text_table",
     "ProgressBar",
@@ -448,6 +460,32 @@ def unwritable_folder(path: str | os.PathLike) -> tuple[str, str] | None:
     return None
 
 
+def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether two paths name one file: the same resolved path (links followed), or the same
+    inode (hard links, and anything else realpath cannot see through)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def distinct_files(files: Sequence[tuple[str | None, str, bool]]) -> None:
+    """Refuse, before any work, one file in two roles where one role writes it (an output is
+    never one of the inputs, nor another output): ``files`` are (path, what it is in this
+    command, whether the command writes it); a path of None is left out. A one-line
+    ValueError names both roles."""
+    files = [f for f in files if f[0]]
+    for i, (a, what_a, writes_a) in enumerate(files):
+        for b, what_b, writes_b in files[i + 1:]:
+            if (writes_a or writes_b) and same_file(a, b):
+                written, other = (what_a, what_b) if writes_a else (what_b, what_a)
+                role = ("an input of this command" if not (writes_a and writes_b)
+                        else "a file this command also writes")
+                raise ValueError(f"{written} is {other}: writing it would destroy {role}. "
+                                 "Choose another path.")
+
 def escape_line(text: str) -> str:
     """``text`` as the rest of one line of generated Python, YAML or terminal output (a
     comment, a note): every character that is not printable written as its escape (``\\n``,
@@ -650,6 +688,37 @@ def read_json(path: str | os.PathLike, what: str, *, max_bytes: int = MAX_JSON_B
         raise ValueError(f"{name} is not a {what} file: its lists or objects nest deeper than "
                          f"{max_depth} levels. {fix}")
     return data
+
+
+# The kinds of field a record read from a file may have, each as the words a message says it
+# must be (:func:`fits`).
+TEXT, OPT_TEXT, INT, NUM, OPT_NUM, BOOL = "text", "text or null", "an integer", "a number", \
+    "a number or null", "true or false"
+FLOATISH = "a number, null, or one of 'inf', '-inf', 'nan'"
+PAIR = "two numbers"
+
+
+def fits(value: Any, kind: str) -> bool:
+    """Whether ``value``, as parsed from a file, is of the field kind ``kind``: TEXT a str,
+    BOOL a bool, INT an int (not a bool) below MAX_INT in size, NUM such an int or a float,
+    PAIR a list of two NUMs; OPT_TEXT and OPT_NUM also null, FLOATISH a NUM, null or one of
+    the strings "inf", "-inf", "nan"."""
+    if kind == PAIR:
+        return isinstance(value, list) and len(value) == 2 and all(fits(v, NUM) for v in value)
+    if kind in (TEXT, OPT_TEXT):
+        return isinstance(value, str) or (value is None and kind == OPT_TEXT)
+    if kind == BOOL:
+        return isinstance(value, bool)
+    if value is None:
+        return kind in (OPT_NUM, FLOATISH)
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return abs(value) < MAX_INT
+    if isinstance(value, float):
+        return kind != INT
+    return kind == FLOATISH and isinstance(value, str) and \
+        value.strip().lower() in ("inf", "-inf", "nan")
 
 
 def check_keys(data: Any, what: str, *, known: Sequence[str],

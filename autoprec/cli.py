@@ -1,4 +1,4 @@
-"""The ``autoprec`` command: profile, tune, validate, show, diff, export.
+"""The ``autoprec`` command: profile, tune, validate, show, diff, export, recheck.
 
     autoprec profile examples/gpt2_bytes.py:task -o gpt2.profile.json
     autoprec tune examples/gpt2_bytes.py:task -o policies/gpt2_bytes.yaml [--target h100]
@@ -6,6 +6,7 @@
     autoprec show policies/gpt2_bytes.yaml
     autoprec diff policies/a.yaml policies/b.yaml
     autoprec export policies/llama.yaml --to megatron --model examples/llama_bytes.py:gpu_task
+    autoprec recheck examples/gpt2_bytes.py:task --policy P.yaml --checkpoint C.pt -o R.yaml
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import sys
 import threading
 
 from autoprec import profile_view
-from autoprec._util import EscapingStream, shown
+from autoprec._util import EscapingStream, distinct_files, shown
+from autoprec.task import task_file
 
 __all__ = ["main"]
 
@@ -42,46 +44,6 @@ def _on_sigterm(signum, frame) -> None:
     # a second SIGTERM while this one unwinds kills at once, as SIGTERM normally does
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     raise _Terminated
-
-
-def _task_file(spec: str) -> str | None:
-    """The file a task spec loads, found without importing anything (None: not found; loading
-    the task reports that)."""
-    target, sep, _ = str(spec).rpartition(":")
-    if not sep or not target:
-        return None
-    if target.endswith(".py") or os.sep in target or "/" in target:
-        return target if os.path.isfile(target) else None
-    parts = target.split(".")
-    for folder in [os.getcwd(), *sys.path]:
-        base = os.path.join(folder or ".", *parts)
-        for candidate in (base + ".py", os.path.join(base, "__init__.py")):
-            if os.path.isfile(candidate):
-                return candidate
-    return None
-
-
-def _same_file(a: str, b: str) -> bool:
-    if os.path.realpath(a) == os.path.realpath(b):
-        return True
-    try:  # hard links (and anything else realpath cannot see through)
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
-
-
-def _distinct_files(files: list[tuple[str | None, str, bool]]) -> None:
-    """Refuse, before any work, one file in two roles where one role writes it: ``files`` are
-    (path, what it is in this command, whether the command writes it)."""
-    files = [f for f in files if f[0]]
-    for i, (a, what_a, writes_a) in enumerate(files):
-        for b, what_b, writes_b in files[i + 1:]:
-            if (writes_a or writes_b) and _same_file(a, b):
-                written, other = (what_a, what_b) if writes_a else (what_b, what_a)
-                role = ("an input of this command" if not (writes_a and writes_b)
-                        else "a file this command also writes")
-                raise ValueError(f"{written} is {other}: writing it would destroy {role}. "
-                                 "Choose another path.")
 
 
 def _load_task(spec: str):
@@ -107,9 +69,9 @@ def _cmd_profile(args) -> int:
 
     _more_than_fp32(args.formats, "profile")
     if args.output:
-        task = _task_file(args.task)
-        _distinct_files([(args.output, f"-o {args.output}", True),
-                         (task, f"the task file {task}", False)])
+        task = task_file(args.task)
+        distinct_files([(args.output, f"-o {args.output}", True),
+                        (task, f"the task file {task}", False)])
         _writable_output(args.output)
     task = _load_task(args.task)
     prof = profile(task, formats=args.formats, target=args.target, n_batches=args.batches,
@@ -158,13 +120,13 @@ def _check_tune_files(args) -> None:
     paths = TunePaths.from_output(out)
     side = paths.beside()
     study = storage_file(args.storage, paths.study_db)
-    task = _task_file(args.task)
-    _distinct_files([(out, f"-o {out}", True),
-                     *((path, f"{path} ({what} written beside -o {out})", True)
-                       for path, what in side.items()),
-                     (study, f"the study {study} (the default storage, beside -o {out})"
-                      if args.storage is None else f"the file {study} of --storage", True),
-                     (task, f"the task file {task}", False)])
+    task = task_file(args.task)
+    distinct_files([(out, f"-o {out}", True),
+                    *((path, f"{path} ({what} written beside -o {out})", True)
+                      for path, what in side.items()),
+                    (study, f"the study {study} (the default storage, beside -o {out})"
+                     if args.storage is None else f"the file {study} of --storage", True),
+                    (task, f"the task file {task}", False)])
     _writable_output(out, *side)
     check_storage(args.storage, paths.study_db)
 
@@ -252,12 +214,12 @@ def _cmd_validate(args) -> int:
     from autoprec.policy import load_policy
 
     if args.output:
-        task_file = _task_file(args.task)
-        _distinct_files([(args.output, f"-o {args.output}", True),
-                         (args.policy, f"the policy {args.policy}", False),
-                         (args.reference if args.reference not in REFERENCES else None,
-                          f"--reference {args.reference}", False),
-                         (task_file, f"the task file {task_file}", False)])
+        task_path = task_file(args.task)
+        distinct_files([(args.output, f"-o {args.output}", True),
+                        (args.policy, f"the policy {args.policy}", False),
+                        (args.reference if args.reference not in REFERENCES else None,
+                         f"--reference {args.reference}", False),
+                        (task_path, f"the task file {task_path}", False)])
         _writable_output(args.output)
     policy = load_policy(args.policy)
     task = _load_task(args.task)
@@ -564,11 +526,11 @@ def _cmd_export(args) -> int:
     from autoprec.policy import load_policy
 
     if args.output:
-        model = _task_file(args.model) if args.model else None
-        _distinct_files([(args.output, f"-o {args.output}", True),
-                         (args.policy, f"the policy {args.policy}", False),
-                         (args.name_map, f"--name-map {args.name_map}", False),
-                         (model, f"the task file {model} of --model", False)])
+        model = task_file(args.model) if args.model else None
+        distinct_files([(args.output, f"-o {args.output}", True),
+                        (args.policy, f"the policy {args.policy}", False),
+                        (args.name_map, f"--name-map {args.name_map}", False),
+                        (model, f"the task file {model} of --model", False)])
         _writable_output(args.output)
     policy = load_policy(args.policy)
     names = load_name_map(args.name_map) if args.name_map else None
@@ -588,6 +550,106 @@ def _cmd_export(args) -> int:
     else:
         sys.stdout.write(result.text)
     return 0
+
+
+def _recheck_parser(sub) -> None:
+    """``autoprec recheck``: a policy's layers re-measured on a checkpoint's weights."""
+    p = sub.add_parser(
+        "recheck", help="re-measure a policy's layers on a checkpoint's weights: what to "
+                        "demote, what might be promoted (exit 0 nothing to demote, 1 some, "
+                        "2 error)")
+    p.add_argument("task", help="path/file.py:function or package.module:function: the model "
+                                "the checkpoint is of, and the batches to measure on")
+    p.add_argument("--policy", required=True, help="the policy YAML to re-check")
+    p.add_argument("--checkpoint", required=True,
+                   help="the weights: .safetensors, a torch .pt/.bin state dict (or a training "
+                        "checkpoint with it under 'model'), or an HF checkpoint folder")
+    p.add_argument("-o", "--out", required=True, help="write the report (YAML) here")
+    p.add_argument("--amended", default=None, metavar="POLICY_OUT",
+                   help="also write the policy with the demotions written in")
+    p.add_argument("--promote", action="store_true",
+                   help="write the layers that may be promoted into --amended too")
+    p.add_argument("--batches", type=_positive_int, default=2,
+                   help="the task's calibration batches to measure on (default 2)")
+    p.add_argument("--max-loss-increase", type=_nonneg_float, default=None,
+                   help="the budget's relative loss change (default: the policy's tuned one)")
+    p.add_argument("--max-grad-error", type=_nonneg_float, default=None,
+                   help="the budget's gradient error (default: the policy's tuned one)")
+    p.set_defaults(fn=_cmd_recheck)
+
+
+def _check_recheck_files(args) -> None:
+    """No output of ``recheck`` is an input (or the other output), and each can be written:
+    before any work, each refusal one line."""
+    from autoprec._util import refuse_non_file, same_file, unwritable_folder
+
+    if args.promote and not args.amended:
+        raise ValueError("--promote writes the promotions into the amended policy; give "
+                         "--amended PATH too.")
+    ckpt = args.checkpoint
+    inputs = [(args.policy, f"the policy {shown(args.policy)}"),
+              (task_file(args.task), "the task file"),
+              *((os.path.join(ckpt, n), f"a file of the checkpoint {shown(ckpt)}")
+                for n in (sorted(os.listdir(ckpt)) if os.path.isdir(ckpt) else [])),
+              (ckpt, f"the checkpoint {shown(ckpt)}")]
+    existing = [(path, role, False) for path, role in inputs if path and os.path.exists(path)]
+    outputs = [(o, f"{flag} {shown(o)}") for flag, o in (("-o", args.out),
+                                                         ("--amended", args.amended)) if o]
+    if len(outputs) == 2 and same_file(outputs[0][0], outputs[1][0]):
+        raise ValueError(f"-o and --amended are both {shown(args.out)}: the report and the "
+                         "policy need two files. Choose another path.")
+    for out, what in outputs:
+        distinct_files([(out, what, True), *existing])
+        refuse_non_file(out, what)
+        problem = unwritable_folder(out)
+        if os.path.isdir(out) or problem is not None:
+            why = "is a directory" if os.path.isdir(out) else \
+                f"cannot be written ({shown(problem[0])} is " \
+                f"{'a file' if problem[1] == 'file' else 'not writable'})"
+            raise ValueError(f"{what} {why}. Choose another path.")
+
+
+def _recheck_budget(args, policy):
+    """The policy's tuned budget (else the default), with the command's limits over it."""
+    from autoprec.policy import Budget
+
+    tuned = policy.provenance.budget or Budget()
+    loss = tuned.max_loss_increase if args.max_loss_increase is None else args.max_loss_increase
+    grad = tuned.max_grad_error if args.max_grad_error is None else args.max_grad_error
+    return Budget(loss, grad)
+
+
+def _cmd_recheck(args) -> int:
+    """``autoprec recheck``: 0 when nothing is to be demoted, 1 when something is."""
+    import yaml
+
+    from autoprec._util import ProgressBar, atomic_write_all, log
+    from autoprec.checkpoint import load_checkpoint
+    from autoprec.policy import load_policy
+    from autoprec.recheck import recheck_in_place
+
+    _check_recheck_files(args)
+    policy = load_policy(args.policy)
+    task = _load_task(args.task)
+    model = task.build_model()
+    log(f"recheck: loading {shown(args.checkpoint)} into {shown(type(model).__name__)} "
+        f"({shown(task.name)})")
+    load_checkpoint(model, args.checkpoint)
+    policy.check_model(model)
+    batches = list(task.batches[:args.batches])
+    if len(batches) < args.batches:
+        log(f"recheck: the task has {len(batches)} calibration batch(es); measuring on those")
+    result = recheck_in_place(model, policy, batches, budget=_recheck_budget(args, policy),
+                              loss_fn=task.loss_fn, progress=ProgressBar("recheck"))
+    result = dataclasses.replace(result, source=os.fspath(args.checkpoint))
+    print(result.format())
+    outputs = [(args.out, yaml.safe_dump(result.to_dict(), sort_keys=False, width=100))]
+    if args.amended:
+        outputs.append((args.amended, result.amended_policy(promote=args.promote).to_yaml()))
+    # both or neither: a report beside no amended policy would say a fix was written
+    written = atomic_write_all(outputs)
+    print("wrote " + ", ".join(map(shown, written)))
+    return 1 if result.demote else 0
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -753,9 +815,7 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_cmd_profile)
     _tune_parser(sub, common)
     _policy_parsers(sub)
-    from autoprec import recheck  # its subcommand lives beside the re-check it runs
-
-    recheck.add_parser(sub)
+    _recheck_parser(sub)
     return ap
 
 

@@ -16,18 +16,17 @@ tuned: {...}                    # provenance written by `tune`; informational
 A policy may also say how its formats change over the run (``phases:``, schema 3; see
 :mod:`autoprec.phases`), e.g. ``phases: [{from_fraction: 0.9, formats: {fp8: bf16}}]``.
 
-Patterns: ``*`` matches within one dotted component, ``**`` across components, ``?`` one
-character (not a dot); matched in linear time, at most MAX_PATTERN_CHARS long. A module's
-format is its own best match (an exact fqn beats any glob; among globs, more literal
+Patterns (:mod:`autoprec.globs`): ``*`` matches within one dotted component, ``**`` across
+components, ``?`` one character (not a dot); matched in linear time, at most MAX_PATTERN_CHARS
+long. A module's format is its own best match (an exact fqn beats any glob; among globs, more literal
 characters win, then fewer wildcards), else its nearest matched ancestor's, else ``default``.
 No pattern matches the root module (fqn ``""``): ``default`` alone is its format.
 
-A policy file is untrusted input: at most MAX_POLICY_BYTES and MAX_POLICY_LINES, parsed once
-with a safe loader that refuses anchors, aliases, duplicate keys, nesting past
-MAX_POLICY_DEPTH and more than MAX_POLICY_VALUES values or MAX_PHASES phases as it reads them
-(so that any refusal comes in about a second), and every field checked, ``tuned:`` included
-(see :func:`check_provenance`). A policy given as data (a guard state's) is held to the same
-bounds before any of it is compiled (:func:`check_bounds`).
+A policy file is untrusted input: read in bounded size, depth and time by
+:mod:`autoprec.policy_file` (a safe loader; no anchors, aliases or duplicate keys), then every
+field checked here, ``tuned:`` included (see :func:`check_provenance`). A policy given as
+data (a guard state's) is held to the same bounds before any of it is compiled
+(:func:`check_bounds`).
 
 This module is on the production path: it imports neither Optuna nor SciPy.
 """
@@ -48,10 +47,34 @@ import torch
 import yaml
 from torch import nn
 
-from autoprec._util import MAX_INT, atomic_write, brief, class_name, number, quoted, read_bounded, shown
+from autoprec._util import (
+    BOOL,
+    INT,
+    MAX_INT,
+    NUM,
+    PAIR,
+    TEXT,
+    atomic_write,
+    brief,
+    fits,
+    number,
+    quoted,
+    shown,
+)
 from autoprec.certificate import Certificate
+from autoprec.fingerprint import model_fingerprint
 from autoprec.formats import Format, fp8_recipes, torchao_takes
+from autoprec.globs import MAX_PATTERN_CHARS, Glob, specificity
 from autoprec.phases import MAX_PHASES, Phase, final_phase, parse_phases, phase_starts
+from autoprec.policy_file import (
+    BOUNDS_WHY,
+    MAX_POLICY_BYTES,
+    MAX_POLICY_DEPTH,
+    MAX_POLICY_VALUES,
+    PATH_CHARS,
+    PolicyFileError,
+    read_policy_file,
+)
 from autoprec.stats import Interval
 
 __all__ = [
@@ -64,7 +87,6 @@ __all__ = [
     "DEFAULT_MAX_LOSS_INCREASE",
     "DEFAULT_BIAS_BUDGET",
     "load_policy",
-    "model_fingerprint",
 ]
 
 # Version 2 added FP8 recipes per layer (`fp8:rowwise`) and `fp8: {engine: ...}`; version 1
@@ -311,37 +333,18 @@ def _budget(value: Any, key: str) -> Budget:
 
 # What `check_provenance` requires of the parts of `tuned:` that tune writes and `show` reads:
 # field -> a type or a check; these sections are mappings of them.
-_INT = "an integer"
-_NUM = "a number"
-_TEXT = "text"
-_BOOL = "true or false"
-_PAIR = "two numbers"
 _EXTRA_SCHEMA: dict[str, dict[str, str]] = {
-    "study": {"name": _TEXT, "trials": _INT, "distinct": _INT},
-    "timing": {"rounds": _INT, "aa_noise": _NUM, "too_noisy": _BOOL, "fp32_drift": _PAIR,
-               "run_interval": _PAIR},
-    "memory": {"predicted_peak_bytes": _INT, "*": _NUM},
-    "validation": {"steps": _INT, "gap": _NUM, "noise": _NUM, "passed": _BOOL, "trial": _INT,
-                   "note": _TEXT},
-    "fp8_runs_bf16": {"*": _TEXT},
-    "bias": {"grad_bias": _NUM, "step": _INT, "run_steps": _INT, "batches": _INT},
+    "study": {"name": TEXT, "trials": INT, "distinct": INT},
+    "timing": {"rounds": INT, "aa_noise": NUM, "too_noisy": BOOL, "fp32_drift": PAIR,
+               "run_interval": PAIR},
+    "memory": {"predicted_peak_bytes": INT, "*": NUM},
+    "validation": {"steps": INT, "gap": NUM, "noise": NUM, "passed": BOOL, "trial": INT,
+                   "note": TEXT},
+    "fp8_runs_bf16": {"*": TEXT},
+    "bias": {"grad_bias": NUM, "step": INT, "run_steps": INT, "batches": INT},
 }
 # How deep a free-form value of `tuned:` may nest (the guard's events: a list of mappings).
 _EXTRA_DEPTH = 3
-
-
-def _fits(value: Any, kind: str) -> bool:
-    if kind == _TEXT:
-        return isinstance(value, str)
-    if kind == _BOOL:
-        return isinstance(value, bool)
-    if kind == _INT:
-        return isinstance(value, int) and not isinstance(value, bool) and abs(value) < MAX_INT
-    if kind == _NUM:
-        return _fits(value, _INT) or isinstance(value, float)
-    if kind == _PAIR:
-        return isinstance(value, list) and len(value) == 2 and all(_fits(v, _NUM) for v in value)
-    raise AssertionError(kind)
 
 
 def check_provenance(tuned: Mapping[str, Any],
@@ -352,8 +355,8 @@ def check_provenance(tuned: Mapping[str, Any],
     allowed) and everything else shallow plain data, so that ``show`` prints any of it.
     Returns the Provenance; a bad field is a PolicyError naming it."""
     prov = Provenance.from_dict(tuned, where)
-    _descriptions = {_PAIR: "a list of two numbers", _INT: _INT, _NUM: _NUM, _TEXT: _TEXT,
-                     _BOOL: _BOOL}
+    _descriptions = {PAIR: "a list of two numbers", INT: INT, NUM: NUM, TEXT: TEXT,
+                     BOOL: BOOL}
     try:
         for key, value in prov.extra.items():
             name = f"tuned.{shown(key, 60)}"
@@ -370,7 +373,7 @@ def check_provenance(tuned: Mapping[str, Any],
                     kind = schema.get(field_, schema.get("*"))
                     if item is None or kind is None and _shallow(item, _EXTRA_DEPTH - 1):
                         continue
-                    if kind is None or not _fits(item, kind):
+                    if kind is None or not fits(item, kind):
                         raise _Bad(key, f"`{name}.{shown(field_, 60)}` must be "
                                         f"{_descriptions.get(kind, 'plain data')}, got "
                                         f"{brief(item)}")
@@ -397,89 +400,6 @@ def _shallow(value: Any, depth: int) -> bool:
     if isinstance(value, int) and not isinstance(value, bool):
         return abs(value) < MAX_INT
     return value is None or isinstance(value, (str, float, bool))
-
-
-# The longest layer pattern (module names are rarely a tenth of it).
-MAX_PATTERN_CHARS = 512
-
-
-class _Glob:
-    """A compiled layer pattern. ``*`` is any run of characters within one dotted component,
-    ``**`` any run at all, ``?`` one character other than a dot. Matched as an automaton over
-    the pattern's positions (a bit set, one step per character of the name): time linear in
-    the name times the pattern, never the exponential backtracking of a regex built from a
-    run of wildcards. Cheap checks first (literal prefix and suffix, the count of dots) make
-    most non-matches one string comparison."""
-
-    __slots__ = ("exact", "prefix", "suffix", "dots", "min_len", "sized", "lit", "qmark",
-                 "star", "any", "accept")
-
-    def __init__(self, pattern: str):
-        # one token per literal character; "?"; "*" (within a component); "**" (any run)
-        tokens: list[str] = []
-        i = 0
-        while i < len(pattern):
-            if pattern[i] == "*":
-                j = i
-                while j < len(pattern) and pattern[j] == "*":
-                    j += 1
-                tokens.append("**" if j - i >= 2 else "*")  # `***` is `**` then `*`: any run
-                i = j
-            else:
-                tokens.append(pattern[i])
-                i += 1
-        wild = [k for k, t in enumerate(tokens) if t in _WILDCARDS]
-        self.exact = None if wild else pattern
-        self.prefix = "".join(tokens[:wild[0]]) if wild else pattern
-        self.suffix = "".join(tokens[wild[-1] + 1:]) if wild else ""
-        # without `**` every dot of a matching name is one of the pattern's literal dots
-        self.dots = None if "**" in tokens else tokens.count(".")
-        self.min_len = sum(t not in ("*", "**") for t in tokens)
-        self.sized = "*" not in tokens and "**" not in tokens  # then the length is min_len
-        self.lit: dict[str, int] = {}
-        self.qmark = self.star = self.any = 0
-        for k, t in enumerate(tokens):
-            if t == "?":
-                self.qmark |= 1 << k
-            elif t == "*":
-                self.star |= 1 << k
-            elif t == "**":
-                self.any |= 1 << k
-            else:
-                self.lit[t] = self.lit.get(t, 0) | 1 << k
-        self.accept = 1 << len(tokens)
-
-    def fullmatch(self, name: str) -> bool:
-        if self.exact is not None:
-            return name == self.exact
-        if len(name) < self.min_len or (self.sized and len(name) != self.min_len) \
-                or not name.startswith(self.prefix) or not name.endswith(self.suffix) \
-                or (self.dots is not None and name.count(".") != self.dots):
-            return False
-        lit, qmark, wild = self.lit, self.qmark, self.star | self.any
-        state = 1 | (1 & wild) << 1  # a star may match nothing: step over it
-        for c in name:
-            if c == ".":
-                state = (state & lit.get(c, 0)) << 1 | (state & self.any)
-            else:
-                state = (state & (lit.get(c, 0) | qmark)) << 1 | (state & wild)
-            if not state:
-                return False
-            state |= (state & wild) << 1  # no two stars are adjacent: one step closes it
-        return bool(state & self.accept)
-
-
-_WILDCARDS = ("?", "*", "**")
-
-
-def _is_glob(pattern: str) -> bool:
-    return any(c in pattern for c in "*?")
-
-
-def _specificity(pattern: str) -> tuple[int, int, int]:
-    wild = pattern.count("*") + pattern.count("?")
-    literal = len(pattern) - wild
-    return (0 if _is_glob(pattern) else 1, literal, -wild)
 
 
 @dataclass(frozen=True)
@@ -546,7 +466,7 @@ class Policy:
         for ph in phases:  # each phase's layer patterns checked like the first's
             for pattern, fmt in ph.layers.items():
                 self._check_pattern(pattern, fmt)
-        object.__setattr__(self, "_compiled", {p: _Glob(p) for p in layers})
+        object.__setattr__(self, "_compiled", {p: Glob(p) for p in layers})
         # fqn -> its match: a model asks about the same few hundred names again and again
         object.__setattr__(self, "_matches", {})
 
@@ -570,7 +490,7 @@ class Policy:
         if self.source is None:
             return ""
         line = self.lines.get(key) if key is not None else None
-        return f" in {shown(self.source, _PATH_CHARS)}" + (f" line {line}" if line else "")
+        return f" in {shown(self.source, PATH_CHARS)}" + (f" line {line}" if line else "")
 
     def match(self, fqn: str) -> str | None:
         """The pattern that names ``fqn`` itself (most specific wins), or None. The root
@@ -579,7 +499,7 @@ class Policy:
         if fqn in cache:
             return cache[fqn]
         hits = [p for p, glob in self._compiled.items() if glob.fullmatch(fqn)] if fqn else []
-        found = max(hits, key=_specificity) if hits else None
+        found = max(hits, key=specificity) if hits else None
         if len(cache) >= 1 << 16:  # names come from models, but bound it all the same
             cache.clear()
         cache[fqn] = found
@@ -809,7 +729,7 @@ class Policy:
                   lines: Mapping[str, int] | None = None) -> Policy:
         """Validate a parsed YAML mapping (schema 1, 2 or 3) and build the Policy."""
         lines = dict(lines or {})
-        src = f" in {shown(source, _PATH_CHARS)}" if source else ""
+        src = f" in {shown(source, PATH_CHARS)}" if source else ""
 
         def where(key):
             line = lines.get(key)
@@ -917,189 +837,18 @@ def listed(values: list[Any], most: int = 3) -> str:
     return shown_ + (f" and {len(values) - most} more" if len(values) > most else "")
 
 
-def _line_map(root: yaml.Node) -> dict[str, int]:
-    """1-based line of each top-level key, each `layers` pattern and each `tuned` field (as
-    ``tuned.<key>``), from the composed document."""
-    lines: dict[str, int] = {}
-    if not isinstance(root, yaml.MappingNode):
-        return lines
-    for key_node, value_node in root.value:
-        key = key_node.value
-        if not isinstance(key, str):  # a complex key (`? [a, b]`): the schema check names it
-            continue
-        lines[key] = key_node.start_mark.line + 1
-        if key in ("layers", "tuned") and isinstance(value_node, yaml.MappingNode):
-            for k, _ in value_node.value:
-                if isinstance(k.value, str):
-                    name = k.value if key == "layers" else f"tuned.{k.value}"
-                    lines.setdefault(name, k.start_mark.line + 1)
-    return lines
-
-
-# Bounds on a policy file: each far above what a real policy needs and below what takes a
-# second to parse. PyYAML's pure-Python parser (used whether or not libyaml is installed, so
-# that every machine refuses the same files) reads ~30,000 values a second on a 2-core Zen 3,
-# and blank lines or long scalars at 0.6-3 MB/s; a refusal comes within a second either way.
-# The explicit policy of a 1000-block model (~7,000 layer entries, a 70B Llama's ~560 times
-# 12) is ~0.3 MiB, ~7,000 lines and ~14,000 values, and nests 4 deep.
-MAX_POLICY_BYTES = 2 ** 20
-# Line breaks, counted before parsing: the parser spends ~1 us on a line even when it is blank.
-MAX_POLICY_LINES = 2 ** 16
-# Values (every scalar, list and mapping: a layer entry is two), counted as the parser hands
-# them over, so that a file of many tiny values stops early: 1.7 times that model's ~14,000,
-# and refused within ~0.6 s (~1.1 s with both cores busy).
-MAX_POLICY_VALUES = 24_000
-MAX_POLICY_DEPTH = 24
-# What a refusal says of why the bounds exist.
-_BOUNDS_WHY = ("the explicit policy of a 1000-block model has ~7,000 entries, ~0.3 MiB, and a "
-               "larger file would take seconds to parse. Is it the right file?")
-# How much of a path a message shows.
-_PATH_CHARS = 160
-_STR_TAG = "tag:yaml.org,2002:str"
-_LINE_BREAKS = ("\n", "\x85", "\u2028", "\u2029")
-
-
-def _line_breaks(text: str) -> int:
-    """The line breaks YAML sees in ``text`` (``\\r\\n`` is one), at C speed."""
-    return sum(text.count(c) for c in _LINE_BREAKS) + text.count("\r") - text.count("\r\n")
-
-
-class _PolicyLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses, as the parser hands over each event (before the
-    recursive composer descends), anchors and aliases (a small file could otherwise expand
-    into gigabytes: an alias bomb), nesting deeper than MAX_POLICY_DEPTH, more than
-    MAX_POLICY_VALUES values and more than MAX_PHASES entries under ``phases``; and refuses
-    duplicate keys (YAML would keep the last silently)."""
-
-    def __init__(self, stream: str, source: str):
-        super().__init__(stream)
-        self.source = source
-        self.depth = 0
-        self.values = 0
-        # the root mapping's children so far (keys and values alternate) and its last key
-        self.root_items, self.root_key, self.root_is_mapping = 0, None, False
-        # the phases so far while inside the top-level `phases:` list (None: not inside)
-        self.phases: int | None = None
-
-    def _fail(self, event: yaml.Event, what: str) -> None:
-        raise PolicyError(f"{shown(self.source, _PATH_CHARS)} line {event.start_mark.line + 1}"
-                          f": {what}")
-
-    def get_event(self):
-        event = super().get_event()
-        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
-            self._fail(event, "uses a YAML anchor or alias (& or *); policy files do not: write "
-                              "the values out (and quote a glob that starts with `*`).")
-        if isinstance(event, (yaml.ScalarEvent, yaml.CollectionStartEvent)):
-            self._count(event)
-        if isinstance(event, yaml.CollectionStartEvent):
-            self.depth += 1
-            if self.depth > MAX_POLICY_DEPTH:
-                self._fail(event, f"lists or mappings nest deeper than {MAX_POLICY_DEPTH} "
-                                  "levels; a policy needs a few. Is it the right file?")
-        elif isinstance(event, yaml.CollectionEndEvent):
-            self.depth -= 1
-            if self.depth < 2:
-                self.phases = None
-        return event
-
-    def _count(self, event: yaml.NodeEvent) -> None:
-        """Count a value (``event`` starts one) before it is composed."""
-        self.values += 1
-        if self.values > MAX_POLICY_VALUES:
-            self._fail(event, f"the file holds more than {MAX_POLICY_VALUES} values (scalars, "
-                              f"lists, mappings), the most a policy may: {_BOUNDS_WHY}")
-        if self.depth == 1 and self.root_is_mapping:
-            self.root_items += 1
-            if self.root_items % 2:  # a key
-                self.root_key = event.value if isinstance(event, yaml.ScalarEvent) else None
-            elif self.root_key == "phases" and isinstance(event, yaml.SequenceStartEvent):
-                self.phases = 0
-        elif self.depth == 2 and self.phases is not None:
-            self.phases += 1
-            if self.phases > MAX_PHASES:
-                self._fail(event, f"`phases` lists more than {MAX_PHASES} phases; a policy may "
-                                  f"have at most {MAX_PHASES} (a run with more is a schedule of "
-                                  "another kind, and every step checks the boundaries).")
-        elif self.depth == 0:
-            self.root_is_mapping = isinstance(event, yaml.MappingStartEvent)
-
-    def construct_mapping(self, node, deep=False):
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            line = key_node.start_mark.line + 1
-            try:
-                first = seen.get(key)
-            except TypeError:  # an unhashable key: SafeLoader says so with its line
-                break
-            if first is not None:
-                raise PolicyError(f"{shown(self.source, _PATH_CHARS)}: Duplicate key "
-                                  f"{quoted(key)} at lines {first} and {line}: a policy names "
-                                  "each key once; delete one of them.")
-            seen[key] = line
-        return super().construct_mapping(node, deep)
-
-
-def _check_layer_keys(root: yaml.Node, path: str) -> None:
-    """A layer pattern YAML reads as something other than text (`0:`, `1.10:`, `true:`) is
-    a string the user meant: say how to quote it, with the text as written."""
-    if not isinstance(root, yaml.MappingNode):
-        return
-    for key_node, value_node in root.value:
-        if key_node.value != "layers" or not isinstance(value_node, yaml.MappingNode):
-            continue
-        for k, v in value_node.value:
-            if isinstance(k, yaml.ScalarNode) and k.tag != _STR_TAG and k.value.strip() \
-                    and k.value not in ("~", "null", "Null", "NULL"):
-                fmt = v.value if isinstance(v, yaml.ScalarNode) else "fp32"
-                kind = k.tag.rpartition(":")[2]
-                raise PolicyError(f"Layer pattern {shown(k.value)} in {shown(path, _PATH_CHARS)} "
-                                  f"line {k.start_mark.line + 1} is read by YAML as a {kind}, "
-                                  f'not a module name: quote it, e.g. `"{shown(k.value)}": '
-                                  f"{shown(fmt, 40)}`.")
-
-
 def load_policy(path: str | os.PathLike) -> Policy:
     """Read a policy file (at most MAX_POLICY_BYTES, MAX_POLICY_LINES lines and
     MAX_POLICY_VALUES values, ``yaml.SafeLoader`` only, parsed once; no anchors or aliases, no
-    duplicate keys, nesting at most MAX_POLICY_DEPTH) and validate it against the policy schema
-    (version 1, 2 or 3), its ``tuned:`` provenance included."""
+    duplicate keys, nesting at most MAX_POLICY_DEPTH: :mod:`autoprec.policy_file`) and
+    validate it against the policy schema (version 1, 2 or 3), its ``tuned:`` provenance
+    included."""
     path = os.fspath(path)
-    name = shown(path, _PATH_CHARS)
     try:
-        raw = read_bounded(path, MAX_POLICY_BYTES, "policy")
-    except FileNotFoundError:
-        raise PolicyError(f"Policy file {name} does not exist; `autoprec tune TASK -o {name}` "
-                          "writes one.") from None
-    except IsADirectoryError:
-        raise PolicyError(f"{name} is a directory, not a policy file.") from None
-    except ValueError as e:  # too large
-        raise PolicyError(f"{str(e).removesuffix(' Is it the right file?')[:-1]}: "
-                          f"{_BOUNDS_WHY}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise PolicyError(f"{name} is not a policy file: byte {e.start} is not UTF-8 text (a "
-                          "policy is a YAML text file).") from None
-    if _line_breaks(text) > MAX_POLICY_LINES:
-        raise PolicyError(f"{name} has more than {MAX_POLICY_LINES} lines, the most a policy may "
-                          f"have: {_BOUNDS_WHY}")
-    loader = _PolicyLoader(text, path)
-    try:
-        root = loader.get_single_node()
-        if root is not None:
-            _check_layer_keys(root, path)
-        data = loader.construct_document(root) if root is not None else None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f" line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e)
-        raise PolicyError(f"Malformed YAML in {name}{line}: {shown(problem, 200)}. Fix the "
-                          "syntax (indentation, quotes around globs with `*`).") from None
-    finally:
-        loader.dispose()
-    return Policy.from_dict(data, source=path, lines=_line_map(root))
+        data, lines = read_policy_file(path)
+    except PolicyFileError as e:
+        raise PolicyError(str(e)) from None
+    return Policy.from_dict(data, source=path, lines=lines)
 
 
 def check_bounds(data: Any, what: str) -> None:
@@ -1116,7 +865,7 @@ def check_bounds(data: Any, what: str) -> None:
             chars += len(item)
             if chars > MAX_POLICY_BYTES:
                 raise PolicyError(f"{what} holds more than {MAX_POLICY_BYTES // 2 ** 20} MiB of "
-                                  f"text, the most a policy file may: {_BOUNDS_WHY}")
+                                  f"text, the most a policy file may: {BOUNDS_WHY}")
         elif isinstance(item, (Mapping, list, tuple)):
             if depth >= MAX_POLICY_DEPTH:
                 raise PolicyError(f"{what}: lists or mappings nest deeper than "
@@ -1124,7 +873,7 @@ def check_bounds(data: Any, what: str) -> None:
             values += 2 * len(item) if isinstance(item, Mapping) else len(item)
             if values > MAX_POLICY_VALUES:
                 raise PolicyError(f"{what} holds more than {MAX_POLICY_VALUES} values (scalars, "
-                                  f"lists, mappings), the most a policy may: {_BOUNDS_WHY}")
+                                  f"lists, mappings), the most a policy may: {BOUNDS_WHY}")
             children = [x for kv in item.items() for x in kv] if isinstance(item, Mapping) \
                 else item
             stack.extend((x, depth + 1) for x in children)
@@ -1133,15 +882,3 @@ def check_bounds(data: Any, what: str) -> None:
         raise PolicyError(f"{what}: `phases` lists {len(phases)} phases; a policy may have at "
                           f"most {MAX_PHASES}.")
 
-
-def model_fingerprint(model: nn.Module) -> str:
-    """``sha256:<hex>`` of the model's layer list: fqn, class name and parameter shapes of every
-    module that owns parameters. Same architecture and sizes -> same fingerprint; weights and
-    dtypes do not enter it."""
-    h = hashlib.sha256()
-    for fqn, module in model.named_modules():
-        params = [(n, tuple(p.shape)) for n, p in module.named_parameters(recurse=False)]
-        if not params:
-            continue
-        h.update(f"{fqn}|{class_name(module)}|{params}\n".encode())
-    return f"sha256:{h.hexdigest()}"

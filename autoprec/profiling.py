@@ -23,11 +23,19 @@ from typing import Any
 import torch
 
 from autoprec._util import (
+    BOOL,
+    FLOATISH,
+    INT,
     MAX_INT,
+    NUM,
+    OPT_NUM,
+    OPT_TEXT,
+    TEXT,
     brief,
     check_schema,
     decode_float,
     encode_float,
+    fits,
     read_json,
     shown,
     worker_id,
@@ -269,37 +277,17 @@ class Profile:
 
 # ------------------------------------------------------------------ checking a record
 # Field kinds of a profile record as to_dict writes it (before the dataclasses check values).
-_TEXT, _OPT_TEXT, _INT, _NUM, _OPT_NUM, _BOOL = "text", "text or null", "an integer", \
-    "a number", "a number or null", "true or false"
-_FLOATISH = "a number, null, or one of 'inf', '-inf', 'nan'"
 
-_TOP_FIELDS = {"task_name": _TEXT, "model_name": _TEXT, "device": _TEXT, "target": _OPT_TEXT,
-               "capture_method": _TEXT, "elapsed": _NUM, "torch_version": _TEXT,
-               "sensitivity_mode": _TEXT}
-_LAYER_FIELDS = {"fqn": _TEXT, "kind": _TEXT, "module_type": _TEXT, "flops": _INT,
-                 "bytes": _INT, "params": _INT}
-_SENSITIVITY_FIELDS = {"layer": _TEXT, "format": _TEXT, "finite": _BOOL, "n_batches": _INT,
-                       "source": _TEXT}  # the rest: _FLOATISH
-_TIME_FIELDS = {"fqn": _TEXT, "format": _TEXT, "fmt": _TEXT, "seconds": _OPT_NUM,
-                "raw_seconds": _OPT_NUM, "spread": _OPT_NUM, "emulated": _BOOL,
-                "source": _TEXT, "note": _TEXT, "error": _OPT_TEXT, "repeats": _INT}
-
-
-def _fits(value: Any, kind: str) -> bool:
-    if kind in (_TEXT, _OPT_TEXT):
-        return isinstance(value, str) or (value is None and kind == _OPT_TEXT)
-    if kind == _BOOL:
-        return isinstance(value, bool)
-    if value is None:
-        return kind in (_OPT_NUM, _FLOATISH)
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, int):
-        return abs(value) < MAX_INT
-    if isinstance(value, float):
-        return kind != _INT
-    return kind == _FLOATISH and isinstance(value, str) and \
-        value.strip().lower() in ("inf", "-inf", "nan")
+_TOP_FIELDS = {"task_name": TEXT, "model_name": TEXT, "device": TEXT, "target": OPT_TEXT,
+               "capture_method": TEXT, "elapsed": NUM, "torch_version": TEXT,
+               "sensitivity_mode": TEXT}
+_LAYER_FIELDS = {"fqn": TEXT, "kind": TEXT, "module_type": TEXT, "flops": INT,
+                 "bytes": INT, "params": INT}
+_SENSITIVITY_FIELDS = {"layer": TEXT, "format": TEXT, "finite": BOOL, "n_batches": INT,
+                       "source": TEXT}  # the rest: FLOATISH
+_TIME_FIELDS = {"fqn": TEXT, "format": TEXT, "fmt": TEXT, "seconds": OPT_NUM,
+                "raw_seconds": OPT_NUM, "spread": OPT_NUM, "emulated": BOOL,
+                "source": TEXT, "note": TEXT, "error": OPT_TEXT, "repeats": INT}
 
 
 def _wrong(value: Any, kind: str, name: str) -> ValueError:
@@ -311,7 +299,7 @@ def _wrong(value: Any, kind: str, name: str) -> ValueError:
 
 
 def _expect(value: Any, kind: str, name: str) -> None:
-    if not _fits(value, kind):
+    if not fits(value, kind):
         raise _wrong(value, kind, name)
 
 
@@ -339,17 +327,17 @@ def _check_record(d: Mapping[str, Any]) -> None:
     wrong one (``layers[3].layer.fqn``); values are checked by the dataclasses after."""
     _fields(d, _TOP_FIELDS, "profile")
     for i, f in enumerate(_list(d.get("formats", []), "formats")):
-        _expect(f, _TEXT, f"formats[{i}]")
+        _expect(f, TEXT, f"formats[{i}]")
     for i, e in enumerate(_list(d.get("edges", []), "edges")):
         if not isinstance(e, list) or len(e) != 2:
             raise _wrong(e, "a [producer, consumer] pair", f"edges[{i}]")
-        _expect(e[0], _TEXT, f"edges[{i}][0]")
-        _expect(e[1], _TEXT, f"edges[{i}][1]")
-    _fields(d.get("fixed", {}), {}, "fixed", _TEXT)
+        _expect(e[0], TEXT, f"edges[{i}][0]")
+        _expect(e[1], TEXT, f"edges[{i}][1]")
+    _fields(d.get("fixed", {}), {}, "fixed", TEXT)
     for i, u in enumerate(_list(d.get("units", []), "units")):
         for key, value in _mapping(u, f"units[{i}]").items():
             if value is not None and not isinstance(value, (str, bool)):
-                _expect(value, _NUM, f"units[{i}].{key}")
+                _expect(value, NUM, f"units[{i}].{key}")
     for i, lp in enumerate(_list(d.get("layers", []), "layers")):
         name = f"layers[{i}]"
         lp = _mapping(lp, name)
@@ -360,20 +348,20 @@ def _check_record(d: Mapping[str, Any]) -> None:
                 raise _wrong(m, "a list of 4 integers (batch, M, K, N)",
                              f"{name}.layer.matmuls[{j}]")
             for v in m:
-                _expect(v, _INT, f"{name}.layer.matmuls[{j}]")
+                _expect(v, INT, f"{name}.layer.matmuls[{j}]")
         for j, c in enumerate(_list(layer.get("calls", []), f"{name}.layer.calls")):
-            _expect(c, _TEXT, f"{name}.layer.calls[{j}]")
+            _expect(c, TEXT, f"{name}.layer.calls[{j}]")
         sens = lp.get("sensitivity", lp.get("errors", {}))
         for fmt, rec in _mapping(sens, f"{name}.sensitivity").items():
-            _fields(rec, _SENSITIVITY_FIELDS, f"{name}.sensitivity.{fmt}", _FLOATISH)
+            _fields(rec, _SENSITIVITY_FIELDS, f"{name}.sensitivity.{fmt}", FLOATISH)
         for fmt, rec in _mapping(lp.get("times", {}), f"{name}.times").items():
             _fields(rec, _TIME_FIELDS, f"{name}.times.{fmt}")
             vs = rec.get("vs_fp32")
             if vs is not None:
-                _fields(vs, {"rounds": _INT}, f"{name}.times.{fmt}.vs_fp32", _OPT_NUM)
+                _fields(vs, {"rounds": INT}, f"{name}.times.{fmt}.vs_fp32", OPT_NUM)
         for key in ("skipped", "exact_why"):
-            _fields(lp.get(key, {}), {}, f"{name}.{key}", _TEXT)
-        _fields(lp.get("estimated_loss", {}), {}, f"{name}.estimated_loss", _FLOATISH)
+            _fields(lp.get(key, {}), {}, f"{name}.{key}", TEXT)
+        _fields(lp.get("estimated_loss", {}), {}, f"{name}.estimated_loss", FLOATISH)
 
 
 def _device_name(device: torch.device) -> str:

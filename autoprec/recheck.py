@@ -37,12 +37,12 @@ training, :class:`Rechecker` checks the phase in force only.
 The budget is the one the policy was tuned under (its provenance, ``tuned.budget``), else
 :class:`~autoprec.policy.Budget`'s default.
 
-``autoprec recheck TASK --policy P --checkpoint C -o REPORT.yaml`` runs it on a checkpoint
-(:func:`load_checkpoint`: a ``.safetensors`` file, a torch ``.pt``/``.bin`` state dict or a
-training checkpoint holding one under ``"model"``, an HF checkpoint folder); with ``--amended
-POLICY_OUT`` it writes the report and the amended policy both or neither
-(:func:`autoprec._util.atomic_write_all`: a failed second write leaves no first). The functions
-:func:`add_parser` and :func:`run` are its subcommand. In training, :class:`Rechecker` runs it
+``autoprec recheck TASK --policy P --checkpoint C -o REPORT.yaml`` (:mod:`autoprec.cli`) runs
+it on a checkpoint (:func:`autoprec.checkpoint.load_checkpoint`: a ``.safetensors`` file, a
+torch ``.pt``/``.bin`` state dict or a training checkpoint holding one under ``"model"``, an HF
+checkpoint folder); with ``--amended POLICY_OUT`` it writes the report and the amended policy
+both or neither (:func:`autoprec._util.atomic_write_all`: a failed second write leaves no
+first). In training, :class:`Rechecker` runs it
 every N steps on the current batch and hands the demotions to the runtime guard
 (``Guard.request_demotion``), which applies them at its next ``step()`` on every rank together.
 
@@ -61,7 +61,6 @@ import copy
 import dataclasses
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -71,7 +70,6 @@ import torch
 from torch import nn
 
 from autoprec._util import brief, device_of, encode_float, move_to, quoted, shown, text_table
-from autoprec.checkpoint import load_checkpoint, read_state_dict
 from autoprec.formats import Format
 from autoprec.measure.sensitivity import LayerSensitivity, measure_sensitivity
 from autoprec.policy import Budget, Policy
@@ -86,12 +84,9 @@ __all__ = [
     "RecheckRow",
     "RecheckResult",
     "recheck",
+    "recheck_in_place",
     "judge",
-    "load_checkpoint",
-    "read_state_dict",
     "Rechecker",
-    "add_parser",
-    "run",
 ]
 
 logger = logging.getLogger(__name__)
@@ -358,14 +353,15 @@ def recheck(model: nn.Module, policy: Policy, batches: Sequence[Any], *,
     in each phase of the policy, the low-precision formats that phase gives the model's
     computing layers).
     ``progress(done, total, label)`` as :func:`~autoprec.measure.measure_sensitivity`'s."""
-    return _recheck_copy(_private_copy(model), policy, list(batches), budget=budget,
+    return recheck_in_place(_private_copy(model), policy, list(batches), budget=budget,
                          loss_fn=loss_fn, formats=formats, progress=progress)
 
 
-def _recheck_copy(private: nn.Module, policy: Policy, batches: list, *, budget=None,
-                  loss_fn=None, formats=None, progress=None, layers=None) -> RecheckResult:
+def recheck_in_place(private: nn.Module, policy: Policy, batches: list, *, budget=None,
+                     loss_fn=None, formats=None, progress=None, layers=None) -> RecheckResult:
     """:func:`recheck` on a model the caller owns (measured in place; its hooks, dropout and
-    regions may be changed). ``layers``: its computing modules, if already known."""
+    regions may be changed): the command's freshly loaded model, a Rechecker's private copy.
+    ``layers``: its computing modules, if already known."""
     t0 = time.perf_counter()
     if not batches:
         raise ValueError("recheck needs at least one batch to measure on; got none.")
@@ -572,7 +568,7 @@ class Rechecker:
             # the guard holds a policy with phases only before the first switch: the first
             # phase is in force (a switch hands it one phase); only that one is re-checked
             policy = policy.phase(0)
-        result = _recheck_copy(private, policy, [batch], budget=self.budget,
+        result = recheck_in_place(private, policy, [batch], budget=self.budget,
                                loss_fn=self.loss_fn, layers=self._layers)
         result = dataclasses.replace(result, step=step)
         for fqn, fmt in result.demote.items():
@@ -623,152 +619,3 @@ class Rechecker:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-# ------------------------------------------------------------------------------ the command
-def _typed(cast: Callable[[str], Any], ok: Callable[[Any], bool], rule: str):
-    """An argparse type: ``cast`` the text and check it (``rule`` says what ``ok`` wants)."""
-    import argparse
-
-    def parse(text: str):
-        try:
-            value = cast(text)
-        except ValueError:
-            value = None
-        if value is None or not ok(value):
-            raise argparse.ArgumentTypeError(f"must be {rule}, got {text!r}")
-        return value
-    return parse
-
-
-def add_parser(subparsers: Any) -> None:
-    """Add ``autoprec recheck`` to the CLI's subcommands (``run`` is its function)."""
-    count = _typed(int, lambda v: v >= 1, "an integer >= 1")
-    limit = _typed(float, lambda v: 0 <= v < math.inf, "a finite number >= 0")
-    p = subparsers.add_parser(
-        "recheck", help="re-measure a policy's layers on a checkpoint's weights: what to "
-                        "demote, what might be promoted (exit 0 nothing to demote, 1 some, "
-                        "2 error)")
-    p.add_argument("task", help="path/file.py:function or package.module:function: the model "
-                                "the checkpoint is of, and the batches to measure on")
-    p.add_argument("--policy", required=True, help="the policy YAML to re-check")
-    p.add_argument("--checkpoint", required=True,
-                   help="the weights: .safetensors, a torch .pt/.bin state dict (or a training "
-                        "checkpoint with it under 'model'), or an HF checkpoint folder")
-    p.add_argument("-o", "--out", required=True, help="write the report (YAML) here")
-    p.add_argument("--amended", default=None, metavar="POLICY_OUT",
-                   help="also write the policy with the demotions written in")
-    p.add_argument("--promote", action="store_true",
-                   help="write the layers that may be promoted into --amended too")
-    p.add_argument("--batches", type=count, default=2,
-                   help="the task's calibration batches to measure on (default 2)")
-    p.add_argument("--max-loss-increase", type=limit, default=None,
-                   help="the budget's relative loss change (default: the policy's tuned one)")
-    p.add_argument("--max-grad-error", type=limit, default=None,
-                   help="the budget's gradient error (default: the policy's tuned one)")
-    p.set_defaults(fn=run)
-
-
-def _task_path(spec: str) -> str | None:
-    """The file a task spec names, found without running it (None: not found here; loading
-    the task reports that)."""
-    import importlib.util
-
-    target, sep, _ = str(spec).rpartition(":")
-    if not sep or not target:
-        return None
-    if target.endswith(".py") or "/" in target or os.sep in target:
-        return target if os.path.isfile(target) else None
-    try:
-        found = importlib.util.find_spec(target)
-    except (ImportError, ValueError):
-        return None
-    return found.origin if found is not None and found.origin and os.path.isfile(found.origin) \
-        else None
-
-
-def _same_file(a: str, b: str) -> bool:
-    if os.path.realpath(a) == os.path.realpath(b):
-        return True
-    try:  # hard links
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
-
-
-def _check_files(args: Any) -> None:
-    """No output is an input (or the other output), and each can be written: before any
-    work, each refusal one line."""
-    from autoprec._util import refuse_non_file, unwritable_folder
-
-    if args.promote and not args.amended:
-        raise ValueError("--promote writes the promotions into the amended policy; give "
-                         "--amended PATH too.")
-    ckpt = args.checkpoint
-    inputs = [(args.policy, f"the policy {shown(args.policy)}"),
-              (_task_path(args.task), "the task file"),
-              *((os.path.join(ckpt, n), f"a file of the checkpoint {shown(ckpt)}")
-                for n in (sorted(os.listdir(ckpt)) if os.path.isdir(ckpt) else [])),
-              (ckpt, f"the checkpoint {shown(ckpt)}")]
-    outputs = [(o, f"{flag} {shown(o)}") for flag, o in (("-o", args.out),
-                                                         ("--amended", args.amended)) if o]
-    if len(outputs) == 2 and _same_file(outputs[0][0], outputs[1][0]):
-        raise ValueError(f"-o and --amended are both {shown(args.out)}: the report and the "
-                         "policy need two files. Choose another path.")
-    for out, what in outputs:
-        for path, role in inputs:
-            if path and os.path.exists(path) and _same_file(out, path):
-                raise ValueError(f"{what} is {role}: writing it would destroy an input of "
-                                 "this command. Choose another path.")
-        refuse_non_file(out, what)
-        problem = unwritable_folder(out)
-        if os.path.isdir(out) or problem is not None:
-            why = "is a directory" if os.path.isdir(out) else \
-                f"cannot be written ({shown(problem[0])} is " \
-                f"{'a file' if problem[1] == 'file' else 'not writable'})"
-            raise ValueError(f"{what} {why}. Choose another path.")
-
-
-def _budget(args: Any, policy: Policy) -> Budget:
-    tuned = policy.provenance.budget or Budget()
-    loss = tuned.max_loss_increase if args.max_loss_increase is None else args.max_loss_increase
-    grad = tuned.max_grad_error if args.max_grad_error is None else args.max_grad_error
-    return Budget(loss, grad)
-
-
-def run(args: Any) -> int:
-    """``autoprec recheck``: 0 when nothing is to be demoted, 1 when something is."""
-    import sys
-
-    import yaml
-
-    from autoprec._util import ProgressBar, atomic_write_all, log
-    from autoprec.policy import load_policy
-    from autoprec.task import load_task
-
-    _check_files(args)
-    policy = load_policy(args.policy)
-    # as the other commands: no hub download, and task files beside the working directory
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    task = load_task(args.task)
-    model = task.build_model()
-    log(f"recheck: loading {shown(args.checkpoint)} into {shown(type(model).__name__)} "
-        f"({shown(task.name)})")
-    load_checkpoint(model, args.checkpoint)
-    policy.check_model(model)
-    batches = list(task.batches[:args.batches])
-    if len(batches) < args.batches:
-        log(f"recheck: the task has {len(batches)} calibration batch(es); measuring on those")
-    result = _recheck_copy(model, policy, batches, budget=_budget(args, policy),
-                           loss_fn=task.loss_fn, progress=ProgressBar("recheck"))
-    result = dataclasses.replace(result, source=os.fspath(args.checkpoint))
-    print(result.format())
-    outputs = [(args.out, yaml.safe_dump(result.to_dict(), sort_keys=False, width=100))]
-    if args.amended:
-        outputs.append((args.amended, result.amended_policy(promote=args.promote).to_yaml()))
-    # both or neither: a report beside no amended policy would say a fix was written
-    written = atomic_write_all(outputs)
-    print("wrote " + ", ".join(map(shown, written)))
-    return 1 if result.demote else 0

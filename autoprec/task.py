@@ -33,7 +33,7 @@ from torch import nn
 from autoprec._util import ModelCall, call_model, loss_of, move_to, split_batch
 from autoprec.runtime.engines import torchao_available
 
-__all__ = ["Task", "TaskError", "load_task", "check_batches", "default_loss", "move_to",
+__all__ = ["Task", "TaskError", "load_task", "task_file", "check_batches", "default_loss", "move_to",
            "optimizer_step"]
 
 
@@ -293,6 +293,27 @@ def load_task(spec: str) -> Task:
                         "autoprec.Task.")
     return task
 
+
+
+def task_file(spec: str) -> str | None:
+    """The file a task spec loads, found without importing anything (the commands check their
+    outputs against it before any work): ``path/to/file.py`` itself when it is a file; for
+    ``package.module``, its ``.py`` or ``__init__.py`` in the working directory, else in the
+    first ``sys.path`` folder that has one (where :func:`load_task` imports it from once the
+    commands have put the working directory first). None when not found: loading the task
+    reports that."""
+    target, sep, _ = str(spec).rpartition(":")
+    if not sep or not target:
+        return None
+    if target.endswith(".py") or os.sep in target or "/" in target:
+        return target if os.path.isfile(target) else None
+    parts = target.split(".")
+    for folder in [os.getcwd(), *sys.path]:
+        base = os.path.join(folder or ".", *parts)
+        for candidate in (base + ".py", os.path.join(base, "__init__.py")):
+            if os.path.isfile(candidate):
+                return candidate
+    return None
 
 def _import_task_module(target: str, spec: str):
     if target.endswith(".py") or os.sep in target or "/" in target:

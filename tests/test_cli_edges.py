@@ -118,6 +118,35 @@ def test_export_refuses_an_output_that_is_one_of_its_inputs(tmp_path, case):
     assert (tmp_path / out).read_text() == before
 
 
+@pytest.mark.parametrize("where", ["cwd", "sys.path"])
+def test_every_command_finds_a_modules_task_file_the_same_way(tmp_path, monkeypatch, capsys,
+                                                              where):
+    # `package.module:function` resolves to one file for every command (autoprec.task.task_file),
+    # from the working directory (not on sys.path until the task loads) or from sys.path
+    import autoprec.task
+    from autoprec.cli import main
+
+    folder = tmp_path / ("lib" if where == "sys.path" else "")
+    (folder / "mypkg").mkdir(parents=True)
+    task = folder / "mypkg" / "mytask.py"
+    task.write_text("def task():\n    raise AssertionError('never loaded')\n")
+    if where == "sys.path":
+        monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.chdir(tmp_path)
+    found = autoprec.task.task_file("mypkg.mytask:task")
+    assert found is not None and os.path.samefile(found, task)
+    assert os.path.samefile(autoprec.task.task_file(f"{task}:task"), found)
+    before = task.read_text()
+    out = os.path.relpath(task)
+    for argv in (["profile", "mypkg.mytask:task", "-o", out],
+                 ["recheck", "mypkg.mytask:task", "--policy", "p.yaml", "--checkpoint", "c.pt",
+                  "-o", out]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert f"-o {out} is the task file" in err and "destroy an input" in err, (argv, err)
+    assert task.read_text() == before
+
+
 # ----------------------------------------------------------------------------- diff
 @pytest.mark.parametrize("change, needle", [
     ({"loss_scaling": LossScaling(init_scale=1024.0)}, "loss_scaling"),

@@ -4,7 +4,6 @@ Rechecker inside training with the runtime guard."""
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import math
@@ -15,11 +14,12 @@ import torch
 import yaml
 
 import autoprec
+from autoprec.checkpoint import load_checkpoint, read_state_dict
 from autoprec.formats import Format
 from autoprec.integrations import training_kit
 from autoprec.measure.sensitivity import LayerSensitivity
 from autoprec.policy import Budget, Policy, load_policy
-from autoprec.recheck import PROMOTE_SHARE, Rechecker, judge, load_checkpoint, read_state_dict, recheck
+from autoprec.recheck import PROMOTE_SHARE, Rechecker, judge, recheck
 from autoprec.runtime.rewrite import applied_policy
 from examples.data import byte_batches
 from examples.drift import DRIFT_LAYER, drift_policy, plant_drift
@@ -284,11 +284,9 @@ def task():
 
 
 def _cli(argv):
-    from autoprec import recheck as rc
+    from autoprec.cli import _parser
 
-    parser = argparse.ArgumentParser(prog="autoprec")
-    rc.add_parser(parser.add_subparsers(dest="cmd", required=True))
-    args = parser.parse_args(["recheck", *map(str, argv)])
+    args = _parser().parse_args(["recheck", *map(str, argv)])
     return args.fn(args)
 
 

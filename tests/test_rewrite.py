@@ -343,7 +343,7 @@ def test_compiled_model_matches_eager(case, gpt2_batch):
 # them (torch.compile's `_orig_mod.`, (D)DP's `module.`), and `apply` on the wrapper used to
 # say the pattern matched no module. It applies to the wrapped module now.
 def _wrapper_policy(model, layers):
-    from autoprec.policy import model_fingerprint
+    from autoprec.fingerprint import model_fingerprint
 
     return Policy(default="bf16", layers=layers, fingerprint=model_fingerprint(model))
 

@@ -204,7 +204,7 @@ def test_the_sharded_example_loads_a_checkpoint_slice_by_slice_and_tunes(tmp_pat
     policy = autoprec.load_policy(out)
     model = tiny_llama()
     assert policy.model_name == "LlamaForCausalLM"
-    assert policy.fingerprint == autoprec.policy.model_fingerprint(model)
+    assert policy.fingerprint == autoprec.fingerprint.model_fingerprint(model)
 
 
 def _titan(rank: int, world: int, port: int, out_dir: str, cases: list) -> None:

@@ -16,10 +16,11 @@ from typing import Any
 from torch import nn
 
 from autoprec._util import class_name, move_to
+from autoprec.fingerprint import model_fingerprint
 from autoprec.formats import Format
 from autoprec.measure.numerics import Deviation, Numerics, prepare_for_measurement
 from autoprec.measure.timer import Comparison, StepTimer, noise_of, quantile
-from autoprec.policy import Interval, Policy, model_fingerprint
+from autoprec.policy import Interval, Policy
 from autoprec.pricing import CostSource
 from autoprec.profiling import Profile
 from autoprec.task import Task, default_loss

@@ -38,10 +38,11 @@ from torch import nn
 
 from autoprec import profile_view
 from autoprec._util import free_memory, shown, tensors, worker_id
+from autoprec.fingerprint import model_fingerprint
 from autoprec.formats import Format, Support, supported_formats
 from autoprec.measure import shards
 from autoprec.memory import format_size, memory_model
-from autoprec.policy import Interval, Policy, model_fingerprint
+from autoprec.policy import Interval, Policy
 from autoprec.pricing import CostSource
 from autoprec.profiling import Profile
 from autoprec.profiling import profile as run_profile
