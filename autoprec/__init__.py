@@ -9,8 +9,9 @@ first use of their names.
 from __future__ import annotations
 
 from autoprec.fingerprint import model_fingerprint
-from autoprec.formats import Format, Support, supported_formats
+from autoprec.formats import Format, Support
 from autoprec.graph import Layer, LayerGraph
+from autoprec.host import supported_formats
 from autoprec.policy import (
     Budget,
     LossScaling,

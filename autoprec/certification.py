@@ -56,7 +56,7 @@ import torch
 from autoprec import blockscale
 from autoprec._util import log, shown
 from autoprec.certificate import HELD_EQUAL, Certificate, verdict_of
-from autoprec.formats import slow_16bit_dtypes
+from autoprec.host import slow_16bit_dtypes
 from autoprec.policy import Policy, load_policy
 from autoprec.runtime.fp8 import emulating
 from autoprec.runtime.phases import PhaseSwitcher

@@ -54,7 +54,8 @@ import yaml
 from torch import nn
 
 from autoprec._util import atomic_write, escape_line
-from autoprec.formats import FP4_E2M1, Format, Support, supported_formats
+from autoprec.formats import FP4_E2M1, Format, Support
+from autoprec.host import supported_formats
 from autoprec.policy import Policy, PolicyError, load_policy
 from autoprec.runtime.calls import class_kind, layer_kind
 from autoprec.runtime.engines import blackwell, mxfp8_config

@@ -10,7 +10,7 @@ the bytes allocated at each instant, plus the bytes live when the step began (pa
 optimizer state, counted from their storages, since the trace sees only what is allocated
 while it runs). The step is split into two phases at a ``record_function`` marker: forward +
 backward (activations) and the optimizer step (gradients, state and its temporaries).
-On a host without 16-bit matmul units (:func:`autoprec.formats.slow_16bit_dtypes`: a Zen 3
+On a host without 16-bit matmul units (:func:`autoprec.host.slow_16bit_dtypes`: a Zen 3
 takes minutes per BF16 step at a Llama-3-8B layer's width) the step's 16-bit GEMMs are emulated
 in FP32 (:func:`autoprec.runtime.fp8.emulating`), which keeps for backward the 16-bit copies
 autocast's kernels keep; only the emulation's FP32 temporaries, one GEMM's at a time, differ
@@ -153,7 +153,7 @@ def measure_step_memory(model: nn.Module, batch: Any, policy: Policy,
     model puts them back); see the module docstring.
 
     ``emulate``: compute the 16-bit GEMMs the device has no units for
-    (:func:`autoprec.formats.slow_16bit_dtypes`) by FP32 emulation, which saves the bytes
+    (:func:`autoprec.host.slow_16bit_dtypes`) by FP32 emulation, which saves the bytes
     autocast's kernels save (a Zen 3 takes minutes per full-width BF16 step otherwise);
     None: where the device lacks them.
 
@@ -162,7 +162,7 @@ def measure_step_memory(model: nn.Module, batch: Any, policy: Policy,
     ``optimizer_peak`` 0): what forward + backward add above what is live is the same as in a
     whole step, where the state waits untouched, and the measurement holds less than the step
     it describes. ``make_optimizer`` is not called."""
-    from autoprec.formats import slow_16bit_dtypes
+    from autoprec.host import slow_16bit_dtypes
     from autoprec.runtime import rewrite
     from autoprec.runtime.fp8 import emulating
 

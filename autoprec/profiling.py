@@ -42,13 +42,8 @@ from autoprec._util import (
     write_json,
 )
 from autoprec.costmodel import estimate_step
-from autoprec.formats import (
-    Format,
-    Support,
-    device_name,
-    expand_formats,
-    supported_formats,
-)
+from autoprec.formats import Format, Support, expand_formats
+from autoprec.host import device_name, supported_formats
 from autoprec.measure import shards
 from autoprec.measure.capture import Layer, LayerGraph, capture
 from autoprec.measure.config import SensitivityOptions, TimingOptions, with_keywords

@@ -20,7 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from autoprec._util import text_table  # noqa: E402  (after the path set-up above)
-from autoprec.formats import device_name  # noqa: E402
+from autoprec.host import device_name  # noqa: E402
 from autoprec.measure.timer import Clock, Comparison  # noqa: E402
 from autoprec.policy import Interval  # noqa: E402
 

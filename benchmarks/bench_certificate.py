@@ -51,7 +51,7 @@ from scipy import stats
 import autoprec
 from autoprec.budget import DEFAULT_BIAS_BUDGET, RULE_RATIO, gradient_bias
 from autoprec.certification import certify, held_out_loss, start_run, train_step, training_stream
-from autoprec.formats import slow_16bit_dtypes
+from autoprec.host import slow_16bit_dtypes
 from autoprec.measure.numerics import Numerics, prepare_for_measurement
 from autoprec.runtime.fp8 import emulating
 from examples.data import byte_batches

@@ -1,6 +1,6 @@
 """What this CPU's matmul units are fast at: one square matmul in fp32, bf16 and fp16,
 interleaved in the same rounds, as ratios against fp32 with their 95% intervals, beside the
-CPU features autoprec detects (autoprec.formats.cpu_features). Which format can win on a host
+CPU features autoprec detects (autoprec.host.cpu_features). Which format can win on a host
 is decided here, not assumed: with BF16 dot-product instructions (Zen 4, AMX parts) bf16
 beats fp32; without them (Zen 3's AVX2, Intel AVX512 parts before Cooper Lake) it loses.
 
@@ -22,10 +22,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from _common import device_line, interleaved, print_table, ratio_cell
+
 from autoprec import Policy
-from autoprec.formats import Format, cpu_features
+from autoprec.formats import Format
+from autoprec.host import cpu_features
 from autoprec.measure.numerics import Numerics, prepare_for_measurement
 from examples.data import byte_batches
 from examples.llama_bytes import make_model

@@ -8,7 +8,7 @@ and a Llama with examples/llama_bytes.py's architecture at a width this machine 
 (``--llama-hidden``; the 8B widths need a GPU's memory). Memory, not time: no interleaving.
 The measured column is always the step on autocast's own 16-bit kernels; the predictor
 calibrates as a tune does (by FP32 emulation of the 16-bit GEMMs where the host has no units
-for them, autoprec.formats.slow_16bit_dtypes).
+for them, autoprec.host.slow_16bit_dtypes).
 
 Then the emulation's bytes against the kernels' (``--emulation-widths``): the same Llama's
 step under 16-bit policies, traced once on autocast's kernels and once with their GEMMs

@@ -1085,7 +1085,7 @@ def main(argv=None) -> int:
     try:
         import transformers
 
-        from autoprec.formats import supported_formats
+        from autoprec.host import supported_formats
 
         print(f"gpu_check {'DRY RUN (CPU, tiny sizes)' if args.dry_run else '(full)'} -- "
               f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}")

@@ -19,7 +19,7 @@ from examples.data import byte_batches  # noqa: E402
 
 def pytest_report_header(config):
     # which host ran the suite: what it is fast at decides what speed tests and tunes expect
-    from autoprec.formats import cpu_features
+    from autoprec.host import cpu_features
 
     return [f"autoprec host: {cpu_features().describe()}"]
 
@@ -27,7 +27,7 @@ def pytest_report_header(config):
 def host_bf16_is_fast() -> bool:
     """Whether this CPU has BF16 dot-product instructions, i.e. whether bf16 matmuls can beat
     fp32 here. Tests about speed ask this first and assert what the answer implies."""
-    from autoprec.formats import cpu_features
+    from autoprec.host import cpu_features
 
     return cpu_features().bf16_dot
 

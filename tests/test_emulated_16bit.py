@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_llama
 
 from autoprec import Policy
-from autoprec.formats import Format, cpu_features, slow_16bit_dtypes
+from autoprec.formats import Format
+from autoprec.host import cpu_features, slow_16bit_dtypes
 from autoprec.measure.numerics import Numerics, prepare_for_measurement
 from autoprec.runtime import rewrite
 from autoprec.runtime.fp8 import emulating, plain_matmul
 from examples.data import byte_batches
-from conftest import tiny_llama
 
 DTYPES = {torch.bfloat16: Format.BF16, torch.float16: Format.FP16}
 

@@ -75,7 +75,7 @@ def test_supported_formats_on_cuda():
 def test_cpu_features_agree_with_the_kernel_flags():
     # torch's probe and the kernel's own flags must say the same of the BF16 instructions
     # (the header line of the test log, and every speed test, rest on this)
-    from autoprec.formats import cpu_features
+    from autoprec.host import cpu_features
 
     feats = cpu_features()
     assert feats.capability == torch.backends.cpu.get_cpu_capability()

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 import autoprec
-from autoprec.formats import Format, Support, supported_formats
+from autoprec.formats import Format, Support
+from autoprec.host import supported_formats
 from autoprec.measure.timer import Comparison, StepTimer
 from autoprec.measure.timing import LayerTime, measure_layers
 
@@ -71,7 +72,7 @@ def test_fp16_not_faster_than_bf16(one_thread):
     # A fact only of CPUs without FP16 arithmetic in their matmul units (Zen 3/4, Intel before
     # Sapphire Rapids): oneDNN has no fp16 kernel there. Smaller than the bf16 test on
     # purpose: such a CPU runs fp16 at ~1 GFLOP/s, and a large layer would take a minute.
-    from autoprec.formats import cpu_features
+    from autoprec.host import cpu_features
 
     if cpu_features().fp16_dot:
         pytest.skip(f"this CPU has FP16 dot-product instructions ({cpu_features().describe()}): "

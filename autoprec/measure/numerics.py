@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec.formats import Format, slow_16bit_dtypes
+from autoprec.formats import Format
+from autoprec.host import slow_16bit_dtypes
 from autoprec.measure import shards
 from autoprec.policy import Policy
 from autoprec.runtime import rewrite

@@ -32,7 +32,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from autoprec._util import call_model, check_keys, device_of, model_state, tensors
-from autoprec.formats import FORMAT_ORDER, Format, Support, supported_formats
+from autoprec.formats import FORMAT_ORDER, Format, Support
+from autoprec.host import supported_formats
 from autoprec.measure.config import TimingOptions, with_keywords
 from autoprec.measure.timer import Clock, Comparison
 from autoprec.policy import Interval, Policy

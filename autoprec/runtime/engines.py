@@ -38,7 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from autoprec.formats import Format, Support, supported_formats, torchao_takes
+from autoprec.formats import Format, Support, torchao_takes
+from autoprec.host import supported_formats
 
 __all__ = ["Swap", "torchao_available", "torchao_runs", "engine_for",
            "swap_to_torchao", "restore", "keeping_sharded_swaps", "is_float8_linear",

@@ -60,7 +60,8 @@ from collections.abc import Iterator
 import torch
 
 from autoprec import blockscale
-from autoprec.formats import Format, Gemm, Numerics, fp8_is_native
+from autoprec.formats import Format, Gemm, Numerics
+from autoprec.host import fp8_is_native
 from autoprec.runtime.calls import fp8_shape_supported, product_of
 from autoprec.scaling import dequantize, quantize, shape_multiple, tensorwise_scale
 
@@ -90,7 +91,7 @@ def emulating(dtypes) -> Iterator[None]:
     FP32 matmuls of operands rounded to the dtype, the result rounded to it (a GPU's numerics:
     FP32 accumulation, one rounding), and the matmuls of bf16 and fp16 regions
     (:mod:`autoprec.runtime.rewrite`) route through :func:`plain_matmul` to do so. For hosts
-    without 16-bit matmul units (:func:`autoprec.formats.slow_16bit_dtypes`); numerics only.
+    without 16-bit matmul units (:func:`autoprec.host.slow_16bit_dtypes`); numerics only.
     A backward run after the block keeps the forward's choice."""
     global _EMULATED
     bad = [d for d in dtypes if d not in (torch.bfloat16, torch.float16)]

@@ -65,7 +65,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from autoprec.formats import Format, Support, supported_formats
+from autoprec.formats import Format, Support
+from autoprec.host import supported_formats
 from autoprec.policy import Policy, PolicyError, load_policy
 from autoprec.runtime import calls, engines
 from autoprec.runtime.fp8 import emulated_dtypes, plain_matmul, scaled_matmul

@@ -39,7 +39,8 @@ from torch import nn
 from autoprec import profile_view
 from autoprec._util import free_memory, shown, tensors, worker_id
 from autoprec.fingerprint import model_fingerprint
-from autoprec.formats import Format, Support, supported_formats
+from autoprec.formats import Format, Support
+from autoprec.host import supported_formats
 from autoprec.measure import shards
 from autoprec.memory import format_size, memory_model
 from autoprec.policy import Interval, Policy
