@@ -230,9 +230,18 @@ def _functions():
                 yield name, node
 
 
+def _code_lines(f: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """A function's lines less its docstrings (its own and those of the functions and classes
+    it defines): the public API's Args/Returns sections are not code."""
+    docs = sum(n.body[0].end_lineno - n.body[0].lineno + 1 for n in ast.walk(f)
+               if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+               and ast.get_docstring(n, clean=False) is not None)
+    return f.end_lineno - f.lineno + 1 - docs
+
+
 def test_no_function_over_60_lines():
-    long = [f"{m}.{f.name}: {f.end_lineno - f.lineno + 1} lines" for m, f in _functions()
-            if f.end_lineno - f.lineno + 1 > 60]
+    long = [f"{m}.{f.name}: {_code_lines(f)} lines" for m, f in _functions()
+            if _code_lines(f) > 60]
     assert not long, long
 
 
@@ -452,3 +461,4 @@ def test_every_exported_function_and_constant_has_a_user_outside_its_module():
                                                    if p != path):
                 idle.append(f"{name}.{x}")
     assert not idle, f"listed in __all__ but used nowhere outside their module: {idle}"
+
