@@ -190,11 +190,12 @@ def certify(task: Task, policy: Policy, config: CertifyConfig | None = None, *,
         task: the model, its training stream (``train_batches``, else the calibration batches
             in a seeded order), held-out ``eval_batches`` and optimizer.
         policy: the policy to certify.
-        config: how (:class:`CertifyConfig`); ``options`` override its fields
-            (``steps=400``, ``tolerance=0.01``, ``sequential=False``, ...).
+        config: how (:class:`CertifyConfig`); ``options`` override its fields.
         reference: ``"bf16"`` (default), ``"fp32"``, or a policy (object or file).
         strict: a policy made for another model is an error (as in ``apply``).
         progress: one line per branch on stderr.
+        **options: ``config``'s fields by name (``steps=400``, ``tolerance=0.01``,
+            ``sequential=False``, ...), overriding it.
 
     Returns:
         A :class:`CertifyResult`; its ``certificate`` goes into the policy's provenance

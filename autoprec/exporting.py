@@ -198,14 +198,31 @@ class TorchaoExport(Exported):
 def export(policy: Policy | str | os.PathLike, to: str, *, model: nn.Module | None = None,
            strict: bool = True, names: Mapping[str, str | None] | None = None,
            phase: int | None = None) -> Exported:
-    """Express ``policy`` for the stack ``to`` (one of :data:`TARGETS`). ``model`` resolves
-    patterns to its module names (megatron and fqn need it). ``strict=False`` turns what the
-    target cannot express exactly into notes instead of errors. ``names`` (megatron only):
-    HF-name regex -> Megatron module path template, tried before :data:`MEGATRON_NAMES`.
+    """Express ``policy`` for the stack ``to``.
 
     A policy with phases: the fqn export lists each phase's layers with where it starts;
     torchao's and Megatron's configurations hold one precision per layer for the whole run,
-    so they take one phase (``phase``: 0 is the first) and refuse the whole policy."""
+    so they take one phase (``phase``) and refuse the whole policy.
+
+    Args:
+        policy: a :class:`~autoprec.policy.Policy` or a path to a policy YAML file.
+        to: the stack, one of :data:`TARGETS` (``"torchao"``, ``"megatron"``, ``"fqn"``).
+        model: resolves patterns to its module names (megatron and fqn need it).
+        strict: ``strict=False`` turns what the target cannot express exactly into notes
+            instead of errors.
+        names: (megatron only) HF-name regex -> Megatron module path template, tried before
+            :data:`MEGATRON_NAMES`.
+        phase: the one phase to export (0 is the first).
+
+    Returns:
+        An ``Exported``: the target, its ``data``, the ``text`` ``autoprec export`` writes
+        (``save(path)`` writes it) and the ``notes`` on what the target runs differently.
+
+    Raises:
+        ExportError: a ``PolicyError`` for what the target cannot express as written (an
+            unknown target, a missing model, a policy with phases and no ``phase``); the
+            message says the fix.
+    """
     if not isinstance(policy, Policy):
         policy = load_policy(policy)
     if to not in TARGETS:

@@ -18,7 +18,14 @@ __all__ = ["model_fingerprint"]
 def model_fingerprint(model: nn.Module) -> str:
     """``sha256:<hex>`` of the model's layer list: fqn, class name and parameter shapes of every
     module that owns parameters. Same architecture and sizes -> same fingerprint; weights and
-    dtypes do not enter it."""
+    dtypes do not enter it.
+
+    Args:
+        model: the model.
+
+    Returns:
+        ``"sha256:<hex>"``, what a policy's ``fingerprint`` holds.
+    """
     h = hashlib.sha256()
     for fqn, module in model.named_modules():
         params = [(n, tuple(p.shape)) for n, p in module.named_parameters(recurse=False)]

@@ -309,7 +309,22 @@ class _FormatType(type):
 
 class Format(str, metaclass=_FormatType):
     """A layer's compute format: an interned string (``Format.BF16 == "bf16"``, compared with
-    ``is``) that reads and writes as plain YAML; its meaning is :attr:`numerics`."""
+    ``is``) that reads and writes as plain YAML; its meaning is :attr:`numerics`.
+
+    ``Format(value)``, ``value`` the name as a policy file spells it (``Format("bf16")``), is
+    the format of that name (exactly; a per-GEMM mix by its canonical name,
+    ``Format("nvfp4/mxfp8/mxfp8")``, made if need be); :meth:`parse` reads a policy's looser
+    spellings (``"FP8"``, a bare ``fp8`` as a recipe).
+
+    Attributes:
+        name: the name of the ``Format.<NAME>`` attribute (``"BF16"``).
+        numerics: what the format computes: a frozen :class:`Numerics`.
+        parts: a per-GEMM mix's three formats (forward, input gradient, weight gradient);
+            ``()`` for a registered format.
+
+    Raises:
+        ValueError: ``value`` names no format.
+    """
 
     # set once by register() (or per_gemm); Formats are immutable
     name: str

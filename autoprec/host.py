@@ -45,6 +45,15 @@ def supported_formats(device: torch.device | str = "cpu") -> dict[Format, Suppor
 
     FP8 kernels exist on CPU (``torch._scaled_mm``) but are orders of magnitude slower than
     FP32 there, so FP8 counts as emulated everywhere except CUDA sm_89+ (rowwise: sm_90+).
+
+    Args:
+        device: the device asked about (a ``torch.device`` or its name).
+
+    Returns:
+        Each format -> ``Support.NATIVE`` or ``Support.EMULATED``.
+
+    Raises:
+        RuntimeError: a CUDA device was asked about and CUDA is not available.
     """
     device = torch.device(device)
     out = {f: Support.EMULATED if f.is_fp8 else Support.NATIVE for f in Format}

@@ -131,20 +131,38 @@ def training_kit(model: nn.Module, policy: Policy | str | os.PathLike, *,
                  accelerator: Any = None, total_steps: int | None = None,
                  recheck_every: int | None = None) -> TrainingKit:
     """Apply ``policy`` to ``model`` and return it with the GradScaler its ``loss_scaling``
-    describes (enabled only when a layer is fp16) and the runtime guard (``guard=True`` or a
-    :class:`~autoprec.runtime.guard.GuardConfig`; see :mod:`autoprec.runtime.guard`).
+    describes (enabled only when a layer is fp16) and the runtime guard.
 
-    ``device``: where training runs (default: the model's parameters' device).
-    ``accelerator``: an ``accelerate.Accelerator`` the model will be prepared with *after*
-    this call. Its ``mixed_precision`` is checked ("no" recommended, "fp8" refused), and when
-    it scales the loss itself (``"fp16"`` on a GPU) the returned scaler is a disabled
-    pass-through so the loss is not scaled twice; the guard then reads Accelerate's scale.
-    ``total_steps``: the run's optimizer steps, for a policy with phases by fraction of the run;
-    a policy with phases gets a :class:`~autoprec.runtime.phases.PhaseSwitcher` (``kit.phases``:
-    call ``kit.phases.at(step)`` before each step, with the optimizer steps done).
-    ``recheck_every=N`` (needs ``guard``): ``kit.rechecker`` is a
-    :class:`~autoprec.recheck.Rechecker`; call ``kit.rechecker.maybe(model, batch, step)``
-    after each optimizer step, before ``guard.step()``, which applies its demotions.
+    Args:
+        model: the model to train.
+        policy: a :class:`~autoprec.policy.Policy` or a path to a policy YAML file.
+        device: where training runs (default: the model's parameters' device).
+        strict: as in :func:`~autoprec.runtime.apply`: a policy made for another model, or a
+            pattern that matches no module, is an error.
+        guard: ``True`` or a :class:`~autoprec.runtime.guard.GuardConfig` attaches the
+            runtime guard (see :mod:`autoprec.runtime.guard`); a ``Guard`` re-attaches it.
+        accelerator: an ``accelerate.Accelerator`` the model will be prepared with *after*
+            this call. Its ``mixed_precision`` is checked ("no" recommended, "fp8" refused),
+            and when it scales the loss itself (``"fp16"`` on a GPU) the returned scaler is a
+            disabled pass-through so the loss is not scaled twice; the guard then reads
+            Accelerate's scale.
+        total_steps: the run's optimizer steps, for a policy with phases by fraction of the
+            run; a policy with phases gets a :class:`~autoprec.runtime.phases.PhaseSwitcher`
+            (``kit.phases``: call ``kit.phases.at(step)`` before each step, with the optimizer
+            steps done).
+        recheck_every: ``N`` (needs ``guard``): ``kit.rechecker`` is a
+            :class:`~autoprec.recheck.Rechecker`; call ``kit.rechecker.maybe(model, batch,
+            step)`` after each optimizer step, before ``guard.step()``, which applies its
+            demotions.
+
+    Returns:
+        A ``TrainingKit``, ``(model, scaler, guard)``: the model with the policy applied (the
+        same object), the GradScaler to use, and the guard or None; ``kit.phases`` and
+        ``kit.rechecker`` as above.
+
+    Raises:
+        PolicyError: a policy that cannot be applied, an accelerator in fp8 or already
+            prepared with mixed precision, or ``recheck_every`` without a guard.
     """
     if not isinstance(policy, Policy):
         policy = load_policy(policy)
@@ -306,6 +324,18 @@ def _make_policy_callback():
         Added later (``trainer.add_callback``) it applies the policy in ``on_train_begin``,
         after the model was prepared; refused when the Trainer runs in bf16/fp16 (Accelerate's
         autocast would sit inside the policy's regions): use :func:`use_policy` instead.
+
+        Args:
+            policy: a :class:`~autoprec.policy.Policy` or a path to a policy YAML file.
+            strict: as in :func:`~autoprec.runtime.apply`.
+            guard: ``True`` or a :class:`~autoprec.runtime.guard.GuardConfig` attaches the
+                runtime guard, stepped in ``on_step_end``.
+            recheck_every: ``N`` (with a guard): re-check every N steps, as above.
+            follow_bias: ``N`` (a policy with phases, no guard): see the module docstring.
+
+        Raises:
+            PolicyError: ``recheck_every`` without a guard, or a policy file that cannot be
+                read.
         """
 
         def __init__(self, policy: Policy | str | os.PathLike, *, strict: bool = True,

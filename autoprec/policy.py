@@ -118,16 +118,27 @@ class _NoAliasDumper(yaml.SafeDumper):
 
 
 class PolicyError(ValueError):
-    """A policy file or Policy that cannot be used as written; the message says the fix."""
+    """A policy file or Policy that cannot be used as written; the message says the fix.
+
+    A ``ValueError``: what :func:`load_policy`, :class:`Policy` and ``apply`` raise for a
+    policy they cannot use.
+    """
 
 
 @dataclass(frozen=True)
 class LossScaling:
-    """GradScaler settings, used when any layer computes in fp16."""
+    """GradScaler settings, used when any layer computes in fp16.
 
-    # First loss scale; 2**16 is torch.amp.GradScaler's default.
+    Args:
+        init_scale: first loss scale; 2**16 is ``torch.amp.GradScaler``'s default.
+        growth_interval: steps without overflow before the scale doubles.
+
+    Raises:
+        PolicyError: ``init_scale`` is not a positive finite number, or ``growth_interval``
+            not a positive integer.
+    """
+
     init_scale: float = 65536.0
-    # Steps without overflow before the scale doubles.
     growth_interval: int = 2000
 
     def __post_init__(self):
@@ -146,15 +157,24 @@ class LossScaling:
 @dataclass(frozen=True)
 class Budget:
     """How far a policy may move training from FP32: the constraints a tune searches under
-    and the tolerance validation judges with."""
+    and the tolerance validation judges with.
 
-    # Relative loss change vs FP32 allowed on held-out batches (0.01 = 1%).
+    Args:
+        max_loss_increase: relative loss change vs FP32 allowed on held-out batches (0.01 =
+            1%).
+        max_grad_error: relative L2 error of all parameter gradients vs FP32 allowed; None: no
+            limit.
+        max_grad_bias: gradient bias vs FP32 allowed (the error of the gradients summed over
+            the held-out batches, relative to their sum: ``autoprec.runtime.bias``); None: no
+            limit. It predicts the certificate when measured on a trained state (a tune's
+            ``budget_at``), not at init.
+
+    Raises:
+        ValueError: a limit that is not a finite number >= 0.
+    """
+
     max_loss_increase: float = DEFAULT_MAX_LOSS_INCREASE
-    # Relative L2 error of all parameter gradients vs FP32 allowed; None: no limit.
     max_grad_error: float | None = 0.25
-    # Gradient bias vs FP32 allowed (the error of the gradients summed over the held-out
-    # batches, relative to their sum: autoprec.runtime.bias); None: no limit. It predicts the
-    # certificate when measured on a trained state (a tune's ``budget_at``), not at init.
     max_grad_bias: float | None = None
 
     def __post_init__(self):
@@ -405,28 +425,43 @@ def _shallow(value: Any, depth: int) -> bool:
 @dataclass(frozen=True)
 class Policy:
     """A per-layer precision assignment. Build by hand, load with :func:`load_policy`, or get
-    one from ``tune``."""
+    one from ``tune``.
 
-    # Format of every module no pattern matches (applied as a region around the root).
+    Args:
+        default: format of every module no pattern matches (applied as a region around the
+            root).
+        layers: fqn or glob -> format, in file order; see the module docstring for matching.
+        model_name: class name of the model the policy was made for (informational, shown in
+            errors).
+        fingerprint: ``"sha256:<hex>"`` of the model's layer list, see
+            :func:`~autoprec.fingerprint.model_fingerprint`; None = not checked.
+        fp8_recipe: the FP8 recipe a bare ``fp8`` means (torchao's names: tensorwise, rowwise,
+            rowwise_with_gw_hp); a layer may name its own (``fp8:rowwise``).
+        fp8_engine: who runs fp8 ``nn.Linear`` layers: torchao's Float8Linear (``"torchao"``),
+            autoprec's own FP8 matmul (``"autoprec"``), or torchao where it is installed
+            (``"auto"``). The same numbers either way; everything that is not an
+            ``nn.Linear`` always runs on autoprec's.
+        loss_scaling: GradScaler settings for policies with fp16 layers (a
+            :class:`LossScaling` or a mapping of its fields).
+        tuned: provenance written by tune (device, torch version, objective, metrics);
+            free-form.
+        phases: later phases of the run (``autoprec.phases``); the fields above are the first
+            phase.
+
+    Raises:
+        PolicyError: an unknown fp8 recipe or engine, a fingerprint not of the form
+            ``sha256:<hex>``, a bad layer pattern or bad ``phases``.
+        ValueError: a format that names none.
+    """
+
     default: Format = Format.BF16
-    # fqn or glob -> format, in file order; see the module docstring for matching.
     layers: Mapping[str, Format] = field(default_factory=dict)
-    # Class name of the model the policy was made for (informational, shown in errors).
     model_name: str | None = None
-    # "sha256:<hex>" of the model's layer list, see model_fingerprint(); None = not checked.
     fingerprint: str | None = None
-    # The FP8 recipe a bare `fp8` means (torchao's names: tensorwise, rowwise,
-    # rowwise_with_gw_hp); a layer may name its own (`fp8:rowwise`).
     fp8_recipe: str = "tensorwise"
-    # Who runs fp8 nn.Linear layers: torchao's Float8Linear ("torchao"), autoprec's own FP8
-    # matmul ("autoprec"), or torchao where it is installed ("auto"). The same numbers either
-    # way; everything that is not an nn.Linear always runs on autoprec's.
     fp8_engine: str = "auto"
-    # GradScaler settings for policies with fp16 layers.
     loss_scaling: LossScaling = field(default_factory=LossScaling)
-    # Provenance written by tune (device, torch version, objective, metrics); free-form.
     tuned: Mapping[str, Any] | None = None
-    # Later phases of the run (autoprec.phases); the fields above are the first phase.
     phases: tuple[Phase, ...] = ()
     # Where the policy was read from, for error messages; not part of equality.
     source: str | None = field(default=None, compare=False)
@@ -842,7 +877,18 @@ def load_policy(path: str | os.PathLike) -> Policy:
     MAX_POLICY_VALUES values, ``yaml.SafeLoader`` only, parsed once; no anchors or aliases, no
     duplicate keys, nesting at most MAX_POLICY_DEPTH: :mod:`autoprec.policy_file`) and
     validate it against the policy schema (version 1, 2 or 3), its ``tuned:`` provenance
-    included."""
+    included.
+
+    Args:
+        path: the policy YAML file.
+
+    Returns:
+        The :class:`Policy` it describes.
+
+    Raises:
+        PolicyError: a file that cannot be read, or breaks a bound or the schema; the message
+            says where and the fix.
+    """
     path = os.fspath(path)
     try:
         data, lines = read_policy_file(path)

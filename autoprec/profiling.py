@@ -141,31 +141,45 @@ class LayerProfile:
 
 @dataclass
 class Profile:
-    """Per-layer sensitivity and speed of one task's model in each format."""
+    """Per-layer sensitivity and speed of one task's model in each format: what
+    :func:`profile` returns, ``tune(prof=...)`` reuses, and :meth:`save` / :meth:`load` keep
+    in a file.
 
-    # the task's name and the model's class name
+    Attributes:
+        task_name: the task's name.
+        model_name: the model's class name.
+        device: where the numbers were measured, e.g. ``"cpu (AMD EPYC ...)"`` or
+            ``"cuda (NVIDIA H200)"``.
+        target: None: times measured on ``device``; else the cost model's device (``"h100"``,
+            ...).
+        capture_method: which tracer captured the layers (``"export"``, ``"symbolic_trace"``,
+            ``"hooks"``).
+        formats: the formats profiled.
+        layers: the layers that compute (whose format changes their arithmetic), in execution
+            order.
+        edges: (producer, consumer) edges between layers.
+        fixed: layers captured but not searched (embeddings, norms), with their kind.
+        elapsed: seconds the profile took.
+        torch_version: the torch version that measured it.
+        sensitivity_mode: how the sensitivities were obtained: ``"exact"``, ``"fast"``
+            (first-order estimates) or ``"auto"`` (estimates, the doubtful and near-budget ones
+            measured exactly); see ``measure_sensitivity``.
+        units: how the work was split: units of layers, and who did each (``"host:pid"``,
+            tries).
+    """
+
     task_name: str
     model_name: str
-    # where the numbers were measured, e.g. "cpu (AMD EPYC ...)" or "cuda (NVIDIA H200)"
     device: str
-    # None: times measured on `device`; else the cost model's device ("h100", ...)
     target: str | None
-    # which tracer captured the layers ("export", "symbolic_trace", "hooks")
     capture_method: str
     formats: tuple[Format, ...]
-    # the layers that compute (whose format changes their arithmetic), in execution order
     layers: list[LayerProfile]
-    # (producer, consumer) edges between layers
     edges: list[tuple[str, str]] = field(default_factory=list)
-    # layers captured but not searched (embeddings, norms), with their kind
     fixed: dict[str, str] = field(default_factory=dict)
-    # seconds the profile took
     elapsed: float = 0.0
     torch_version: str = str(torch.__version__)
-    # how the sensitivities were obtained: "exact", "fast" (first-order estimates) or "auto"
-    # (estimates, the doubtful and near-budget ones measured exactly); see measure_sensitivity
     sensitivity_mode: str = "exact"
-    # how the work was split: units of layers, and who did each ("host:pid", tries)
     units: list[dict] = field(default_factory=list)
 
     def __post_init__(self):
@@ -411,29 +425,34 @@ def profile(task, formats: Sequence[Format | str] = ("fp32", "bf16", "fp16", "fp
             share: UnitRunner | None = None, **keywords: Any) -> Profile:
     """Measure every layer of ``task``'s model that computes, in every format.
 
-    ``target=None`` times layers on the task's device; ``target="h100"`` (etc.) prices them
-    with the cost model instead (numerics are still measured here). ``batches`` defaults to the
-    task's first ``n_batches`` calibration batches. ``layers`` restricts the profile to these
-    fqns. The settings are the fields of ``options`` (a :class:`ProfileOptions`) or keywords
-    of their own, which override them: ``n_batches``, ``progress``, ``repeats`` and
-    ``time_budget_s`` (also spelled ``budget_s``: timing rounds per layer and seconds per
-    layer x format), ``only_winnable``, ``sensitivity``: "auto" (default: first-order
-    estimates, the doubtful and those near the error budget ``budget`` measured exactly),
-    "fast" (estimates only) or "exact" (every pair measured); see
-    :func:`autoprec.measure.sensitivity.measure_sensitivity`. Every requested format's
-    numerics are measured on every layer it runs (an FP8 recipe whose kernel does not take a
-    layer's matmuls is skipped there, and the profile says why); ``only_winnable=True`` skips,
-    as the tune does, the formats that cannot win on the device (emulated, at least
-    ``SLOWER_THAN_FP32`` x the fp32 time, an FP8 recipe no faster than bf16).
+    Args:
+        task (Task): the task whose model is profiled.
+        formats: each is measured on every layer it runs (an FP8 recipe whose kernel does not take
+            a layer's matmuls is skipped there, and the profile says why); FP32 is added.
+        target: None times layers on the task's device; ``"h100"`` (etc.) prices them with the
+            cost model instead (numerics are still measured here).
+        batches: defaults to the task's first ``n_batches`` calibration batches.
+        layers: restricts the profile to these fqns.
+        options: the settings (a :class:`ProfileOptions`), overridden by ``keywords``.
+        share: runs the profile's units of layers, possibly split with other workers
+            (:mod:`autoprec.tuning.share`): ``share(units, work)`` returns each unit's rows and
+            who did it. None: this process does every layer in one unit.
+        **keywords: ``n_batches``, ``progress``, ``repeats`` and ``time_budget_s`` (or
+            ``budget_s``: timing rounds per layer and seconds per layer x format);
+            ``only_winnable=True`` skips, as the tune does, the formats that cannot win on the
+            device (emulated, at least ``SLOWER_THAN_FP32`` x the fp32 time, an FP8 recipe no
+            faster than bf16); ``sensitivity``: "auto" (default: first-order estimates, the
+            doubtful and those near the error budget ``budget`` measured exactly), "fast"
+            (estimates only) or "exact" (every pair measured; see
+            :func:`autoprec.measure.sensitivity.measure_sensitivity`);
+            ``model=`` a model FSDP2 shards (``fully_shard``, every rank of a ``torchrun``
+            calling ``profile`` alike, on the same batches): each forward and backward is an
+            FSDP2 pass, each rank re-runs its share of the layers in the first-order estimate,
+            every rank gets the whole profile (the numbers one process computes). Layers are
+            priced (``target=``).
 
-    ``share``: runs the profile's units of layers, possibly split with other workers (see
-    :mod:`autoprec.tuning.share`); ``share(units, work)`` returns each unit's rows and who did
-    it. Without it this process does every layer in one unit.
-
-    ``model=`` a model FSDP2 shards (``fully_shard``, every rank of a ``torchrun`` calling
-    ``profile`` alike, on the same batches): each forward and backward is an FSDP2 pass, and
-    each rank re-runs its share of the layers in the first-order estimate; every rank gets
-    the whole profile, the numbers one process computes. Layers are priced (``target=``).
+    Returns:
+        The :class:`Profile`: each layer's sensitivity and time in each format.
     """
     opts = ProfileOptions.of(options, keywords)
     source = CostSource.of(target)  # an unknown target fails here, before any measurement

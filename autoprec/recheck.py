@@ -517,16 +517,26 @@ class Rechecker:
             rechecker.maybe(model, batch, step)     # before guard.step(): applied there
             guard.step()
 
-    ``policy``: the policy applied (the guard's policy in force, demotions and phase switches
-    included, is what is re-checked); ``budget``: default the policy's tuned budget, else
-    ``Budget()``; ``loss_fn(model, batch)``: default the output's ``.loss``. Promotions are
-    logged at INFO, never applied. Under torch.distributed each rank re-checks its own batch
-    (every rank must call :meth:`maybe` with the same steps); FSDP-sharded parameters are not
-    supported (re-check a checkpoint with ``autoprec recheck``).
+    Promotions are logged at INFO, never applied. Under torch.distributed each rank
+    re-checks its own batch (every rank must call :meth:`maybe` with the same steps);
+    FSDP-sharded parameters are not supported (re-check a checkpoint with ``autoprec
+    recheck``).
 
     The model and the training run see nothing of it: a private copy of the model (made on
     the first re-check, then refreshed with the live weights each time) is measured, with the
-    RNG state forked."""
+    RNG state forked.
+
+    Args:
+        policy: the policy applied (the guard's policy in force, demotions and phase switches
+            included, is what is re-checked).
+        every: steps between re-checks, an integer >= 1.
+        budget: default the policy's tuned budget, else ``Budget()``.
+        loss_fn: ``loss_fn(model, batch)``; default the output's ``.loss``.
+
+    Raises:
+        ValueError: ``every`` is not an integer >= 1.
+        TypeError: ``policy`` is not a :class:`~autoprec.policy.Policy`.
+    """
 
     def __init__(self, policy: Policy, *, every: int, budget: Budget | None = None,
                  loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None):

@@ -65,33 +65,45 @@ def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
 
 @dataclass
 class Task:
-    """A model, the batches to measure it on, and its loss."""
+    """A model, the batches to measure it on, and its loss.
 
-    # An nn.Module (copied before use, never modified) or a zero-argument factory.
+    Args:
+        model: an ``nn.Module`` (copied before use, never modified) or a zero-argument factory.
+        batches: calibration batches: tensors, tuples or dicts of tensors, as the model takes
+            them.
+        loss_fn: ``loss_fn(model, batch)`` -> scalar tensor; None uses ``default_loss``.
+        name: shown in progress output and written into the policy's provenance.
+        device: where measurements run; None picks CUDA when available, else CPU.
+        optimizer: builds the optimizer for training steps (timing a step, validation);
+            default AdamW.
+        seed: seed for model construction and anything random in measurements.
+        train_batches: a stream of training batches for training runs (validation):
+            ``train_batches(n, seed)`` returns n batches, a different order for each seed.
+            None: the calibration batches in a seeded order.
+        eval_batches: held-out batches the trained models are judged on. None: the last two
+            calibration batches.
+        extras: free-form extras a task file wants to carry; autoprec does not read them.
+        shape_batch: a batch at production size, for tuning with a cost model (``target=``):
+            its shapes price the layers, while numerics are measured on the (smaller)
+            calibration batches. Only its shapes matter; capture traces it without heavy
+            compute.
+
+    Raises:
+        TypeError: ``model`` is neither an ``nn.Module`` nor a callable.
+        TaskError: ``batches`` is empty or a single tensor or dict, a batch is one autoprec
+            cannot measure, or ``device`` cannot be used here.
+    """
+
     model: nn.Module | Callable[[], nn.Module]
-    # Calibration batches: tensors, tuples or dicts of tensors, as the model takes them.
     batches: Sequence[Any]
-    # loss_fn(model, batch) -> scalar tensor; None uses default_loss.
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None
-    # Shown in progress output and written into the policy's provenance.
     name: str | None = None
-    # Where measurements run; None picks CUDA when available, else CPU.
     device: str | torch.device | None = None
-    # Builds the optimizer for training steps (timing a step, validation); default AdamW.
     optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
-    # Seed for model construction and anything random in measurements.
     seed: int = 0
-    # A stream of training batches for training runs (validation): train_batches(n, seed)
-    # returns n batches, a different order for each seed. None: the calibration batches in a
-    # seeded order.
     train_batches: Callable[[int, int], Sequence[Any]] | None = None
-    # Held-out batches the trained models are judged on. None: the last two calibration batches.
     eval_batches: Sequence[Any] | None = None
-    # Free-form extras a task file wants to carry; autoprec does not read them.
     extras: dict = field(default_factory=dict)
-    # A batch at production size, for tuning with a cost model (`target=`): its shapes price
-    # the layers, while numerics are measured on the (smaller) calibration batches. Only its
-    # shapes matter; capture traces it without heavy compute.
     shape_batch: Any = None
 
     def __post_init__(self):
@@ -259,8 +271,15 @@ class TaskError(ValueError):
 def load_task(spec: str) -> Task:
     """Load a Task from ``path/to/file.py:function`` or ``package.module:function``.
 
-    The function is called with no arguments and must return a :class:`Task`. Every way this
-    can fail is a :class:`TaskError` naming the file, module or function.
+    Args:
+        spec: ``path/to/file.py:function`` or ``package.module:function``; the function is
+            called with no arguments and must return a :class:`Task`.
+
+    Returns:
+        The :class:`Task` the function returns.
+
+    Raises:
+        TaskError: every way this can fail, naming the file, module or function.
     """
     target, sep, attr = str(spec).rpartition(":")
     if not sep or not target or not attr:

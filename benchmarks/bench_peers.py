@@ -67,7 +67,8 @@ import _common  # noqa: F401  (puts the repo root on sys.path, HF offline)
 import torch
 from _common import device_line, print_table
 
-from autoprec import Certificate, Policy, Task, certify
+from autoprec import Policy, Task, certify
+from autoprec.certificate import Certificate
 from autoprec.certification import DEFAULT_STEPS
 from autoprec.devices import DEVICES
 from autoprec.formats import Format, Support

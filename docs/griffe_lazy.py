@@ -3,7 +3,9 @@
 ``autoprec/measure`` is a namespace package (no ``__init__.py``), which griffe does not enter
 inside a regular package; ``autoprec.integrations.PolicyCallback`` is a class built on
 first access (it subclasses transformers' ``TrainerCallback``). This loads the first from its
-folder and inspects the second, and hangs both where ``import autoprec`` finds them.
+folder and inspects the second, and hangs both where ``import autoprec`` finds them. The names
+``autoprec`` loads on first use (its ``_LAZY``) become aliases on the package, so that the API
+page documents every public name as ``autoprec.<name>``.
 """
 
 from __future__ import annotations
@@ -29,3 +31,10 @@ class LazyNames(griffe.Extension):
                                    docstring_parser=loader.docstring_parser,
                                    docstring_options=loader.docstring_options)
         pkg["integrations"].set_member("PolicyCallback", inspected["PolicyCallback"])
+        # the names ``autoprec.__getattr__`` loads on first use: aliases to where each is
+        # defined (``autoprec.tuning.tune`` is also a module: the function's own path decides)
+        autoprec = importlib.import_module("autoprec")
+        for name in autoprec._LAZY:
+            value = getattr(autoprec, name)
+            pkg.set_member(name, griffe.Alias(name, f"{value.__module__}.{name}",
+                                              parent=pkg))

@@ -16,7 +16,8 @@ import sys
 import pytest
 from tasks import tiny_gpt2_task, tiny_llama_task
 
-from autoprec import Certificate, Policy, PolicyError, certify, load_policy
+from autoprec import Policy, PolicyError, certify, load_policy
+from autoprec.certificate import Certificate
 from autoprec.certification import DEFAULT_TOLERANCE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -25,7 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import autoprec
 import autoprec.runtime.fp8 as fp8_module
-from autoprec import Format, Policy, Support, supported_formats
+from autoprec import Format, Policy, supported_formats
+from autoprec.formats import Support
 from autoprec.runtime.calls import fp8_shape_supported
 from autoprec.runtime.fp8 import _bf16_matmul, fp8_linear, fp8_matmul
 

@@ -67,10 +67,18 @@ def test_readme_links_resolve():
     assert not missing, f"README links to files that do not exist: {missing}"
 
 
-def test_api_page_documents_every_exported_name():
+def test_api_page_documents_exactly_the_public_names():
+    # docs/api.md is the public API: one `::: autoprec.<name>` entry per name in
+    # autoprec.__all__, and no other entry (an internal name documented there looks public)
     import autoprec
 
-    documented = set(re.findall(r"^::: [\w.]+\.(\w+)$", _read(os.path.join(ROOT, "docs", "api.md")),
-                                re.M))
-    missing = [n for n in autoprec.__all__ if n not in documented]
-    assert not missing, f"autoprec.__all__ names without a `::: module.name` entry in docs/api.md: {missing}"
+    entries = re.findall(r"^::: ([\w.]+)$", _read(os.path.join(ROOT, "docs", "api.md")), re.M)
+    assert entries, "docs/api.md has no `::: autoprec.<name>` entries"
+    assert len(entries) == len(set(entries)), f"docs/api.md lists a name twice: {entries}"
+    documented = {e.removeprefix("autoprec.") for e in entries if e.count(".") == 1}
+    others = [e for e in entries if e.count(".") != 1 or not e.startswith("autoprec.")]
+    assert not others, f"docs/api.md entries not of the form `::: autoprec.<name>`: {others}"
+    missing = sorted(set(autoprec.__all__) - documented)
+    assert not missing, f"autoprec.__all__ names without an entry in docs/api.md: {missing}"
+    extra = sorted(documented - set(autoprec.__all__))
+    assert not extra, f"docs/api.md documents names that are not in autoprec.__all__: {extra}"

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 import autoprec
-from autoprec import Format, Support, supported_formats
+from autoprec import Format, supported_formats
+from autoprec.formats import Support
 
 # SQNR floors (dB) of a 256-deep linear layer's output vs float64, with margin below what
 # each format measures here: fp32 ~140, fp16 ~70, bf16 ~48, fp8 E4M3 ~28.

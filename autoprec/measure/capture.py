@@ -767,11 +767,25 @@ def capture(model: nn.Module, example_batch: Any, *, method: str = "auto") -> La
     """The layers of ``model``, with shapes, FLOPs and data flow, from one forward on
     ``example_batch``.
 
-    ``example_batch`` is what the model takes: a dict (``model(**batch)``), a tuple or list
-    (``model(*batch)``) or a tensor (``model(batch)``). ``method`` is ``"auto"`` (try
-    ``"export"``, then ``"symbolic_trace"``, then ``"hooks"``; only ``"hooks"`` for a
-    model FSDP2 shards) or one of them to force it. The
-    model runs in eval mode and is left as it was (training flags restored, no hooks left).
+    The model runs in eval mode and is left as it was (training flags restored, no hooks
+    left).
+
+    Args:
+        model: the model to capture.
+        example_batch: what the model takes: a dict (``model(**batch)``), a tuple or list
+            (``model(*batch)``) or a tensor (``model(batch)``).
+        method: ``"auto"`` (try ``"export"``, then ``"symbolic_trace"``, then ``"hooks"``;
+            only ``"hooks"`` for a model FSDP2 shards) or one of them to force it.
+
+    Returns:
+        A :class:`~autoprec.graph.LayerGraph`: the layers in execution order and the data
+        flow between them.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: ``method`` is none of the above.
+        CaptureError: no tracer could capture the model (the message lists why each one
+            failed), or the forced ``method`` could not.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"capture(model, example_batch) needs an nn.Module, got "

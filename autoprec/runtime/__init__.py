@@ -30,21 +30,32 @@ def apply(model: nn.Module, policy: Policy | str | os.PathLike, *, strict: bool 
           engine: str | None = None, standalone: tuple[str, ...] = ()) -> nn.Module:
     """Make ``model`` compute as ``policy`` says; in place, returns ``model``.
 
-    ``policy`` is a :class:`~autoprec.policy.Policy` or a path to a policy YAML file. With
-    ``strict`` (the default) a fingerprint of another model or a pattern that matches no
-    module is a :class:`~autoprec.policy.PolicyError`; with ``strict=False`` they are warnings.
-    Applying again replaces the previous policy. ``engine`` ("auto", "torchao" or "autoprec")
-    overrides the policy's ``fp8: {engine: ...}``: who runs its fp8 ``nn.Linear`` layers.
-    A model wrapped by ``torch.compile``, ``DataParallel`` or ``DistributedDataParallel`` gets
-    the policy (and the guard) on the module it wraps, named as the policy names it.
-    ``standalone`` names modules called outside their parent's forward, which need a region
-    of their own (see :func:`autoprec.runtime.rewrite.apply`).
+    Applying again replaces the previous policy. A model wrapped by ``torch.compile``,
+    ``DataParallel`` or ``DistributedDataParallel`` gets the policy (and the guard) on the
+    module it wraps, named as the policy names it.
 
-    ``guard``: ``True`` or a :class:`GuardConfig` attaches a runtime guard that watches the
-    low-precision layers in training and demotes those that keep overflowing (see
-    :mod:`autoprec.runtime.guard`; :func:`get_guard` returns it); a :class:`Guard` re-attaches
-    that guard, keeping its history. ``None`` (the default) or ``False`` attaches none and
-    detaches a guard a previous ``apply`` attached.
+    Args:
+        model: the model (or its wrapper).
+        policy: a :class:`~autoprec.policy.Policy` or a path to a policy YAML file.
+        strict: with ``strict`` (the default) a fingerprint of another model or a pattern that
+            matches no module is a :class:`~autoprec.policy.PolicyError`; with
+            ``strict=False`` they are warnings.
+        guard: ``True`` or a :class:`GuardConfig` attaches a runtime guard that watches the
+            low-precision layers in training and demotes those that keep overflowing (see
+            :mod:`autoprec.runtime.guard`; :func:`get_guard` returns it); a :class:`Guard`
+            re-attaches that guard, keeping its history. ``None`` (the default) or ``False``
+            attaches none and detaches a guard a previous ``apply`` attached.
+        engine: ``"auto"``, ``"torchao"`` or ``"autoprec"``: overrides the policy's
+            ``fp8: {engine: ...}``, who runs its fp8 ``nn.Linear`` layers.
+        standalone: names modules called outside their parent's forward, which need a region
+            of their own (see :func:`autoprec.runtime.rewrite.apply`).
+
+    Returns:
+        ``model``, changed in place.
+
+    Raises:
+        PolicyError: a policy that cannot be used as written, or (with ``strict``) made for
+            another model or with a pattern that matches no module.
     """
     new = Guard.coerce(guard) if guard is not None and guard is not False else None
     rewrite.apply(model, policy, strict=strict, engine=engine, standalone=standalone)
@@ -60,7 +71,14 @@ def apply(model: nn.Module, policy: Policy | str | os.PathLike, *, strict: bool 
 
 def remove(model: nn.Module) -> nn.Module:
     """Undo :func:`apply`: every module gets its original forward back and a runtime guard
-    stops watching. No-op if none."""
+    stops watching. No-op if none.
+
+    Args:
+        model: the model (or its wrapper) a policy was applied to.
+
+    Returns:
+        ``model``, changed in place.
+    """
     old: Any = get_guard(rewrite.unwrap(model))
     if old is not None:
         old.detach()

@@ -613,5 +613,12 @@ def regions(model: nn.Module) -> list[Region]:
 
 
 def applied_formats(model: nn.Module) -> dict[str, Format]:
-    """fqn -> format of each region :func:`apply` installed on ``model`` ('' is the root)."""
+    """fqn -> format of each region :func:`apply` installed on ``model`` ('' is the root).
+
+    Args:
+        model: a model a policy was applied to.
+
+    Returns:
+        Each region's fqn -> its format; empty when no policy is applied.
+    """
     return {region.fqn: region.format for region in regions(model)}

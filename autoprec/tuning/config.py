@@ -265,7 +265,19 @@ class TuneConfig:
     (:class:`StudyConfig`: storage, study name, output) and ``timing`` (:class:`TimingConfig`).
 
     Built from the groups or from their fields by name, ``TuneConfig(n_trials=20,
-    storage="journal:s.log")``; a field reads by name too (``config.n_trials``)."""
+    storage="journal:s.log")``; a field reads by name too (``config.n_trials``).
+
+    Args:
+        search: formats, budget, memory limit, trials, units; default ``SearchConfig()``.
+        study: storage, study name, output; default ``StudyConfig()``.
+        timing: a :class:`TimingConfig` or a mapping of its fields; default
+            ``TimingConfig()``.
+        **fields: any group's field by name, overriding that group's; ``max_loss_increase``,
+            ``max_grad_error`` and ``max_grad_bias`` set the budget's.
+
+    Raises:
+        TypeError: a field that no group has.
+    """
 
     search: SearchConfig
     study: StudyConfig

@@ -71,16 +71,28 @@ def tune(task: Task, config: TuneConfig | None = None, *, prof: Profile | None =
          progress: bool = True, model: nn.Module | None = None, **options: Any) -> TuneResult:
     """Search a per-layer precision policy for ``task``; see the module docstring.
 
-    ``config`` says what to search for and how (:class:`TuneConfig`); ``options`` override
-    its fields (``n_trials=20``, ``target="h100"``, and ``max_loss_increase`` /
-    ``max_grad_error`` for the budget). ``prof`` reuses a profile instead of measuring one.
+    Args:
+        task: the model, its calibration batches and its loss.
+        config: what to search for and how (:class:`TuneConfig`); default ``TuneConfig()``.
+        prof: reuses a profile instead of measuring one.
+        progress: progress lines on stderr (from rank 0 only).
+        model: measure on this build of the task's model instead of building one. A model
+            FSDP2 shards (``fully_shard``, every rank of a ``torchrun`` calling ``tune``
+            alike, on the same batches): the profile and every trial's numerics are FSDP2
+            passes all ranks run together, the numbers one process computes (gradient errors
+            and biases to the rounding of FP32 norms); rank 0 alone holds the study, and every
+            rank returns its result. Trials are priced (``target=``); memory is not predicted.
+        **options: override ``config``'s fields (``n_trials=20``, ``target="h100"``, and
+            ``max_loss_increase`` / ``max_grad_error`` for the budget).
 
-    ``model``: measure on this build of the task's model instead of building one. A model
-    FSDP2 shards (``fully_shard``, every rank of a ``torchrun`` calling ``tune`` alike, on
-    the same batches): the profile and every trial's numerics are FSDP2 passes all ranks run
-    together, the numbers one process computes (gradient errors and biases to the rounding of
-    FP32 norms); rank 0 alone holds the study, and every rank returns its result. Trials are
-    priced (``target=``); memory is not predicted.
+    Returns:
+        A :class:`~autoprec.tuning.report.TuneResult`: the winning ``policy``, the Pareto
+        front, every trial, and how the verdict was reached.
+
+    Raises:
+        TypeError: an option that is no field of :class:`TuneConfig`.
+        ValueError: for a model FSDP2 shards, no ``target=``, or a ``max_memory`` or
+            ``budget_at`` (neither is done there).
     """
     config = (config or TuneConfig()).replace(**options)
     rank = 0

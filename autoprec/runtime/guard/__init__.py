@@ -164,8 +164,16 @@ _MAX_REASON = 500
 
 
 def get_guard(model: nn.Module) -> Guard | None:
-    """The guard ``autoprec.apply(model, policy, guard=...)`` attached to ``model``, or None;
-    ``model`` may be the wrapper (torch.compile, DataParallel, DDP) the policy went through."""
+    """The guard ``autoprec.apply(model, policy, guard=...)`` attached to ``model``, or None.
+
+    Args:
+        model: the model, or the wrapper (torch.compile, DataParallel, DDP) the policy went
+            through.
+
+    Returns:
+        The :class:`Guard` (call its ``step()`` after each optimizer step), or None when no
+        guard is attached.
+    """
     return rewrite.unwrap(model).__dict__.get(_GUARD_ATTR)
 
 

@@ -53,33 +53,44 @@ def limit(fmt: Format) -> float:
 
 @dataclass(frozen=True)
 class GuardConfig:
-    """How the runtime guard judges and demotes layers."""
+    """How the runtime guard judges and demotes layers.
 
-    # Consecutive steps a layer must be blamed before it is demoted (>= 2: see __post_init__).
+    Args:
+        patience: consecutive steps a layer must be blamed before it is demoted (>= 2: a
+            layer's first failing step makes it a suspect, and only the next one checks
+            whether its inputs were already non-finite).
+        check_gradients: watch dL/d(output) of each watched layer as well as its outputs.
+        formats: layers whose policy format is one of these are watched (``"fp8"``: every
+            scaled format registered when the config is made; a per-GEMM mix is watched when
+            the formats of its scaled GEMMs are: see ``watched``).
+        min_loss_scale: with an enabled GradScaler, non-finite gradients count against a
+            layer only once the scaler's scale is at or below this (above it, backing off the
+            scale is the remedy).
+        save_to: write the amended policy here after every demotion (None: only on
+            ``guard.save()``). Under torch.distributed only rank 0 writes it (every rank holds
+            the same amended policy).
+        distributed: under an initialized torch.distributed, every rank demotes the same
+            layers at the same step (one small all_reduce per step). False: each rank decides
+            for itself (ranks that hold different parts of the model, e.g. pipeline stages).
+        predict: the predictive check (see ``autoprec.runtime.guard.forecast``): demote a
+            layer whose amax trend reaches its format's range within ``horizon`` steps,
+            before any non-finite step.
+        horizon: how far ahead (training steps) a forecast crossing demotes; >= 1.
+        window: steps of history each trend is fitted to (half of it, and 8, at least, before
+            a forecast counts); >= 8. Longer: steadier, slower to see a trend start.
+
+    Raises:
+        ValueError: a field out of its range, or ``formats`` holding fp32.
+    """
+
     patience: int = 2
-    # Watch dL/d(output) of each watched layer as well as its outputs.
     check_gradients: bool = True
-    # Layers whose policy format is one of these are watched ("fp8": every scaled format
-    # registered when the config is made; a per-GEMM mix is watched when the formats of its
-    # scaled GEMMs are: see `watched`).
     formats: tuple[Format | str, ...] = (Format.FP16, "fp8", Format.BF16)
-    # With an enabled GradScaler, non-finite gradients count against a layer only once the
-    # scaler's scale is at or below this (above it, backing off the scale is the remedy).
     min_loss_scale: float = 1.0
-    # Write the amended policy here after every demotion (None: only on guard.save()). Under
-    # torch.distributed only rank 0 writes it (every rank holds the same amended policy).
     save_to: str | None = None
-    # Under an initialized torch.distributed, every rank demotes the same layers at the same
-    # step (one small all_reduce per step). False: each rank decides for itself (ranks that hold
-    # different parts of the model, e.g. pipeline stages).
     distributed: bool = True
-    # The predictive check (see autoprec.runtime.guard.forecast): demote a layer whose amax
-    # trend reaches its format's range within ``horizon`` steps, before any non-finite step.
     predict: bool = True
-    # How far ahead (training steps) a forecast crossing demotes; >= 1.
     horizon: int = 50
-    # Steps of history each trend is fitted to (half of it, and 8, at least, before a
-    # forecast counts); >= 8. Longer: steadier, slower to see a trend start.
     window: int = 32
 
     def __post_init__(self):
