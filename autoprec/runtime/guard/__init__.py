@@ -144,7 +144,7 @@ from torch import nn
 from autoprec.formats import Format
 from autoprec.policy import Policy
 from autoprec.runtime import rewrite
-from autoprec.runtime.guard.blame import Failure, Verdict, blame, describe, failing, first_nonfinite
+from autoprec.runtime.guard.blame import Blame, Failure, blame, describe, failing, first_nonfinite
 from autoprec.runtime.guard.config import GuardConfig, GuardEvent, check_where, watched
 from autoprec.runtime.guard.coverage import Coverage
 from autoprec.runtime.guard.demote import amend, demotion_reason, merge, merge_phases, reapply
@@ -383,7 +383,7 @@ class Guard:
         if poisoned:
             # every layer now computes from non-finite weights: no verdict, no suspects, no
             # diagnosis (its culprit would be the first layer with weights, not the cause)
-            verdict = Verdict()
+            verdict = Blame()
             if diagnosis is not None:
                 diagnosis.close()
             diagnosis = None
