@@ -87,7 +87,7 @@ _LAZY = {
     "training_kit": "autoprec.integrations",
     "PolicyCallback": "autoprec.integrations",
     "export": "autoprec.exporting",
-    "PhaseSwitcher": "autoprec.runtime.phases", "get_phases": "autoprec.runtime.phases",
+    "PhaseSwitcher": "autoprec.runtime.switcher", "get_phases": "autoprec.runtime.switcher",
     "Rechecker": "autoprec.recheck",
     "RecheckResult": "autoprec.recheck",
 }

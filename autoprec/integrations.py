@@ -67,9 +67,9 @@ from autoprec._util import atomic_write, call_model, device_of, loss_of, read_js
 from autoprec.policy import Policy, PolicyError, load_policy
 from autoprec.runtime import apply
 from autoprec.runtime.guard import Guard, GuardConfig, get_guard
-from autoprec.runtime.phases import PhaseSwitcher, get_phases
 from autoprec.runtime.rewrite import applied_policy
 from autoprec.runtime.rewrite import unwrap as rewrite_unwrap
+from autoprec.runtime.switcher import PhaseSwitcher, get_phases
 
 # PolicyCallback is built on first access (module __getattr__ below)
 __all__ = ["TrainingKit", "training_kit", "PolicyCallback", "use_policy",  # noqa: F822
@@ -140,7 +140,7 @@ def training_kit(model: nn.Module, policy: Policy | str | os.PathLike, *,
     it scales the loss itself (``"fp16"`` on a GPU) the returned scaler is a disabled
     pass-through so the loss is not scaled twice; the guard then reads Accelerate's scale.
     ``total_steps``: the run's optimizer steps, for a policy with phases by fraction of the run;
-    a policy with phases gets a :class:`~autoprec.runtime.phases.PhaseSwitcher` (``kit.phases``:
+    a policy with phases gets a :class:`~autoprec.runtime.switcher.PhaseSwitcher` (``kit.phases``:
     call ``kit.phases.at(step)`` before each step, with the optimizer steps done).
     ``recheck_every=N`` (needs ``guard``): ``kit.rechecker`` is a
     :class:`~autoprec.recheck.Rechecker`; call ``kit.rechecker.maybe(model, batch, step)``
