@@ -51,7 +51,7 @@ from autoprec.formats import (
 )
 from autoprec.measure import shards
 from autoprec.measure.capture import Layer, LayerGraph, capture
-from autoprec.measure.config import SensitivityOptions, TimingOptions, with_keywords
+from autoprec.measure.options import SensitivityOptions, TimingOptions, with_keywords
 from autoprec.measure.sensitivity import (
     LayerSensitivity,
     SensitivityResults,

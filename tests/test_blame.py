@@ -16,9 +16,9 @@ from torch import nn
 
 from autoprec import Format
 from autoprec.runtime.guard.blame import Blame, blame, describe, failing, first_nonfinite
-from autoprec.runtime.guard.config import BF16_MAX
 from autoprec.runtime.guard.diagnose import params_poisoned
 from autoprec.runtime.guard.record import Checks, Recorder
+from autoprec.runtime.guard.terms import BF16_MAX
 
 INF, NAN = math.inf, math.nan
 FP16, BF16 = Format.FP16, Format.BF16

@@ -62,9 +62,9 @@ from torch.overrides import TorchFunctionMode
 
 from autoprec._util import check_keys, decode_float, encode_float, floating, move_to
 from autoprec.formats import FP8_E4M3, FP8_E5M2, Format
-from autoprec.measure.config import SensitivityOptions, with_keywords
 from autoprec.measure.deviation import Deviation, DeviationMeter, prepare_for_measurement, prepared
 from autoprec.measure.estimate import estimate_during_reference, needs_exact
+from autoprec.measure.options import SensitivityOptions, with_keywords
 from autoprec.policy import DEFAULT_MAX_LOSS_INCREASE, Budget, LossScaling, Policy
 from autoprec.runtime import calls, rewrite
 from autoprec.scaling import rowwise_scale, tensorwise_scale
@@ -415,7 +415,7 @@ def measure_sensitivity(
 
     The settings (``n_batches``, ``loss_scale``, ``include_children``, ``seed``, ``progress``,
     ``only``, ``mode``, ``budget``) are the fields of ``options``, a
-    :class:`~autoprec.measure.config.SensitivityOptions`, or keywords of their own (a keyword
+    :class:`~autoprec.measure.options.SensitivityOptions`, or keywords of their own (a keyword
     overrides the field). ``exact_why=`` (a dict) is still filled as before, for callers
     that pass one; the reasons are also the result's ``exact_why``.
 

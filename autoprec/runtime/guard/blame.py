@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from autoprec.formats import Format
-from autoprec.runtime.guard.config import limit
 from autoprec.runtime.guard.record import Checks
+from autoprec.runtime.guard.terms import limit
 
 __all__ = ["Failure", "Blame", "blame", "describe"]
 
@@ -25,7 +25,7 @@ class Failure:
     """What a blamed layer did on one step."""
 
     fqn: str
-    where: str  # one of config.WHERE
+    where: str  # one of terms.WHERE
     level: float  # the check's number: non-finite or above the limit when failing
     fraction: float | None  # share of failing values, where they were counted
     scale: float | None = None  # the GradScaler's scale, when one is enabled
