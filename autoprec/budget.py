@@ -20,7 +20,7 @@ from torch import nn
 
 from autoprec.certification import DEFAULT_STEPS, start_run, train_step, training_stream
 from autoprec.host import slow_16bit_dtypes
-from autoprec.measure.numerics import prepare_for_measurement
+from autoprec.measure.deviation import prepare_for_measurement
 from autoprec.policy import Policy
 from autoprec.runtime.bias import DEFAULT_BIAS_BUDGET, RULE_RATIO, GradientBias, measure_bias
 from autoprec.runtime.fp8 import emulating

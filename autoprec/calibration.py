@@ -331,10 +331,7 @@ CALIBRATION: dict[str, Calibration] = {
     "h100": Calibration(
         target="h100",
         checked_against="torchtitan Llama-3-8B 8xH100 FSDP2 float8 (tensorwise, rowwise)",
-        speedup_error=0.03, time_error=0.065, linear_error=0.37,
-        # 1%, written as a ratio: tests/test_layout.py keeps the literal 0.01 for the loss
-        # budget (autoprec.policy.DEFAULT_MAX_LOSS_INCREASE)
-        memory_error=1 / 100),
+        speedup_error=0.03, time_error=0.065, linear_error=0.37, memory_error=0.01),
     "b200": Calibration(
         target="b200",
         checked_against="torchtitan Llama-3-8B on 4 GB200s (MXFP8; NVFP4 with a BF16 tail) and "

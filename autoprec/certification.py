@@ -59,8 +59,8 @@ from autoprec.certificate import HELD_EQUAL, Certificate, verdict_of
 from autoprec.host import slow_16bit_dtypes
 from autoprec.policy import Policy, load_policy
 from autoprec.runtime.fp8 import emulating
-from autoprec.runtime.phases import PhaseSwitcher
 from autoprec.runtime.rewrite import apply
+from autoprec.runtime.switcher import PhaseSwitcher
 from autoprec.task import Task, optimizer_step
 
 __all__ = ["certify", "CertifyConfig", "CertifyResult", "DEFAULT_TOLERANCE", "DEFAULT_STEPS",

@@ -67,9 +67,9 @@ from autoprec._util import atomic_write, call_model, device_of, loss_of, read_js
 from autoprec.policy import Policy, PolicyError, load_policy
 from autoprec.runtime import apply
 from autoprec.runtime.guard import Guard, GuardConfig, get_guard
-from autoprec.runtime.phases import PhaseSwitcher, get_phases
 from autoprec.runtime.rewrite import applied_policy
 from autoprec.runtime.rewrite import unwrap as rewrite_unwrap
+from autoprec.runtime.switcher import PhaseSwitcher, get_phases
 
 # PolicyCallback is built on first access (module __getattr__ below)
 __all__ = ["TrainingKit", "training_kit", "PolicyCallback", "use_policy",  # noqa: F822
@@ -147,7 +147,7 @@ def training_kit(model: nn.Module, policy: Policy | str | os.PathLike, *,
             disabled pass-through so the loss is not scaled twice; the guard then reads
             Accelerate's scale.
         total_steps: the run's optimizer steps, for a policy with phases by fraction of the
-            run; a policy with phases gets a :class:`~autoprec.runtime.phases.PhaseSwitcher`
+            run; a policy with phases gets a :class:`~autoprec.runtime.switcher.PhaseSwitcher`
             (``kit.phases``: call ``kit.phases.at(step)`` before each step, with the optimizer
             steps done).
         recheck_every: ``N`` (needs ``guard``): ``kit.rechecker`` is a

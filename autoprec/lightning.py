@@ -53,8 +53,8 @@ from autoprec.integrations import follow_bias, init_follow_bias, make_rechecker,
 from autoprec.policy import Policy, PolicyError, load_policy
 from autoprec.runtime import apply
 from autoprec.runtime.guard import Guard, GuardConfig, get_guard
-from autoprec.runtime.phases import PhaseSwitcher
 from autoprec.runtime.rewrite import applied_policy
+from autoprec.runtime.switcher import PhaseSwitcher
 
 try:
     import lightning.pytorch as pl

@@ -447,7 +447,7 @@ def memory_model(task: Any, prof: Any = None, model: nn.Module | None = None) ->
 
     from autoprec._util import model_state
     from autoprec.measure.capture import capture
-    from autoprec.measure.numerics import prepare_for_measurement
+    from autoprec.measure.deviation import prepare_for_measurement
     from autoprec.task import default_loss
 
     model = model if model is not None else prepare_for_measurement(task.build_model())

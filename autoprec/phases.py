@@ -21,7 +21,7 @@ Where a phase starts: ``from_step: N`` (after N optimizer steps, N >= 1) or
 steps, which the training integration knows; a run whose length is not known refuses a
 fraction in one line). The phases of one unit must be listed in the order they start; where
 units mix, the order is checked once the run's length is known. This module is plain data:
-:mod:`autoprec.runtime.phases` switches a model at the boundaries.
+:mod:`autoprec.runtime.switcher` switches a model at the boundaries.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ from autoprec.formats import Format, Support, expand_formats
 from autoprec.host import device_name, supported_formats
 from autoprec.measure import shards
 from autoprec.measure.capture import Layer, LayerGraph, capture
-from autoprec.measure.config import SensitivityOptions, TimingOptions, with_keywords
+from autoprec.measure.options import SensitivityOptions, TimingOptions, with_keywords
 from autoprec.measure.sensitivity import (
     LayerSensitivity,
     SensitivityResults,

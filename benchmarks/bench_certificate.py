@@ -52,7 +52,7 @@ import autoprec
 from autoprec.budget import DEFAULT_BIAS_BUDGET, RULE_RATIO, gradient_bias
 from autoprec.certification import certify, held_out_loss, start_run, train_step, training_stream
 from autoprec.host import slow_16bit_dtypes
-from autoprec.measure.numerics import Numerics, prepare_for_measurement
+from autoprec.measure.deviation import DeviationMeter, prepare_for_measurement
 from autoprec.runtime.fp8 import emulating
 from examples.data import byte_batches
 
@@ -164,7 +164,7 @@ def verdicts(models: list[str], steps: int, threshold: float = DEFAULT_BIAS_BUDG
     rows, table = [], {}
     for m in models:
         t = task(m)
-        numerics = Numerics(prepare_for_measurement(t.build_model()), list(t.batches),
+        numerics = DeviationMeter(prepare_for_measurement(t.build_model()), list(t.batches),
                             t.loss_fn or autoprec.task.default_loss)
         for name in policies:
             pol = policy(m, name, steps)

@@ -9,7 +9,7 @@ beats fp32; without them (Zen 3's AVX2, Intel AVX512 parts before Cooper Lake) i
 fp16 is timed at half the size (it runs ~200x slower than fp32 on CPUs without FP16
 units, and its ratio is reported for that size, with fp32 timed again at it).
 
-Then what a host without 16-bit units costs the measurements (autoprec.measure.numerics: one
+Then what a host without 16-bit units costs the measurements (autoprec.measure.deviation: one
 forward + backward of an HF Llama, ``--llama-layers`` of width ``--llama-width`` on 2 x 64
 tokens, compared with its FP32 reference): under an all-bf16 and an all-fp16 policy on
 autocast's kernels and by the FP32 emulation of the same GEMMs (runtime.fp8.emulating, what the
@@ -27,7 +27,7 @@ from _common import device_line, interleaved, print_table, ratio_cell
 from autoprec import Policy
 from autoprec.formats import Format
 from autoprec.host import cpu_features
-from autoprec.measure.numerics import Numerics, prepare_for_measurement
+from autoprec.measure.deviation import DeviationMeter, prepare_for_measurement
 from examples.data import byte_batches
 from examples.llama_bytes import make_model
 
@@ -70,7 +70,7 @@ def _measurements(args) -> None:
     model = prepare_for_measurement(make_model(args.llama_layers, hidden=w,
                                                intermediate=w * 7 // 2, heads=w // 64,
                                                kv_heads=max(w // 256, 1), seq_len=64))
-    num = Numerics(model, byte_batches(1, 2, 64, seed=1), lambda m, b: m(**b).loss)
+    num = DeviationMeter(model, byte_batches(1, 2, 64, seed=1), lambda m, b: m(**b).loss)
     num.reference()
 
     def measure(fmt: Format, emulated: bool):
@@ -85,7 +85,7 @@ def _measurements(args) -> None:
         fns[f"{fmt} (FP32 emulation)"] = measure(fmt, True)
     res = interleaved(fns, warmup=1, rounds=args.rounds, repeats=1)
     print(f"\nmeasuring a Llama of {args.llama_layers} layers x {w} on 2x64 tokens "
-          "(Numerics.compare: forward + backward against FP32)")
+          "(DeviationMeter.compare: forward + backward against FP32)")
     print_table([[name, f"{res.seconds(name) * 1e3:.0f}", ratio_cell(res.ratio(name, "fp32"))]
                  for name in fns], ["policy", "ms", "time / fp32 [95%]"])
 

@@ -30,7 +30,7 @@ import torch
 from _common import device_line, print_table
 
 import autoprec
-from autoprec.measure.numerics import prepare_for_measurement
+from autoprec.measure.deviation import prepare_for_measurement
 from autoprec.memory import format_size, measure_step_memory, memory_model
 from autoprec.policy import Policy
 from autoprec.task import default_loss

@@ -49,7 +49,7 @@ from _common import device_line, print_table
 
 import autoprec
 from autoprec.host import cpu_features
-from autoprec.measure.numerics import prepare_for_measurement
+from autoprec.measure.deviation import prepare_for_measurement
 from autoprec.measure.timer import Comparison, StepTimer, rerun_interval
 from autoprec.policy import Interval
 from autoprec.task import load_task

@@ -20,8 +20,8 @@ from autoprec.formats import Format
 from autoprec.integrations import PHASES_STATE_FILE
 from autoprec.policy import SCHEMA_VERSION
 from autoprec.runtime.bias import DEFAULT_BIAS_BUDGET, RULE_RATIO, BiasWatch, FollowBias
-from autoprec.runtime.phases import PhaseSwitcher
 from autoprec.runtime.rewrite import applied_policy
+from autoprec.runtime.switcher import PhaseSwitcher
 
 LINEARS = ("model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj", "lm_head")
 

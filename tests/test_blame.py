@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from autoprec import Format
-from autoprec.runtime.guard.blame import Verdict, blame, describe, failing, first_nonfinite
-from autoprec.runtime.guard.config import BF16_MAX
+from autoprec.runtime.guard.blame import Blame, blame, describe, failing, first_nonfinite
 from autoprec.runtime.guard.diagnose import params_poisoned
 from autoprec.runtime.guard.record import Checks, Recorder
+from autoprec.runtime.guard.terms import BF16_MAX
 
 INF, NAN = math.inf, math.nan
 FP16, BF16 = Format.FP16, Format.BF16
@@ -152,7 +152,7 @@ def test_the_scale_is_read_only_when_a_gradient_fails():
         asked.append(1)
         return 2.0 ** 16
 
-    assert blame(checks(), FORMATS, scale=scale) == Verdict()
+    assert blame(checks(), FORMATS, scale=scale) == Blame()
     assert blame(checks(out=fine(lm_head=NAN)), FORMATS, scale=scale).failure.fqn == "lm_head"
     assert not asked
     assert blame(checks(grad=fine_back(h__mlp__c_fc=INF)), FORMATS, scale=scale).failure is None

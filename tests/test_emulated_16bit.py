@@ -12,7 +12,7 @@ from conftest import tiny_llama
 from autoprec import Policy
 from autoprec.formats import Format
 from autoprec.host import cpu_features, slow_16bit_dtypes
-from autoprec.measure.numerics import Numerics, prepare_for_measurement
+from autoprec.measure.deviation import DeviationMeter, prepare_for_measurement
 from autoprec.runtime import rewrite
 from autoprec.runtime.fp8 import emulating, plain_matmul
 from examples.data import byte_batches
@@ -142,7 +142,7 @@ def test_code_that_turns_autocast_off_keeps_fp32_in_a_routed_region():
 
 
 def test_measurements_agree_with_and_without_emulation():
-    """Numerics.compare (every sensitivity and trial measurement) on a real HF Llama: the bf16
+    """DeviationMeter.compare (every sensitivity and trial measurement) on a real HF Llama: the bf16
     and fp16 errors with the host's kernels and with the emulation agree closely (they differ
     only where the kernels' accumulation order differs)."""
     model = prepare_for_measurement(tiny_llama(hidden=128, intermediate=256))
@@ -151,7 +151,7 @@ def test_measurements_agree_with_and_without_emulation():
     def loss(m, b):
         return m(**b).loss
 
-    num = Numerics(model, batches, loss)
+    num = DeviationMeter(model, batches, loss)
     for fmt in (Format.BF16, Format.FP16):
         policy = Policy(default=fmt)
         num.emulated = frozenset()
@@ -167,7 +167,7 @@ def test_measurements_agree_with_and_without_emulation():
 def test_numerics_emulates_what_this_host_has_no_units_for():
     host = cpu_features()
     model = prepare_for_measurement(tiny_llama())
-    num = Numerics(model, byte_batches(1, 1, 8, seed=0), lambda m, b: m(**b).loss)
+    num = DeviationMeter(model, byte_batches(1, 1, 8, seed=0), lambda m, b: m(**b).loss)
     assert (torch.bfloat16 in num.emulated) is not host.bf16_dot
     assert (torch.float16 in num.emulated) is not host.fp16_dot
     assert slow_16bit_dtypes("meta") == frozenset()

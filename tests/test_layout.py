@@ -333,6 +333,11 @@ def test_no_module_reads_another_modules_private_names():
     assert not found, "private names used across modules:\n" + "\n".join(found)
 
 
+# Keywords whose value may be 0.01 without being the loss budget: a measured error that
+# happens to be 1% (autoprec.calibration's memory_error) is not a default budget.
+NOT_THE_LOSS_BUDGET = {"memory_error"}
+
+
 def test_the_default_error_budget_is_defined_once():
     # One constant (autoprec.policy.DEFAULT_MAX_LOSS_INCREASE); every default budget reads it
     from autoprec.policy import DEFAULT_MAX_LOSS_INCREASE, Budget
@@ -343,6 +348,8 @@ def test_the_default_error_budget_is_defined_once():
         tree = ast.parse(open(path, encoding="utf-8").read())
         allowed = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Assign)
                    and [ast.unparse(t) for t in n.targets] == ["DEFAULT_MAX_LOSS_INCREASE"]}
+        allowed |= {id(n.value) for n in ast.walk(tree)
+                    if isinstance(n, ast.keyword) and n.arg in NOT_THE_LOSS_BUDGET}
         literals += [f"{name}:{n.lineno}" for n in ast.walk(tree)
                      if isinstance(n, ast.Constant) and type(n.value) is float
                      and n.value == DEFAULT_MAX_LOSS_INCREASE and id(n) not in allowed]

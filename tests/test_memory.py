@@ -13,7 +13,7 @@ import torch
 import autoprec
 from autoprec.cli import main
 from autoprec.measure.capture import capture
-from autoprec.measure.numerics import prepare_for_measurement
+from autoprec.measure.deviation import prepare_for_measurement
 from autoprec.memory import (
     MemoryModel,
     StepMemory,

@@ -13,7 +13,7 @@ import torch
 import autoprec
 from autoprec import Format, Policy, PolicyError, load_policy
 from autoprec.integrations import training_kit
-from autoprec.runtime.phases import PhaseSwitcher, get_phases
+from autoprec.runtime.switcher import PhaseSwitcher, get_phases
 from examples.data import byte_batches
 
 SWITCH = 3

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import autoprec
 from autoprec import Policy, PolicyError
-from autoprec.runtime.phases import PhaseSwitcher
+from autoprec.runtime.switcher import PhaseSwitcher
 
 STEPS, SWITCH = 3, 2
 MLP = "model.layers.0.mlp.down_proj"

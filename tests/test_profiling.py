@@ -151,7 +151,7 @@ def test_each_units_measurement_is_freed_before_the_next_unit():
     collection off, none is left after any unit."""
     import gc
 
-    from autoprec.measure.numerics import Numerics
+    from autoprec.measure.deviation import DeviationMeter
 
     alive = []
 
@@ -159,7 +159,7 @@ def test_each_units_measurement_is_freed_before_the_next_unit():
         rows = []
         for unit in units:
             rows += work(unit)
-            alive.append(sum(isinstance(o, Numerics) for o in gc.get_objects()))
+            alive.append(sum(isinstance(o, DeviationMeter) for o in gc.get_objects()))
         return rows, [{"layers": len(u), "by": "test", "tries": 1} for u in units]
 
     gc.collect()

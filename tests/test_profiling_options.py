@@ -10,7 +10,7 @@ import torch
 from tasks import tiny_gpt2_task
 
 from autoprec import Format
-from autoprec.measure.config import SensitivityOptions, TimingOptions
+from autoprec.measure.options import SensitivityOptions, TimingOptions
 from autoprec.measure.sensitivity import measure_sensitivity
 from autoprec.measure.timing import measure_layers
 from autoprec.policy import Budget

@@ -217,7 +217,7 @@ def test_minilm_errors_are_ordered_fp32_bf16_fp8(minilm_model, minilm_batch):
 
 
 def test_cnn_batchnorm_stays_put_and_convs_are_measured(cnn_model, cnn_batch):
-    from autoprec.measure.numerics import prepare_for_measurement
+    from autoprec.measure.deviation import prepare_for_measurement
 
     # Train-mode BatchNorm normalises with batch statistics, as in training, but must not
     # drift its running statistics between runs: momentum 0 keeps them where they were.

@@ -55,11 +55,11 @@ def _policy(policy) -> dict:
 
 
 def _numerics() -> dict:
-    """A trial's comparison (``Numerics.compare(bias=True)``), one process and sharded: bf16
+    """A trial's comparison (``DeviationMeter.compare(bias=True)``), one process and sharded: bf16
     and fp16 (loss-scaled, its bias read after the backward is known finite), the held-out
     reference gradients kept or computed again per batch."""
     from autoprec.formats import Format
-    from autoprec.measure.numerics import Numerics, prepare_for_measurement
+    from autoprec.measure.deviation import DeviationMeter, prepare_for_measurement
     from autoprec.policy import Policy
     from autoprec.task import default_loss
 
@@ -69,7 +69,7 @@ def _numerics() -> dict:
             for sharded in (False, True):
                 model = prepare_for_measurement(tiny_llama())
                 model = _shard(model, "llama") if sharded else model
-                num = Numerics(model, byte_batches(2, 4, 32, seed=7), default_loss, seed=0,
+                num = DeviationMeter(model, byte_batches(2, 4, 32, seed=7), default_loss, seed=0,
                                per_batch=per_batch)
                 d = num.compare(Policy(default=fmt), bias=True)
                 out[fmt.value, per_batch, sharded] = (d.loss_rel_change, d.grad_rel_error,

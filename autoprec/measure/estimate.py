@@ -104,7 +104,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from autoprec._util import floating
 from autoprec.formats import Format, Gemm
 from autoprec.measure import shards
-from autoprec.measure.numerics import Numerics, all_finite, writable
+from autoprec.measure.deviation import DeviationMeter, all_finite, writable
 from autoprec.policy import Budget, LossScaling, Policy
 from autoprec.runtime import calls, rewrite
 from autoprec.runtime.fp8 import emulating, round_operand
@@ -436,7 +436,7 @@ class _Estimator:
     probe pass), which batch, the probes' parameter gradients and curvature, and the local
     re-runs."""
 
-    def __init__(self, numerics: Numerics, loss_scale: float,
+    def __init__(self, numerics: DeviationMeter, loss_scale: float,
                  progress: Callable[[str], None] | None, n_probes: int):
         self.numerics = numerics
         self.loss_scale = loss_scale
@@ -855,7 +855,7 @@ def _accumulate(est: Estimate, b: int, runs: tuple, g_out: list, own: list[int],
 
 
 @contextlib.contextmanager
-def estimate_during_reference(numerics: Numerics, names: Sequence[str],
+def estimate_during_reference(numerics: DeviationMeter, names: Sequence[str],
                               formats: Mapping[str, Sequence[Format]],
                               pinned: Mapping[str, list[str]], own: Mapping[str, list[int]],
                               *, loss_scale: float = LossScaling().init_scale,
@@ -863,7 +863,7 @@ def estimate_during_reference(numerics: Numerics, names: Sequence[str],
                               probes: int = PROBES):
     """Hooks that estimate each ``names`` layer in its ``formats`` while ``numerics`` computes
     its FP32 reference inside the ``with`` block. Yields ``(around, results)``: pass ``around``
-    to :meth:`Numerics.reference` (it runs the ``probes`` curvature probes of each batch
+    to :meth:`DeviationMeter.reference` (it runs the ``probes`` curvature probes of each batch
     before the batch's forward); after the block, ``results()`` gives ``{layer: {format:
     Estimate}}``."""
     if probes < 1:

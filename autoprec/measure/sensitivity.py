@@ -3,7 +3,7 @@
 For every layer x format, the layer alone computes in that format (a policy ``default: fp32,
 layers: {fqn: format}``) and everything else in FP32. One forward + backward per layer x
 format x calibration batch is compared with an FP32 reference computed once, by the same
-comparison every trial of the search uses (:class:`autoprec.measure.numerics.Numerics`):
+comparison every trial of the search uses (:class:`autoprec.measure.deviation.DeviationMeter`):
 
 ```
 reference (policy all-fp32), once per batch      switched run, per layer x format x batch
@@ -17,7 +17,7 @@ reference (policy all-fp32), once per batch      switched run, per layer x forma
 ```
 
 How the measurement is kept deterministic and faithful to training: see
-:mod:`autoprec.measure.numerics` (a private model copy, gradients by ``torch.autograd.grad``,
+:mod:`autoprec.measure.deviation` (a private model copy, gradients by ``torch.autograd.grad``,
 train mode with dropout off and BatchNorm statistics frozen, fixed seeds, fp16 loss-scaled as
 GradScaler would with back-off). The overflow / underflow *statistics* are of the unscaled
 values: they say what loss scaling has to fix.
@@ -62,9 +62,9 @@ from torch.overrides import TorchFunctionMode
 
 from autoprec._util import check_keys, decode_float, encode_float, floating, move_to
 from autoprec.formats import FP8_E4M3, FP8_E5M2, Format
-from autoprec.measure.config import SensitivityOptions, with_keywords
+from autoprec.measure.deviation import Deviation, DeviationMeter, prepare_for_measurement, prepared
 from autoprec.measure.estimate import estimate_during_reference, needs_exact
-from autoprec.measure.numerics import Deviation, Numerics, prepare_for_measurement, prepared
+from autoprec.measure.options import SensitivityOptions, with_keywords
 from autoprec.policy import DEFAULT_MAX_LOSS_INCREASE, Budget, LossScaling, Policy
 from autoprec.runtime import calls, rewrite
 from autoprec.scaling import rowwise_scale, tensorwise_scale
@@ -415,7 +415,7 @@ def measure_sensitivity(
 
     The settings (``n_batches``, ``loss_scale``, ``include_children``, ``seed``, ``progress``,
     ``only``, ``mode``, ``budget``) are the fields of ``options``, a
-    :class:`~autoprec.measure.config.SensitivityOptions`, or keywords of their own (a keyword
+    :class:`~autoprec.measure.options.SensitivityOptions`, or keywords of their own (a keyword
     overrides the field). ``exact_why=`` (a dict) is still filled as before, for callers
     that pass one; the reasons are also the result's ``exact_why``.
 
@@ -447,7 +447,7 @@ class SensitivityResults(dict):
 class _Plan:
     """One measure_sensitivity call: what it compares, on which layers, and how."""
 
-    numerics: Numerics
+    numerics: DeviationMeter
     names: list[str]
     # per layer, its listed descendants (kept FP32 while it is measured) and the indices of
     # the parameters it owns (less theirs)
@@ -459,7 +459,7 @@ class _Plan:
     options: SensitivityOptions
 
     @classmethod
-    def build(cls, numerics: Numerics, model: nn.Module, names: list[str], fmts: list[Format],
+    def build(cls, numerics: DeviationMeter, model: nn.Module, names: list[str], fmts: list[Format],
               opts: SensitivityOptions) -> _Plan:
         pinned = {name: [] if opts.include_children else _listed_descendants(name, names)
                   for name in names}
@@ -491,7 +491,7 @@ def _measure_all(model, layers, fmts, calib, fn, seed: int,
                  opts: SensitivityOptions) -> SensitivityResults:
     # the estimates need the reference's gradient norms only; the exact comparisons (all of
     # them in "exact", those near the budget in "auto") run it again with its gradients
-    numerics = Numerics(model, calib, fn, seed=seed, keep_grads=opts.mode == "exact")
+    numerics = DeviationMeter(model, calib, fn, seed=seed, keep_grads=opts.mode == "exact")
     plan = _Plan.build(numerics, model, _check_layers(model, layers), fmts, opts)
     results: dict[str, dict[Format, LayerSensitivity]] = {name: {} for name in plan.names}
     exact_why: dict[str, dict[Format, tuple[str, float]]] = {}
@@ -664,7 +664,7 @@ def _listed_descendants(name: str, names: Sequence[str]) -> list[str]:
     return [n for n in names if n != name and n.startswith(prefix)]
 
 
-def _reference(numerics: Numerics, names: list[str], range_fmts: list[Format],
+def _reference(numerics: DeviationMeter, names: list[str], range_fmts: list[Format],
                subtree: bool, *, keep_outputs: bool = True,
                extra: Callable[[int], Any] | None = None) -> tuple[dict[str, list], dict[str, dict]]:
     """The FP32 reference, with probes on every listed layer: each layer's outputs per batch

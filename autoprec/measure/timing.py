@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_map
 from autoprec._util import call_model, check_keys, device_of, model_state, tensors
 from autoprec.formats import FORMAT_ORDER, Format, Support
 from autoprec.host import supported_formats
-from autoprec.measure.config import TimingOptions, with_keywords
+from autoprec.measure.options import TimingOptions, with_keywords
 from autoprec.measure.timer import Clock, Comparison
 from autoprec.policy import Interval, Policy
 from autoprec.runtime import calls, rewrite
@@ -343,7 +343,7 @@ def measure_layers(model: nn.Module, example_batch: Any, fqns: Iterable[str],
 
     ``example_batch`` is what the model takes: a dict (``model(**b)``), a tuple or list
     (``model(*b)``) or a tensor; ``loss_fn(model, batch)``, when given, is called instead for
-    the one capture run. ``options`` (a :class:`~autoprec.measure.config.TimingOptions`) or
+    the one capture run. ``options`` (a :class:`~autoprec.measure.options.TimingOptions`) or
     its fields as keywords (``warmup=``, ``repeats=``, ``loss_fn=``, ``train=``,
     ``budget_s=``, ``seed=``; a keyword overrides the field) say how. Each module's formats
     are timed against fp32 in ``repeats``

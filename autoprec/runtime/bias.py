@@ -53,7 +53,7 @@ from autoprec.policy import DEFAULT_BIAS_BUDGET, Policy, PolicyError
 from autoprec.runtime import rewrite
 from autoprec.runtime.guard import get_guard
 from autoprec.runtime.guard.demote import reapply
-from autoprec.runtime.phases import get_phases
+from autoprec.runtime.switcher import get_phases
 
 __all__ = ["DEFAULT_BIAS_BUDGET", "RULE_RATIO", "GradientBias", "measure_bias", "BiasWatch",
            "FollowBias"]

@@ -1,5 +1,5 @@
 """Evaluating a policy as the search does: its numerics against FP32 on held-out batches (the
-comparison the profile uses, :mod:`autoprec.measure.numerics`) and its step time (the one
+comparison the profile uses, :mod:`autoprec.measure.deviation`) and its step time (the one
 timing protocol, :mod:`autoprec.measure.timer`, paired against fp32; or the cost model's
 price for a ``target``)."""
 
@@ -18,7 +18,7 @@ from torch import nn
 from autoprec._util import class_name, move_to
 from autoprec.fingerprint import model_fingerprint
 from autoprec.formats import Format
-from autoprec.measure.numerics import Deviation, Numerics, prepare_for_measurement
+from autoprec.measure.deviation import Deviation, DeviationMeter, prepare_for_measurement
 from autoprec.measure.timer import Comparison, StepTimer, noise_of, quantile
 from autoprec.policy import Interval, Policy
 from autoprec.pricing import CostSource
@@ -65,7 +65,7 @@ class Evaluator:
         policy), so nothing is timed against fp32 and there is no A/A check: the fp32 step is
         timed once, for the report. ``recompute``: the FP32 reference's gradients on each
         held-out batch are computed again beside each trial's rather than kept
-        (:class:`Numerics` ``per_batch``)."""
+        (:class:`DeviationMeter` ``per_batch``)."""
         self.task, self.prof, self.target, self.timing = task, prof, target, timing
         self.reference_only = reference_only
         # called with each policy before its comparison runs (rank 0 of a sharded tune tells
@@ -75,7 +75,7 @@ class Evaluator:
         model = prepare_for_measurement(model if model is not None else task.build_model())
         self.fingerprint = model_fingerprint(model)
         self.model_name = class_name(model)
-        self.numerics = Numerics(model, [move_to(b, task.device) for b in holdout],
+        self.numerics = DeviationMeter(model, [move_to(b, task.device) for b in holdout],
                                  task.loss_fn or default_loss, seed=task.seed,
                                  per_batch=recompute)
         self.steps: StepTimer | None = None

@@ -144,8 +144,7 @@ from torch import nn
 from autoprec.formats import Format
 from autoprec.policy import Policy
 from autoprec.runtime import rewrite
-from autoprec.runtime.guard.blame import Failure, Verdict, blame, describe, failing, first_nonfinite
-from autoprec.runtime.guard.config import GuardConfig, GuardEvent, check_where, watched
+from autoprec.runtime.guard.blame import Blame, Failure, blame, describe, failing, first_nonfinite
 from autoprec.runtime.guard.coverage import Coverage
 from autoprec.runtime.guard.demote import amend, demotion_reason, merge, merge_phases, reapply
 from autoprec.runtime.guard.diagnose import Diagnostician, Poisoning
@@ -153,6 +152,7 @@ from autoprec.runtime.guard.forecast import Forecaster, Trend
 from autoprec.runtime.guard.ranks import Agreed, Ranks
 from autoprec.runtime.guard.record import Checks, Recorder
 from autoprec.runtime.guard.state import Ledger, check_version
+from autoprec.runtime.guard.terms import GuardConfig, GuardEvent, check_where, watched
 
 __all__ = ["GuardConfig", "GuardEvent", "Guard", "Trend", "get_guard"]
 
@@ -391,7 +391,7 @@ class Guard:
         if poisoned:
             # every layer now computes from non-finite weights: no verdict, no suspects, no
             # diagnosis (its culprit would be the first layer with weights, not the cause)
-            verdict = Verdict()
+            verdict = Blame()
             if diagnosis is not None:
                 diagnosis.close()
             diagnosis = None

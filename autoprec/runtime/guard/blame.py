@@ -2,7 +2,7 @@
 
 Nothing here reads or changes state: :func:`blame` takes the recorded checks (in the order the
 layers ran), the watched layers' formats and what the suspects' descendants showed, and
-returns a :class:`Verdict`. The rules are the module docstring's of ``autoprec.runtime.guard``.
+returns a :class:`Blame`. The rules are the module docstring's of ``autoprec.runtime.guard``.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 import torch
 
 from autoprec.formats import Format
-from autoprec.runtime.guard.config import limit
 from autoprec.runtime.guard.record import Checks
+from autoprec.runtime.guard.terms import limit
 
-__all__ = ["Failure", "Verdict", "blame", "describe"]
+__all__ = ["Failure", "Blame", "blame", "describe"]
 
 
 @dataclass
@@ -25,14 +25,14 @@ class Failure:
     """What a blamed layer did on one step."""
 
     fqn: str
-    where: str  # one of config.WHERE
+    where: str  # one of terms.WHERE
     level: float  # the check's number: non-finite or above the limit when failing
     fraction: float | None  # share of failing values, where they were counted
     scale: float | None = None  # the GradScaler's scale, when one is enabled
 
 
 @dataclass
-class Verdict:
+class Blame:
     """The blame for one step. ``failure``: the layer to count against (None: none);
     ``cleared``: layers that failed but are not at fault (the fault upstream of them), which
     stay under close watch; ``origin``: an unwatched descendant of a suspect that made the
@@ -72,8 +72,8 @@ def _judge(checks: Checks, formats: Mapping[str, Format]) -> Callable[[str, str]
 def blame(checks: Checks, formats: Mapping[str, Format], *,
           subtree_faults: Mapping[str, str] | None = None,
           scale: float | Callable[[], float] | None = None,
-          min_loss_scale: float = 1.0) -> Verdict:
-    """The verdict on one step.
+          min_loss_scale: float = 1.0) -> Blame:
+    """The blame for one step.
 
     ``formats``: fqn -> format of every watched layer; ``subtree_faults``: suspect -> the
     unwatched descendant whose output went non-finite first while its input was finite;
@@ -84,7 +84,7 @@ def blame(checks: Checks, formats: Mapping[str, Format], *,
     verdict = _forward(checks, bad, subtree_faults or {})
     if verdict is not None:
         return verdict
-    verdict = Verdict()
+    verdict = Blame()
     own = [f for f in checks.level["wgrad"] if bad("wgrad", f) and not bad("grad", f)]
     if own:
         # its own weight gradient non-finite while the gradient at its output is finite: it
@@ -104,14 +104,14 @@ def blame(checks: Checks, formats: Mapping[str, Format], *,
 
 
 def _forward(checks: Checks, bad: Callable[[str, str], bool],
-             subtree_faults: Mapping[str, str]) -> Verdict | None:
+             subtree_faults: Mapping[str, str]) -> Blame | None:
     """The verdict from outputs, in the order layers ran (None: no output failed, judge the
     gradients). The first failing layer whose inputs were finite is blamed. One whose input
     was already non-finite is cleared, and so is every later failing layer downstream of the
     same fault, except its ancestors (an attention core computes the input of its own
     c_proj); a suspect whose unwatched descendant (a child the policy keeps in fp32) made the
     first non-finite values is cleared too."""
-    verdict = Verdict()
+    verdict = Blame()
     failed = False
     last_cleared = None
     for fqn, a in checks.level["out"].items():

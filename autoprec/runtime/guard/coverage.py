@@ -11,9 +11,9 @@ from torch import nn
 from autoprec.formats import Format
 from autoprec.policy import Policy
 from autoprec.runtime import calls
-from autoprec.runtime.guard.config import watched
 from autoprec.runtime.guard.discovery import Discovery
 from autoprec.runtime.guard.record import Recorder, Watch, owners
+from autoprec.runtime.guard.terms import watched
 
 __all__ = ["Coverage"]
 

@@ -18,8 +18,8 @@ from torch import nn
 
 from autoprec._util import tensors
 from autoprec.formats import Format
-from autoprec.runtime.guard.config import INPUT
 from autoprec.runtime.guard.record import first_tensor, read_host
+from autoprec.runtime.guard.terms import INPUT
 
 __all__ = ["Diagnosis", "Diagnostician", "Poisoning", "params_poisoned"]
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from autoprec.formats import Format
-from autoprec.runtime.guard.config import limit
+from autoprec.runtime.guard.terms import limit
 
 __all__ = ["Forecaster", "Point", "Trend", "fit", "hits"]
 

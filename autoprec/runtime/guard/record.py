@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autoprec._util import tensors
 from autoprec.formats import Format
-from autoprec.runtime.guard.config import BF16_MAX, limit
+from autoprec.runtime.guard.terms import BF16_MAX, limit
 
 __all__ = ["Checks", "Recorder", "Watch"]
 

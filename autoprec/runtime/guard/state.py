@@ -16,8 +16,8 @@ from typing import Any
 from autoprec._util import atomic_write, brief, escape_line, shown
 from autoprec.formats import Format
 from autoprec.policy import Policy, PolicyError, check_bounds
-from autoprec.runtime.guard.config import INPUT, GuardEvent, check_where, watched
 from autoprec.runtime.guard.forecast import MAX_STATE_POINTS, NAMES
+from autoprec.runtime.guard.terms import INPUT, GuardEvent, check_where, watched
 
 __all__ = ["Ledger", "Restored"]
 

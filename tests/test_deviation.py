@@ -1,4 +1,4 @@
-"""The one comparison against FP32 (autoprec.measure.numerics), shared by the profile and the
+"""The one comparison against FP32 (autoprec.measure.deviation), shared by the profile and the
 trials of the search."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 import autoprec
 from autoprec import Format, Policy
-from autoprec.measure.numerics import Numerics, prepare_for_measurement
+from autoprec.measure.deviation import DeviationMeter, prepare_for_measurement
 from autoprec.measure.sensitivity import measure_sensitivity
 from autoprec.profiling import profile
 from autoprec.tuning import evaluate_policy
@@ -45,7 +45,7 @@ def test_trial_and_profile_agree_on_fp16_gradients_that_underflow_unscaled():
     assert trial.loss_increase == in_profile.loss_rel_change
     # both are loss-scaled: a small error. Unscaled, the same policy loses its gradients.
     assert trial.grad_error < 0.05, trial.grad_error
-    numerics = Numerics(prepare_for_measurement(task.build_model()), batches, task.loss_fn)
+    numerics = DeviationMeter(prepare_for_measurement(task.build_model()), batches, task.loss_fn)
     unscaled = numerics.compare(Policy(default="fp32", layers={head: "fp16"},
                                        loss_scaling={"init_scale": 1.0}))
     assert unscaled.grad_rel_error > 0.9, unscaled.grad_rel_error
@@ -54,7 +54,7 @@ def test_trial_and_profile_agree_on_fp16_gradients_that_underflow_unscaled():
 def test_compare_is_deterministic_and_fp32_against_itself_is_exact(gpt2_batch):
     torch.manual_seed(0)
     model = prepare_for_measurement(make_model(n_layer=1, n_embd=64, n_head=2, seq_len=32))
-    numerics = Numerics(model, [gpt2_batch], lambda m, b: m(**b).loss)
+    numerics = DeviationMeter(model, [gpt2_batch], lambda m, b: m(**b).loss)
     same = numerics.compare(Policy(default="fp32"))
     assert same.loss_rel_change == 0.0 and same.grad_rel_error == 0.0 and same.finite
     a = numerics.compare(Policy(default="bf16"))
@@ -70,7 +70,7 @@ def test_a_reference_without_its_gradients_runs_again_to_the_same_bias(gpt2_batc
     model = prepare_for_measurement(make_model(n_layer=1, n_embd=64, n_head=2, seq_len=32))
     loss = lambda m, b: m(**b).loss  # noqa: E731
     batches = [gpt2_batch, {k: v.flip(0) for k, v in gpt2_batch.items()}]
-    kept, lazy = Numerics(model, batches, loss), Numerics(model, batches, loss, keep_grads=False)
+    kept, lazy = DeviationMeter(model, batches, loss), DeviationMeter(model, batches, loss, keep_grads=False)
     # without its gradients the reference holds what the estimates read: losses and norms
     assert lazy.reference().grads == [] and len(lazy.reference().grad_sq) == len(batches)
     assert lazy.reference().losses == kept.reference().losses
@@ -87,12 +87,12 @@ def test_a_reference_without_its_gradients_runs_again_to_the_same_bias(gpt2_batc
 def test_bad_inputs_are_clear_errors(gpt2_batch):
     model = prepare_for_measurement(make_model(n_layer=1, n_embd=64, n_head=2, seq_len=32))
     with pytest.raises(ValueError, match="at least one batch"):
-        Numerics(model, [], lambda m, b: m(**b).loss)
+        DeviationMeter(model, [], lambda m, b: m(**b).loss)
     with pytest.raises(ValueError, match="scalar tensor"):
-        Numerics(model, [gpt2_batch], lambda m, b: m(**b).logits).compare(Policy())
+        DeviationMeter(model, [gpt2_batch], lambda m, b: m(**b).logits).compare(Policy())
     half = make_model(n_layer=1, n_embd=64, n_head=2, seq_len=32).to(torch.bfloat16)
     with pytest.raises(ValueError, match="FP32 master weights"):
-        Numerics(half, [gpt2_batch], lambda m, b: m(**b).loss)
+        DeviationMeter(half, [gpt2_batch], lambda m, b: m(**b).loss)
 
 
 class _SharedGradient(torch.nn.Module):
@@ -116,7 +116,7 @@ def test_parameters_sharing_a_gradient_tensor_are_each_compared_with_their_own_r
     x = torch.randn(1, 8)
     g = torch.autograd.grad(model(x), [model.a, model.b, model.c])
     assert g[0].data_ptr() == g[1].data_ptr() and g[2].stride() == (0, 0)  # the cases here
-    numerics = Numerics(model, [x], lambda m, batch: m(batch))
+    numerics = DeviationMeter(model, [x], lambda m, batch: m(batch))
     same = numerics.compare(Policy(default="fp32"), bias=True)
     # subtracting a's reference in place from the shared tensor used to leak into b's (and
     # the expanded one could not be written in place)
@@ -136,7 +136,7 @@ def test_gradients_read_as_they_arrive_give_the_numbers_a_whole_set_gives(gpt2_b
     model = prepare_for_measurement(make_model(n_layer=2, n_embd=64, n_head=2, seq_len=32))
     loss_fn = lambda m, b: m(**b).loss  # noqa: E731
     batches = [gpt2_batch, {k: v.flip(0) for k, v in gpt2_batch.items()}]
-    numerics = Numerics(model, batches, loss_fn, seed=3)
+    numerics = DeviationMeter(model, batches, loss_fn, seed=3)
     ref = numerics.reference()
     for fmt in ("bf16", "fp8"):
         policy = Policy(default="fp32", layers={"transformer.h.*": fmt})
@@ -177,7 +177,7 @@ def test_fp16_gradients_read_as_they_arrive_back_off_as_the_whole_set_did(gpt2_b
     loss_fn = lambda m, b: m(**b).loss  # noqa: E731
     batches = [gpt2_batch, {k: v.flip(0) for k, v in gpt2_batch.items()},
                {k: v.roll(1, 0) for k, v in gpt2_batch.items()}]
-    numerics = Numerics(model, batches, loss_fn, seed=5)
+    numerics = DeviationMeter(model, batches, loss_fn, seed=5)
     ref = numerics.reference()
     policy = Policy(default="fp32", layers={"transformer.h.*": "fp16"},
                     loss_scaling=LossScaling(init_scale=2.0 ** 30))
@@ -221,12 +221,12 @@ def test_a_reference_recomputed_per_batch_gives_the_numbers_a_kept_one_gives(gpt
     # are computed again beside the candidate's (the same seeds, so the same values), and an
     # fp16 candidate's part of the bias sum is read in a second backward at the scale that did
     # not overflow rather than held. Every number must be the kept reference's, bitwise.
-    from autoprec.measure import numerics
+    from autoprec.measure import deviation
     from autoprec.policy import LossScaling
 
     backwards = []
-    read = numerics._as_they_arrive
-    monkeypatch.setattr(numerics, "_as_they_arrive",
+    read = deviation._as_they_arrive
+    monkeypatch.setattr(deviation, "_as_they_arrive",
                         lambda *a, **k: (backwards.append(1), read(*a, **k))[1])
     torch.manual_seed(0)
     model = prepare_for_measurement(make_model(n_layer=2, n_embd=64, n_head=2, seq_len=32))
@@ -236,13 +236,13 @@ def test_a_reference_recomputed_per_batch_gives_the_numbers_a_kept_one_gives(gpt
     # 2**30 overflows every fp16 batch first: the back-off runs before the second backward
     policy = Policy(default="fp32", layers={"transformer.h.*": fmt},
                     loss_scaling=LossScaling(init_scale=2.0 ** 30))
-    kept = Numerics(model, batches, loss_fn, seed=5)
+    kept = DeviationMeter(model, batches, loss_fn, seed=5)
     kept.reference()
     backwards.clear()
     want = kept.compare(policy, bias=True)
     n_kept = len(backwards)
     del kept
-    lean = Numerics(model, batches, loss_fn, seed=5, per_batch=True)
+    lean = DeviationMeter(model, batches, loss_fn, seed=5, per_batch=True)
     assert not lean.reference().grads  # only the norms are kept
     backwards.clear()
     got = lean.compare(policy, bias=True)

@@ -42,7 +42,7 @@ from autoprec.policy import Policy
 from autoprec.runtime import rewrite
 from autoprec.runtime.fp8 import emulating
 
-__all__ = ["Reference", "Deviation", "Numerics", "prepare_for_measurement", "prepared",
+__all__ = ["Reference", "Deviation", "DeviationMeter", "prepare_for_measurement", "prepared",
            "writable"]
 
 
@@ -109,7 +109,7 @@ class Reference:
     # Loss per batch.
     losses: list[float]
     # Per batch, the FP32 gradient of every trainable parameter (zeros where unused); empty
-    # when they were not kept (Numerics(keep_grads=False)).
+    # when they were not kept (DeviationMeter(keep_grads=False)).
     grads: list[list[torch.Tensor]]
     # Per batch, float64 squared norm of each parameter's gradient, shape [n_params].
     grad_sq: list[torch.Tensor]
@@ -154,7 +154,7 @@ class Deviation:
                         math.fsum(self.ref_sum_sq[i] for i in indices))
 
 
-class Numerics:
+class DeviationMeter:
     """Measures candidates against FP32 on fixed batches, on one private model.
 
     ``model`` must be a private copy in FP32 (see :func:`prepare_for_measurement`), ``batches``
