@@ -255,7 +255,7 @@ def _cmd_show(args) -> int:
                      f"{shown(policy.fingerprint or '-')}")
     lines.append(f"  default: {policy.default.label}")
     lines += [f"  {shown(pattern, 512)}: {fmt.label}" for pattern, fmt in policy.layers.items()]
-    if any(f.is_fp8 for f in policy.formats_used()):
+    if any(f.is_scaled for f in policy.formats_used()):
         lines.append(f"  fp8: default recipe {shown(policy.fp8_recipe)}, engine "
                      f"{shown(policy.fp8_engine)}")
     lines += _phase_lines(policy, prof)

@@ -106,10 +106,10 @@ def _gemms(b: int, m: int, k: int, n: int, fmt: Format, spec: DeviceSpec) -> flo
 def _product_gemm(x: int, y: int, z: int, gemm: Gemm, fmt: Format, spec: DeviceSpec,
                   b: int = 1) -> float:
     """One GEMM of a product in ``fmt``, ``b`` (X, Y) x (Y, Z) matrices, as its Gemm says."""
-    run = fmt if gemm.is_fp8 else Format.of_dtype(gemm.a)
+    run = fmt if gemm.is_scaled else Format.of_dtype(gemm.a)
     in_b, out_b = gemm.operand_bytes, run.output_dtype.itemsize
     rate = spec.rate(gemm)
-    if gemm.is_fp8 and b > 1:  # one _scaled_mm per matrix
+    if gemm.is_scaled and b > 1:  # one _scaled_mm per matrix
         return b * _gemm(x, y, z, in_b, out_b, rate, spec)
     return _gemm(x, y, z, in_b, out_b, rate, spec, batch=b)  # one batched kernel
 
@@ -175,7 +175,7 @@ def _scaled_casts(b: int, m: int, k: int, n: int, numerics: Numerics,
     total = 0.0
     for role, numel in (("input", b * m * k), ("weight", b * k * n), ("grad_output", b * m * n)):
         gemms = [numerics.gemms[name] for name, _ in _TAKEN_BY[role]]
-        scaled = [g for g in gemms if g.is_fp8]
+        scaled = [g for g in gemms if g.is_scaled]
         total += sum(max((_BF + g.operand_bytes) * numel / bw, spec.launch_s) for g in scaled)
         amaxes = {g.hadamard for g in scaled if g.scaling.tensor_amax}
         total += len(amaxes) * max(_BF * numel / bw, spec.launch_s)
@@ -229,16 +229,16 @@ def _price(layer: Layer, fmt: Format, spec: DeviceSpec, *,
     emulated = False
     total = 0.0
     matmul_fp32_bytes = 0
-    blockers = layer.fp8_blockers(shape_multiple(fmt.numerics)) if fmt.is_fp8 \
+    blockers = layer.fp8_blockers(shape_multiple(fmt.numerics)) if fmt.is_scaled \
         else [""] * len(matmuls)
     for (b, m, k, n), blocker in zip(matmuls, blockers):
         matmul_fp32_bytes += _FP32 * b * (m * k + k * n + m * n)
         # A product FP8 does not take (the registry says why) runs, and is priced, as bf16.
-        run = Format.BF16 if fmt.is_fp8 and blocker else fmt
+        run = Format.BF16 if fmt.is_scaled and blocker else fmt
         weight = _weight_operand(layer, b)
         if boundary_casts:
             total += _boundary_casts(b * m * k, b * m * n, run, spec)
-        if run.is_fp8 and spec.support[run] is Support.EMULATED:
+        if run.is_scaled and spec.support[run] is Support.EMULATED:
             # Emulation: quantize -> dequantize (read FP32, write FP8, read FP8, write FP32 per
             # element of A, W, grad) around FP32 matmuls.
             emulated = True
@@ -247,10 +247,10 @@ def _price(layer: Layer, fmt: Format, spec: DeviceSpec, *,
             total += (q_el * (_FP32 + 2 * (_FP32 + 1))) / bw + 9 * spec.launch_s
         else:
             total += _gemms(b, m, k, n, run, spec)
-            if run.is_fp8:
+            if run.is_scaled:
                 total += _casts(b, m, k, n, run.numerics, weight, spec)
     blocked = [r for r in blockers if r]
-    if fmt.is_fp8 and blocked:
+    if fmt.is_scaled and blocked:
         notes.append(f"{len(blocked)} of {len(matmuls)} matmuls priced as bf16: {blocked[0]}")
     # Elementwise work (softmax, masks, norms, lookups): memory-bound, and autocast keeps it
     # in FP32 in every format, so the format changes little. Backward moves about twice the

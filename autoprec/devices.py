@@ -27,7 +27,7 @@ def kernel_class(fmt: Format) -> tuple[Any, tuple[int, int] | None]:
     forward operands (a scaled forward: its scaling and operand width, so E4M3 and E5M2
     elements read alike) and the CUDA capability its scaled GEMMs need (None: none)."""
     fwd = fmt.numerics.fwd
-    return (_gemm_key(fwd) if fwd.is_fp8 else fwd.a), fmt.numerics.cuda_capability
+    return (_gemm_key(fwd) if fwd.is_scaled else fwd.a), fmt.numerics.cuda_capability
 
 
 class _PerFormat(dict):
@@ -39,7 +39,7 @@ class _PerFormat(dict):
             for named, value in list(self.items()):
                 if kernel_class(named) == kernel_class(fmt):
                     return value
-            if not fmt.is_fp8:  # a plain format is named or missing (no GEMM to look up)
+            if not fmt.is_scaled:  # a plain format is named or missing (no GEMM to look up)
                 raise KeyError(fmt)
             # a per-GEMM mix: its forward's rate; the least support of its GEMMs
             values = [self.for_gemm(g) for g in fmt.numerics.gemms.values()]
@@ -59,7 +59,7 @@ class _PerFormat(dict):
         """The entry of one GEMM: a plain one's dtype's format, a scaled one's first named
         format whose forward GEMM is scaled and as wide alike (an E5M2 gradient GEMM of
         tensorwise reads tensorwise's rate, a composite's MX dgrad reads mxfp8's)."""
-        if not gemm.is_fp8:
+        if not gemm.is_scaled:
             return self[Format.of_dtype(gemm.a)]
         for named, value in list(self.items()):
             if _gemm_key(named.numerics.fwd) == _gemm_key(gemm):

@@ -301,7 +301,7 @@ def _layers(policy: Policy, model: nn.Module) -> list[_Layer]:
 
 def _runs(module: nn.Module, kind: str, fmt: Format) -> Format:
     """What autoprec computes the module's own work in under ``fmt``."""
-    if not fmt.is_fp8 or kind == "attention":
+    if not fmt.is_scaled or kind == "attention":
         return fmt
     if kind == "linear":
         # the FP8 kernels take K and N in multiples of 16 (MX: 32); autoprec runs the rest in
@@ -334,11 +334,11 @@ def _unnamed_recipes(policy: Policy) -> list[str]:
              **{f"layer pattern `{p}`": f for p, f in policy.layers.items()}}
     return [f"{what} is {f.label}, which torchao's float8 training has no recipe for (it has "
             f"{named})" for what, f in where.items()
-            if f.is_fp8 and f.numerics.torchao_recipe is None]
+            if f.is_scaled and f.numerics.torchao_recipe is None]
 
 
 def _torchao(policy: Policy, layers: list[_Layer] | None, strict: bool) -> TorchaoExport:
-    used = [f for f in [policy.default, *policy.layers.values()] if f.is_fp8]
+    used = [f for f in [policy.default, *policy.layers.values()] if f.is_scaled]
     recipes = list(dict.fromkeys(f.numerics.torchao_recipe for f in used
                                  if f.numerics.torchao_recipe is not None))
     rest = _rest(policy, layers)
@@ -346,7 +346,7 @@ def _torchao(policy: Policy, layers: list[_Layer] | None, strict: bool) -> Torch
     unnamed = bool(problems)
     if layers is None:
         problems += [f"layer pattern `{p}` is {f.label}" for p, f in policy.layers.items()
-                     if not f.is_fp8 and f is not rest]
+                     if not f.is_scaled and f is not rest]
         out = tuple(TorchaoRecipe(r, None, policy.module_filter_fn(r)) for r in recipes)
         notes = ("without a model the filters select nn.Linear layers by the policy's patterns; "
                  "fp8 layers torchao cannot convert are not checked",)
@@ -359,11 +359,11 @@ def _torchao(policy: Policy, layers: list[_Layer] | None, strict: bool) -> Torch
             out.append(TorchaoRecipe(r, fqns, lambda m, fqn, names=frozenset(fqns): fqn in names))
         out = tuple(r for r in out if r.fqns)
         for layer in layers:
-            if layer.runs.is_fp8 and layer.fqn not in taken and \
+            if layer.runs.is_scaled and layer.fqn not in taken and \
                     layer.runs.numerics.torchao_recipe is not None:
                 problems.append(f"{layer.what} is {layer.runs.label}, but torchao's float8 "
                                 f"training converts nn.Linear only: it would run in {rest}")
-            elif not layer.runs.is_fp8 and layer.runs is not rest:
+            elif not layer.runs.is_scaled and layer.runs is not rest:
                 problems.append(f"{layer.what} is {layer.runs}, but torchao sets the format of "
                                 f"fp8 layers only: it would run in {rest} with the rest")
         notes = ()
@@ -389,10 +389,10 @@ _TORCHAO_FIX = ("torchao's float8 training gives fp8 nn.Linear layers their reci
 def _rest(policy: Policy, layers: list[_Layer] | None) -> Format:
     """The one format torchao's users train every unconverted layer in: the policy's default,
     or (an fp8 default) the format most of its other layers run in."""
-    if not policy.default.is_fp8:
+    if not policy.default.is_scaled:
         return policy.default
     runs = [x.runs for x in layers] if layers is not None else list(policy.layers.values())
-    counts = Counter(f for f in runs if not f.is_fp8)
+    counts = Counter(f for f in runs if not f.is_scaled)
     return counts.most_common(1)[0][0] if counts else Format.BF16
 
 
@@ -503,7 +503,7 @@ _MEGATRON_FIX = ("Megatron's precision file chooses bf16 or an FP8 recipe per Tr
 def _megatron_config(fmt: Format, what: str) -> str:
     """The config name a format becomes (``fp8_<recipe>``, ``fp4_nvfp4``); an error for a
     scaled format Megatron does not have."""
-    if fmt.is_fp8:
+    if fmt.is_scaled:
         if fmt.numerics.megatron_recipe is None:
             raise ExportError(
                 f"{what} is {fmt.label}: Megatron-Core's FP8 recipes are tensorwise, blockwise "
@@ -548,7 +548,7 @@ def _megatron(policy: Policy, layers: list[_Layer], strict: bool, rules) -> Expo
         elif path is not None:
             groups.setdefault(path, []).append(layer)
         elif layer.runs is not Format.BF16:
-            if layer.runs.is_fp8:
+            if layer.runs.is_scaled:
                 raise ExportError(f"{layer.what} is {layer.runs.label}, but its Megatron-Core "
                                   "counterpart is not a Transformer Engine linear: the precision "
                                   "file cannot put it in FP8. Make it bf16 in the policy.")
@@ -560,11 +560,11 @@ def _megatron(policy: Policy, layers: list[_Layer], strict: bool, rules) -> Expo
         if len(formats) > 1:
             raise ExportError(_fused_error(path, members))
         fmt = next(iter(formats))
-        if not (fmt.is_fp8 or fmt is Format.BF16):
+        if not (fmt.is_scaled or fmt is Format.BF16):
             problems.append(f"{members[0].what} is {fmt}")
         configs[path] = _megatron_config(fmt, members[0].what)
     default = _megatron_config(policy.default, "The policy's default")
-    if not (policy.default.is_fp8 or policy.default is Format.BF16):
+    if not (policy.default.is_scaled or policy.default is Format.BF16):
         problems.append(f"the policy's default is {policy.default}")
     notes = _problems(problems, strict, _MEGATRON_FIX)
     doc = _megatron_doc(configs, default)
@@ -701,7 +701,7 @@ def load_name_map(path: str | os.PathLike) -> dict[str, str | None]:
 
 # ------------------------------------------------------------------ fqn
 def _fqn(policy: Policy, model: nn.Module, layers: list[_Layer]) -> Exported:
-    shape = [x.fqn for x in layers if x.fmt.is_fp8 and not x.runs.is_fp8]
+    shape = [x.fqn for x in layers if x.fmt.is_scaled and not x.runs.is_scaled]
     notes = (f"{len(shape)} fp8 layer(s) the FP8 kernels cannot take are listed as bf16, as "
              f"autoprec runs them (first: {shape[0]})",) if shape else ()
     doc = {"autoprec_export": "fqn", "version": 1, "policy": policy.source,

@@ -30,7 +30,7 @@ FP32 master weights. The formats and what they mean:
     weight-gradient GEMM's operands through a 16-point random Hadamard transform;
   - ``nvfp4:plain``: the same rounding to nearest everywhere, without the transform.
 
-  The fp8 formats, FP8 recipes and these alike are "scaled" formats (:attr:`Numerics.is_fp8`
+  The fp8 formats, FP8 recipes and these alike are "scaled" formats (:attr:`Numerics.is_scaled`
   is true of all: their products go through autoprec's scaled-GEMM router and return BF16);
   a bare ``fp8`` means the FP8 recipes only.
 
@@ -140,7 +140,7 @@ class Gemm:
                              f"Gemm with {s} scaling takes neither.")
 
     @property
-    def is_fp8(self) -> bool:
+    def is_scaled(self) -> bool:
         """Whether the GEMM is scaled low precision (FP8, MXFP8 or NVFP4)."""
         return self.scaling.is_scaled
 
@@ -201,9 +201,9 @@ class Numerics:
         return {"fwd": self.fwd, "dgrad": self.dgrad, "wgrad": self.wgrad}
 
     @property
-    def is_fp8(self) -> bool:
+    def is_scaled(self) -> bool:
         """Whether any GEMM runs in FP8 (the layer's products go through an FP8 kernel)."""
-        return any(g.is_fp8 for g in self.gemms.values())
+        return any(g.is_scaled for g in self.gemms.values())
 
     @property
     def compute(self) -> torch.dtype:
@@ -213,14 +213,14 @@ class Numerics:
     @property
     def scaling(self) -> Scaling:
         """The scaled GEMMs' scaling (the first's), ``none`` without scaled GEMMs."""
-        return next((g.scaling for g in self.gemms.values() if g.is_fp8), NONE)
+        return next((g.scaling for g in self.gemms.values() if g.is_scaled), NONE)
 
     @property
     def high_precision(self) -> tuple[str, ...]:
         """The GEMMs of an FP8 format that stay in 16 bits (``("wgrad",)`` for gw_hp)."""
-        if not self.is_fp8:
+        if not self.is_scaled:
             return ()
-        return tuple(k for k, g in self.gemms.items() if not g.is_fp8)
+        return tuple(k for k, g in self.gemms.items() if not g.is_scaled)
 
     @property
     def saves_quantized(self) -> bool:
@@ -244,7 +244,7 @@ class Numerics:
     @property
     def cuda_capability(self) -> tuple[int, int] | None:
         """The CUDA compute capability with FP8 kernels for every FP8 GEMM (None: no FP8)."""
-        needs = [g.scaling.capability for g in self.gemms.values() if g.is_fp8]
+        needs = [g.scaling.capability for g in self.gemms.values() if g.is_scaled]
         if None in needs:  # a scaling no GPU has kernels for
             return None
         return max(needs) if needs else None
@@ -405,8 +405,8 @@ class Format(str, metaclass=_FormatType):
         return self.numerics.label
 
     @property
-    def is_fp8(self) -> bool:
-        return self.numerics.is_fp8
+    def is_scaled(self) -> bool:
+        return self.numerics.is_scaled
 
     @property
     def recipe(self) -> str | None:
@@ -490,7 +490,7 @@ def register(numerics: Numerics, attribute: str | None = None) -> Format:
     if numerics.demotes_to not in _REGISTRY and numerics.demotes_to != numerics.name:
         raise ValueError(f"Format {quoted(numerics.name)} demotes to {quoted(numerics.demotes_to)}"
                          ", which is not a registered format.")
-    if numerics.is_fp8:
+    if numerics.is_scaled:
         _check_kernels(numerics)
     fmt = _make(numerics, attribute)
     _REGISTRY[numerics.name] = fmt
@@ -557,7 +557,7 @@ def per_gemm(fwd: Format | str, dgrad: Format | str, wgrad: Format | str, *,
     if made is not None:
         return made
     loc = f" {where}" if where else ""
-    if not any(g.is_fp8 for g in gemms) or any(g.a is torch.float16 for g in gemms):
+    if not any(g.is_scaled for g in gemms) or any(g.a is torch.float16 for g in gemms):
         raise ValueError(f"Per-GEMM format {quoted(name)}{loc}: at least one GEMM must be "
                          "scaled (fp8, mxfp8, nvfp4) and none fp16; write a plain format for "
                          "the rest.")
@@ -682,7 +682,7 @@ for _attribute, _numerics in _builtins().items():
 
 # Cheapest-first order used in tables and for tie-breaking: the built-ins.
 FORMAT_ORDER: tuple[Format, ...] = tuple(Format)
-_BUILTIN_PLAIN = tuple(f for f in FORMAT_ORDER if not f.is_fp8)
+_BUILTIN_PLAIN = tuple(f for f in FORMAT_ORDER if not f.is_scaled)
 # The built-in FP8 recipes (torchao's names), in FORMAT_ORDER.
 FP8_FORMATS: tuple[Format, ...] = tuple(f for f in FORMAT_ORDER if f.recipe is not None)
 FP8_RECIPES: tuple[str, ...] = tuple(f.recipe for f in FP8_FORMATS)

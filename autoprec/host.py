@@ -56,12 +56,12 @@ def supported_formats(device: torch.device | str = "cpu") -> dict[Format, Suppor
         RuntimeError: a CUDA device was asked about and CUDA is not available.
     """
     device = torch.device(device)
-    out = {f: Support.EMULATED if f.is_fp8 else Support.NATIVE for f in Format}
+    out = {f: Support.EMULATED if f.is_scaled else Support.NATIVE for f in Format}
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError(f"Device {device} was requested but CUDA is not available.")
         for f in Format:
-            if f.is_fp8 and fp8_is_native(device, f):
+            if f.is_scaled and fp8_is_native(device, f):
                 out[f] = Support.NATIVE
             elif f.compute_dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
                 out[f] = Support.EMULATED

@@ -289,13 +289,13 @@ def _product_bytes(layer: Layer, fmt: Format, policy: Policy,
     own, keeps_fp32 = 0, False
     num = fmt.numerics
     blockers = layer.fp8_blockers(shape_multiple(num))
-    torchao = fmt.is_fp8 and weighted and _torchao_runs(layer, fmt, policy)
+    torchao = fmt.is_scaled and weighted and _torchao_runs(layer, fmt, policy)
     for i, p in enumerate(layer.matmuls):
         a, b = p.batch * p.m * p.k, p.batch * p.k * p.n
-        fp8 = fmt.is_fp8 and not (i < len(blockers) and blockers[i])
+        fp8 = fmt.is_scaled and not (i < len(blockers) and blockers[i])
         if fmt.autocast_dtype is None:  # fp32: the input itself, no copies
             own, keeps_fp32 = own + (0 if weighted else 4 * (a + b)), True
-        elif fmt.is_fp8 and torchao:
+        elif fmt.is_scaled and torchao:
             own += 2 * a
         elif fp8 and not num.saves_quantized:
             # saves its operands as they came: the weight is the parameter

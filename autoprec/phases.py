@@ -112,7 +112,7 @@ class Phase:
         own = self.formats.get(fmt.label)
         if own is not None:
             return own
-        if fmt.is_fp8:
+        if fmt.is_scaled:
             return self.formats.get("fp8", fmt)
         return fmt
 
@@ -246,7 +246,7 @@ def final_phase(fraction: float, target: Format | str, used: set[Format]) -> Pha
                    key=lambda f: f.label)
     if not lower:
         return None
-    formats = {("fp8" if f.is_fp8 else f.label): target for f in lower}
+    formats = {("fp8" if f.is_scaled else f.label): target for f in lower}
     return Phase(from_fraction=fraction, formats=formats, name="final")
 
 
@@ -255,7 +255,7 @@ def kept_for_range(target: Format, used: set[Format]) -> set[Format]:
     have fewer mantissa bits: unscaled ones whose range is wider than ``target``'s, so moving
     their layers would trade overflow for precision (bf16 under fp16). Scaled formats move:
     their scales fit the data to a range far narrower than fp16's."""
-    return {f for f in used if not f.is_fp8 and _mantissa(f) < _mantissa(target)
+    return {f for f in used if not f.is_scaled and _mantissa(f) < _mantissa(target)
             and f.max_value > target.max_value}
 
 

@@ -125,10 +125,10 @@ def fp8_reason(prof: Profile, fqn: str, chosen: Format, *,
     """For ``autoprec show``: why this layer is in ``chosen`` and, for a layer not in fp8,
     why not in its fastest profiled FP8 recipe; for an fp8 layer, each profiled recipe's
     speed against bf16 and its loss change, the chosen one first."""
-    recipes = [f for f in prof.formats if f.is_fp8]
+    recipes = [f for f in prof.formats if f.is_scaled]
     if not recipes:
         return "fp8 not profiled"
-    if not chosen.is_fp8:
+    if not chosen.is_scaled:
         fastest = min(recipes, key=lambda f: _or_inf(prof.seconds(fqn, f)))
         return reason(prof, fqn, fastest, max_loss_change=max_loss_change)
     order = [chosen, *(f for f in recipes if f is not chosen)]

@@ -134,7 +134,7 @@ class LayerProfile:
         """Whether ``fmt`` can win on this layer as profiled (:func:`autoprec.verdict.can_win`
         on its times, fp8 blocker, recorded skips and numbers); ``max_loss_increase`` also
         asks its loss change to stay within that budget."""
-        return can_win(fmt, self.times, blocker=self.fp8_blocker if fmt.is_fp8 else "",
+        return can_win(fmt, self.times, blocker=self.fp8_blocker if fmt.is_scaled else "",
                        skipped=self.skipped, sensitivity=self.sensitivity,
                        max_loss_increase=max_loss_increase)
 
@@ -632,7 +632,7 @@ def _skips(layer: Layer, times: Mapping[Format, LayerTime], fmts: Sequence[Forma
     for fmt in fmts:
         if times.get(fmt) is None:
             continue
-        verdict = can_win(fmt, times, blocker=blocker if fmt.is_fp8 else "")
+        verdict = can_win(fmt, times, blocker=blocker if fmt.is_scaled else "")
         if not verdict.can_win and (only_winnable or verdict.rule == "blocked"):
             out[fmt] = verdict.why
     return out

@@ -146,7 +146,7 @@ STEP_SPECS: dict[str, StepSpec] = {
 
 def _fp8_or_bf16(fmt: Format | str) -> Format:
     fmt = Format.parse(fmt, where="for a training step")
-    if fmt is not Format.BF16 and not fmt.is_fp8:
+    if fmt is not Format.BF16 and not fmt.is_scaled:
         raise ValueError(f"A training step is priced in bf16 or a scaled format (an fp8 "
                          f"recipe, mxfp8, nvfp4), not {fmt}; the published setups it is "
                          "checked against run one of those.")
@@ -162,9 +162,9 @@ def _step_spec(target: str | DeviceSpec, step: StepSpec | None) -> StepSpec:
 
 
 def _check_all_gather(fmt: Format, fp8_all_gather: bool) -> None:
-    if fp8_all_gather and not (fmt.is_fp8 and fmt.numerics.scaling.one_scale):
+    if fp8_all_gather and not (fmt.is_scaled and fmt.numerics.scaling.one_scale):
         raise ValueError(f"FP8 all-gather needs per-tensor scales (torchao's tensorwise "
-                         f"recipe); {fmt} has {fmt.numerics.scaling if fmt.is_fp8 else 'none'}.")
+                         f"recipe); {fmt} has {fmt.numerics.scaling if fmt.is_scaled else 'none'}.")
 
 
 def _block_linear(m: int, k: int, n: int, fmt: Format, spec: DeviceSpec,
@@ -173,7 +173,7 @@ def _block_linear(m: int, k: int, n: int, fmt: Format, spec: DeviceSpec,
     weight arrives from FSDP already in FP8 with a precomputed scale: its amax and casts are
     gone, a transposed FP8 copy for the dgrad remains."""
     seconds = linear_seconds(m, k, n, fmt, spec)
-    if fmt.is_fp8 and fp8_all_gather:
+    if fmt.is_scaled and fp8_all_gather:
         bw = spec.bandwidth * spec.bandwidth_efficiency
         seconds += max(2 * _F8 * k * n / bw, spec.launch_s) \
             - weight_cast_seconds(k * n, fmt, spec)
@@ -186,7 +186,7 @@ def _recompute(m: int, k: int, n: int, fmt: Format, spec: DeviceSpec,
     and, in FP8, the casts of its operands (SAC saved their amaxes)."""
     g = fmt.numerics.gemms["fwd"]
     seconds = forward_gemm_seconds(m, k, n, fmt, spec)
-    if g.is_fp8:
+    if g.is_scaled:
         bw = spec.bandwidth * spec.bandwidth_efficiency
         for numel in (m * k,) + (() if fp8_all_gather else (k * n,)):
             seconds += max((_BF + g.operand_bytes) * numel / bw, spec.launch_s)
@@ -361,7 +361,7 @@ def _block_moment(setup: TrainingSetup, fmt: Format, fp8_all_gather: bool) -> di
     t, h, f = setup.tokens, setup.hidden, setup.intermediate
     work = _BF * t * (3 * h + 5 * f)
     fp8 = 0.0
-    if fmt.is_fp8:
+    if fmt.is_scaled:
         rowwise = not fmt.numerics.scaling.one_scale
         fp8 = _F8 * t * (2 * f + (2 if rowwise else 1) * h) + (_BF * h * f if rowwise else 0)
     return {"block backward: recompute + grads": work + fp8,
@@ -393,7 +393,7 @@ def price_training_memory(setup: TrainingSetup, fmt: Format | str,
     parts["unsharded params (root + last block)"] = setup.root_params() * _BF + \
         _unsharded_block(setup, fp8_all_gather)
     parts["SAC saved activations (all blocks)"] = setup.layers * _saved_per_block(setup)
-    if sac_saves_abs and fmt.is_fp8 and not fmt.numerics.scaling.one_scale:
+    if sac_saves_abs and fmt.is_scaled and not fmt.numerics.scaling.one_scale:
         parts["SAC saved abs() (pre torchtitan#820)"] = setup.layers * _abs_saves_per_block(setup)
     moments = dict(zip(_MEMORY_MOMENTS, (_loss_moment(setup),
                                          _block_moment(setup, fmt, fp8_all_gather))))

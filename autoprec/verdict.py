@@ -72,7 +72,7 @@ def can_win(fmt: Format, times: Mapping[Format, Any], *, blocker: str = "",
         return Verdict(fmt)
     if skipped is not None and fmt in skipped:
         return Verdict(fmt, "skipped", skipped[fmt])
-    if fmt.is_fp8 and blocker:
+    if fmt.is_scaled and blocker:
         return Verdict(fmt, "blocked", blocker)
     measured = sensitivity is not None and fmt in sensitivity
     speed = _speed(fmt, times, "" if measured else "; numerics not measured")
@@ -92,7 +92,7 @@ def _speed(fmt: Format, times: Mapping[Format, Any], tail: str) -> Verdict | Non
     if t32 is not None and t32.ok and (not t.ok or t.seconds >= SLOWER_THAN_FP32 * t32.seconds):
         what = "failed" if not t.ok else f"{t.seconds / t32.seconds:.1f}x the fp32 time"
         return Verdict(fmt, "slow", f"{fmt} cannot win here ({what}){tail}")
-    if fmt.is_fp8 and t16 is not None and t16.ok and t.seconds >= t16.seconds:
+    if fmt.is_scaled and t16 is not None and t16.ok and t.seconds >= t16.seconds:
         return Verdict(fmt, "bf16", f"{fmt} not faster than bf16 here ({microseconds(t.seconds)} "
                                     f"vs {microseconds(t16.seconds)}): bf16 is as fast and more "
                                     "precise")

@@ -141,7 +141,7 @@ def fp8_share(prof, policy: Policy) -> float:
     """The share of the searched layers' FLOPs in a scaled format (FP8, MXFP8, NVFP4)."""
     total = sum(lp.layer.flops for lp in prof.layers)
     return sum(lp.layer.flops for lp in prof.layers
-               if policy.format_for(lp.fqn).is_fp8) / max(total, 1)
+               if policy.format_for(lp.fqn).is_scaled) / max(total, 1)
 
 
 def _priced_verdict(ours: float, theirs: float, target: str) -> str:

@@ -43,7 +43,7 @@ def main():
     pol = res.policy
     layers = {lp.fqn: lp.layer for lp in prof.layers}
     total = sum(L.flops for L in layers.values())
-    fp8 = sum(L.flops for f, L in layers.items() if pol.format_for(f).is_fp8)
+    fp8 = sum(L.flops for f, L in layers.items() if pol.format_for(f).is_scaled)
     mix: dict[str, float] = {}
     for f, L in layers.items():
         mix[pol.format_for(f).label] = mix.get(pol.format_for(f).label, 0.0) + L.flops

@@ -86,7 +86,7 @@ def _crafted(rows: int, k: int) -> torch.Tensor:
 # ------------------------------------------------------------------ the formats
 def test_block_formats_are_factory_entries_not_fp8_recipes():
     assert [f.value for f in BLOCK_FORMATS] == ["mxfp8", "mxfp8:gw_hp", "nvfp4", "nvfp4:plain"]
-    assert all(f.is_fp8 and f.recipe is None for f in BLOCK_FORMATS)  # scaled, not fp8:<recipe>
+    assert all(f.is_scaled and f.recipe is None for f in BLOCK_FORMATS)  # scaled, not fp8:<recipe>
     assert not set(BLOCK_FORMATS) & set(FP8_FORMATS)
     assert set(expand_formats(["fp8"])) == set(FP8_FORMATS)  # a bare fp8: the FP8 recipes only
     assert NV.demoted() is MX and MX.demoted() is Format.BF16

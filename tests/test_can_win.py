@@ -166,10 +166,10 @@ def test_the_profile_the_search_space_and_show_read_the_same_rule():
     assert "multiples of 16" in prof.layer("c").fp8_blocker  # the registry's shape rule
     for lp in prof.layers:
         for fmt in prof.formats:
-            verdict = can_win(fmt, lp.times, blocker=lp.fp8_blocker if fmt.is_fp8 else "",
+            verdict = can_win(fmt, lp.times, blocker=lp.fp8_blocker if fmt.is_scaled else "",
                               skipped=lp.skipped, sensitivity=lp.sensitivity)
             assert prof.allows(lp.fqn, fmt) is verdict.can_win, (lp.fqn, fmt)
-            budgeted = can_win(fmt, lp.times, blocker=lp.fp8_blocker if fmt.is_fp8 else "",
+            budgeted = can_win(fmt, lp.times, blocker=lp.fp8_blocker if fmt.is_scaled else "",
                                skipped=lp.skipped, sensitivity=lp.sensitivity,
                                max_loss_increase=DEFAULT_MAX_LOSS_INCREASE)
             if not budgeted.can_win:

@@ -174,7 +174,7 @@ def test_recomputed_matmuls_run_in_their_policy_format(case, reentrant):
         ran = fwd[fqn]
         fp8_casts = [r for r in ran if r[0] == "to fp8"]
         low = {d for op, dts in ran if op in MATMUL_OPS for d in dts}
-        if fmt.is_fp8:
+        if fmt.is_scaled:
             assert fp8_casts, f"{fqn} is {fmt.value} but cast nothing to fp8: {ran}"
         elif fmt.value == "bf16":
             assert not fp8_casts and low == {torch.bfloat16}, f"{fqn} (bf16) ran {ran}"

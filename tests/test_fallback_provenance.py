@@ -32,7 +32,7 @@ def tuned(tmp_path_factory):
 
 def _fp8_runs_bf16(policy, prof):
     return {lp.fqn: lp.fp8_blocker for lp in prof.layers
-            if lp.fp8_blocker and policy.format_for(lp.fqn).is_fp8}
+            if lp.fp8_blocker and policy.format_for(lp.fqn).is_scaled}
 
 
 def test_fallback_to_the_next_front_policy_writes_its_own_provenance(tuned, tmp_path,

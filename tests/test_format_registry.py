@@ -49,7 +49,7 @@ def test_registering_adds_a_format_and_unregistering_takes_it_out():
     fmt = register(toy_numerics())
     try:
         assert Format.parse(TOY) is fmt and Format(TOY) is fmt and list(Format)[-1] is fmt
-        assert fmt.is_fp8 and fmt.recipe == "toy_e4m3" and fmt.demoted() is Format.BF16
+        assert fmt.is_scaled and fmt.recipe == "toy_e4m3" and fmt.demoted() is Format.BF16
         assert Format.fp8("toy_e4m3") is fmt and fmt.max_value == 448.0
         assert pickle.loads(pickle.dumps(fmt)) is fmt and copy.deepcopy([fmt])[0] is fmt
         with pytest.raises(ValueError, match="already registered"):

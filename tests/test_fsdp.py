@@ -308,7 +308,7 @@ def _check_formats(observed: dict, policy: Policy, case: str) -> int:
         if not dtypes:
             continue  # casts outside any matmul (none expected): checked by their module
         fmt = policy.format_for(fqn)
-        if fmt.is_fp8:
+        if fmt.is_scaled:
             fp8 += 1
             assert casts >= 2, f"{case}: {fqn} is {fmt.value} but cast nothing to FP8 under FSDP2"
         else:
@@ -339,7 +339,7 @@ def test_each_layer_computes_in_its_format_under_fsdp2(sharded_runs):
             assert res[key]["fingerprint_kept"], f"{key}: fully_shard changed the fingerprint"
             policy = POLICIES[case[0]]
             n_fp8 = _check_formats(res[key]["observed"], policy, f"{key} rank {rank}")
-            if any(f.is_fp8 for f in policy.layers.values()):
+            if any(f.is_scaled for f in policy.layers.values()):
                 assert n_fp8 >= 4, f"{key}: only {n_fp8} fp8 modules observed"
         swapped = "Float8Linear" in ranks[0][key]["classes"]
         assert swapped is (case[2] == "torchao"), (key, ranks[0][key]["classes"])

@@ -195,7 +195,7 @@ def test_no_identity_check_of_a_scaled_or_fp16_format_outside_the_formats():
     # registered format with the same fields is treated alike
     from autoprec.formats import FORMAT_ORDER
 
-    names = {f.name for f in FORMAT_ORDER if f.is_fp8 or f.needs_loss_scaling}
+    names = {f.name for f in FORMAT_ORDER if f.is_scaled or f.needs_loss_scaling}
     assert {"FP16", "FP8", "MXFP8", "NVFP4"} <= names
     assert _format_comparisons("a = fmt is Format.FP16\nb = fmt is Format.FP32\n"
                                "c = f in (Format.BF16, Format.MXFP8)\n", names) == [

@@ -67,7 +67,7 @@ def unplanted(batches):
 
 # ------------------------------------------------------------------------------ verdicts
 def _sens(fmt="fp16", loss=1e-4, grad=1e-3, over=0.0, finite=True, gover=0.0):
-    ranged = Format.parse(fmt) is Format.FP16 or Format.parse(fmt).is_fp8
+    ranged = Format.parse(fmt) is Format.FP16 or Format.parse(fmt).is_scaled
     return LayerSensitivity(layer="x", format=fmt, loss_rel_change=loss, grad_rel_error=grad,
                             layer_grad_rel_error=None, output_sqnr_db=60.0,
                             act_overflow=over if ranged else None, act_underflow=0.0 if ranged else None,

@@ -69,7 +69,7 @@ def test_a_gemm_takes_a_registered_scaling_only():
 def test_the_gemm_and_format_read_the_scaling(tiles):
     gemm = tiles.numerics.fwd
     assert gemm.scaling is scaling_named("tile128") and gemm.scaling == "tile128"
-    assert gemm.is_fp8 and gemm.block == TILE and gemm.operand_bytes == 1 + 1 / TILE ** 2
+    assert gemm.is_scaled and gemm.block == TILE and gemm.operand_bytes == 1 + 1 / TILE ** 2
     assert tiles.numerics.is_block_scaled and tiles.numerics.block == TILE
     # no tensor-core kernel is known for it: not native on any GPU
     assert tiles.numerics.cuda_capability is None and not tiles.numerics.saves_quantized

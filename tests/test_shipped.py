@@ -59,7 +59,7 @@ def test_show_lists_a_recipe_and_a_measured_reason_per_fp8_layer_of_the_h100_pol
     path = os.path.join(POLICIES, "gpt2_bytes_h100.yaml")
     policy, prof = load_policy(path), Profile.load(path.replace(".yaml", ".profile.json"))
     fp8 = {lp.fqn: policy.format_for(lp.fqn) for lp in prof.layers
-           if policy.format_for(lp.fqn).is_fp8}
+           if policy.format_for(lp.fqn).is_scaled}
     assert fp8, "the h100 policy puts no layer in fp8"
     env = dict(os.environ, PYTHONPATH=ROOT)
     r = subprocess.run([sys.executable, "-m", "autoprec.cli", "show", path], capture_output=True,

@@ -408,7 +408,7 @@ def _expect(probe, model, policy: Policy) -> int:
     for fqn, module in model.named_modules():
         if isinstance(module, torch.nn.Linear):
             fmt = policy.format_for(fqn)
-            (fp8 if fmt.is_fp8 else low[fmt]).append(fqn)
+            (fp8 if fmt.is_scaled else low[fmt]).append(fqn)
     _check_formats(probe, fp8, low[Format.BF16], low[Format.FP32])
     return len(fp8)
 

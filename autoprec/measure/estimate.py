@@ -228,7 +228,7 @@ def _rounding_of(fmt: Format, call: calls.Call, args: tuple, kwargs: dict,
     num = fmt.numerics
     if not call.rounded or num.autocast is None:
         return None
-    form = calls.matmul_form(call, args, kwargs) if num.is_fp8 else None
+    form = calls.matmul_form(call, args, kwargs) if num.is_scaled else None
     if form is not None:
         p = calls.product_of(form[0].shape, form[1].shape)
         if calls.fp8_shape_supported(p.m, p.k, p.n, shape_multiple(num))[0]:

@@ -92,7 +92,7 @@ def _narrow_range(fmt: Format) -> bool:
     """Formats whose exponent range is narrower than FP32's, so range statistics mean
     something: fp16 and every FP8 format, registered ones included; not the block-scaled ones
     (a power-of-two or FP32-scaled block scale per 16-32 values spans FP32's range)."""
-    return fmt.output_dtype is torch.float16 or (fmt.is_fp8 and not fmt.numerics.is_block_scaled)
+    return fmt.output_dtype is torch.float16 or (fmt.is_scaled and not fmt.numerics.is_block_scaled)
 
 # ------------------------------------------------------------------------------ result
 @dataclass(frozen=True)
@@ -225,7 +225,7 @@ class _RangeCounter:
     def add(self, x: torch.Tensor) -> None:
         a = x.detach().abs().to(torch.float32)
         nonzero = a > 0
-        if self.fmt.is_fp8:
+        if self.fmt.is_scaled:
             # The recipe's own scale: the same amax, clamp and rounding as autoprec.runtime.fp8
             # (rows along the last dimension: the contracted one of the forward's operands).
             rowwise = not self.per_tensor and x.dim() > 0
@@ -296,7 +296,7 @@ class _ReferenceProbe:
     def count_call(self, operands: list[torch.Tensor], out: torch.Tensor,
                    fp8: bool) -> None:
         for fmt, counter in self.act.items():
-            if fmt.is_fp8 and not fp8:
+            if fmt.is_scaled and not fp8:
                 continue  # the router leaves it in bf16: nothing is rounded to FP8
             for t in (*operands, out):
                 counter.add(t)
@@ -305,7 +305,7 @@ class _ReferenceProbe:
 
     def _grad_hook(self, grad, fp8: bool):
         for fmt, counter in self.grad.items():
-            if fmt.is_fp8 and not fp8:
+            if fmt.is_scaled and not fp8:
                 continue
             counter.add(grad)
 

@@ -427,7 +427,7 @@ def _measure_module(fqn: str, module: nn.Module, inputs: _Inputs | None, fmts: l
     timed = [Format.FP32, *[f for f in runnable if f is not Format.FP32]]
     timing, runs, notes, warm = _time_module(module, inputs, timed, clock, bench.options)
     fp8_note = ""
-    if any(f.is_fp8 for f in runnable):
+    if any(f.is_scaled for f in runnable):
         try:
             fp8_note = _fp8_note(module, inputs)
         except Exception:  # noqa: BLE001 - the fp8 run itself reports the error
@@ -436,7 +436,7 @@ def _measure_module(fqn: str, module: nn.Module, inputs: _Inputs | None, fmts: l
     fp32_s = timing.seconds(Format.FP32) * inputs.calls if fp32_ok else None
     out: dict[Format, LayerTime] = {}
     for fmt in fmts:
-        note = [n for n in (notes.get(fmt, ""), fp8_note if fmt.is_fp8 else "") if n]
+        note = [n for n in (notes.get(fmt, ""), fp8_note if fmt.is_scaled else "") if n]
         if inputs.calls > 1:
             note.append(f"called {inputs.calls}x per forward: one call timed, times "
                         f"{inputs.calls}")

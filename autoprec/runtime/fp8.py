@@ -250,7 +250,7 @@ class _PerGemmMatmul(torch.autograd.Function):
         a_in, b_in = a, b
         low = _plain_dtype(numerics)
         with torch.autocast(a.device.type, enabled=False):
-            if numerics.is_fp8:
+            if numerics.is_scaled:
                 out = _gemm_product(*_operands(a, b), numerics.fwd, native)
                 if bias is not None:
                     out = out + bias.to(torch.float32)
@@ -293,7 +293,7 @@ class _PerGemmMatmul(torch.autograd.Function):
                     grad_a.sum_to_size(a_shape)
             if ctx.needs_input_grad[1]:  # wgrad: a^T @ g, contracted over M
                 grad_b = product(a32.transpose(-1, -2), g, num.wgrad, 1).sum_to_size(b_shape)
-        bias_sum = torch.float32 if num.is_fp8 else num.output
+        bias_sum = torch.float32 if num.is_scaled else num.output
         return (*_input_grads(ctx, grad_out, grad_a, grad_b, bias_sum), None, None)
 
 
@@ -303,7 +303,7 @@ def _plain_dtype(numerics: Numerics) -> torch.dtype | None:
     gemms = (numerics.fwd, numerics.dgrad, numerics.wgrad)
     dtype = numerics.fwd.a
     if dtype in (torch.bfloat16, torch.float16) and all(
-            not g.is_fp8 and g.a is dtype and g.b is dtype for g in gemms):
+            not g.is_scaled and g.a is dtype and g.b is dtype for g in gemms):
         return dtype
     return None
 
@@ -336,7 +336,7 @@ def _gemm_product(a: torch.Tensor, b: torch.Tensor, gemm: Gemm, native: bool, *,
     along K (``b`` through its transpose), NVFP4's Hadamard transform first where the Gemm has
     it, stochastic rounding for the gradient operand (``grad_operand``) where it has that. A
     plain GEMM multiplies in its dtype; FP8 GEMMs run ``_scaled_mm`` where ``native``."""
-    if not gemm.is_fp8:
+    if not gemm.is_scaled:
         return _plain_product(a, b, gemm.a).float()
     scale = gemm.scaling.scale
     if scale is not None:  # one FP32 scale per tensor or row: the scaled-matmul kernel's
@@ -378,7 +378,7 @@ def scaled_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = 
         raise ValueError(f"A scaled matmul needs operands of at least 2 dimensions, got "
                          f"{tuple(a.shape)} and {tuple(b.shape)}; 1-D products stay in bf16.")
     num = fmt.numerics
-    if not num.is_fp8:
+    if not num.is_scaled:
         raise ValueError(f"scaled_matmul computes scaled formats; {fmt} is not one.")
     p = product_of(a.shape, b.shape)
     if not fp8_shape_supported(p.m, p.k, p.n, shape_multiple(num))[0]:
@@ -397,7 +397,7 @@ def plain_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = N
     gradients rounded to the dtype, each GEMM by FP32 emulation where :func:`emulating` says.
     The router of a bf16 or fp16 region inside :func:`emulating`."""
     num = fmt.numerics
-    if num.is_fp8 or num.autocast is None:
+    if num.is_scaled or num.autocast is None:
         raise ValueError(f"plain_matmul computes bf16 and fp16 GEMMs; {fmt} is not one.")
     return _PerGemmMatmul.apply(a, b, bias, False, num)
 

@@ -123,7 +123,7 @@ class _FormatMode(TorchFunctionMode):
             call = calls.lookup(func)
             form = calls.matmul_form(call, args, kwargs) if call is not None else None
             if form is not None and _autocast_on(form[0].device.type):
-                if self.format.is_fp8:
+                if self.format.is_scaled:
                     return scaled_matmul(*form, fmt=self.format)
                 return plain_matmul(*form, fmt=self.format)
         return func(*args, **kwargs)
@@ -368,7 +368,7 @@ def _routes(fmt: Format, torchao: bool, compiling: bool) -> bool:
     measurements, in eager mode)."""
     if torchao:
         return False
-    return fmt.is_fp8 or (not compiling and fmt.autocast_dtype in emulated_dtypes())
+    return fmt.is_scaled or (not compiling and fmt.autocast_dtype in emulated_dtypes())
 
 
 def _explain_low_weights(region: Region, error: RuntimeError) -> None:
@@ -430,7 +430,7 @@ def _warn_emulated_fp8(model: nn.Module, policy: Policy, assigned: dict[str, For
     """Warn that the policy's fp8 layers are only emulated on the model's device. A model on
     the meta device (torchtitan builds it there, then materialises it) is not on its device
     yet: the warning waits for its first forward, on the device it was materialised on."""
-    fp8 = [f for f in {policy.default, *assigned.values()} if f.is_fp8]
+    fp8 = [f for f in {policy.default, *assigned.values()} if f.is_scaled]
     if not fp8:
         return
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -575,7 +575,7 @@ def _install_reentry(model: nn.Module, policy: Policy, installed: list[Region]) 
     own = {id(region.module) for region in installed}
     return [_install(module, fmt, fqn, cast_out=False, kind=_Reentry)
             for fqn, module in model.named_modules()
-            if fqn and id(module) not in own and (fmt := policy.format_for(fqn)).is_fp8]
+            if fqn and id(module) not in own and (fmt := policy.format_for(fqn)).is_scaled]
 
 
 def remove(model: nn.Module) -> nn.Module:

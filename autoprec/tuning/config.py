@@ -211,7 +211,7 @@ def per_gemm_candidates(formats, target: str) -> tuple[Format, ...]:
     from autoprec.devices import resolve_target
 
     _, spec = resolve_target(target)
-    scaled = [f for f in formats if f.is_fp8 and "/" not in f.value
+    scaled = [f for f in formats if f.is_scaled and "/" not in f.value
               and spec.support[f] is Support.NATIVE]
     out = []
     for fwd in scaled:

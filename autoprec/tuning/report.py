@@ -342,7 +342,7 @@ def _fp8_runs_bf16(policy: Policy, prof: Profile | None) -> dict[str, str]:
     if prof is None:
         return {}
     return {lp.fqn: lp.fp8_blocker for lp in prof.layers
-            if lp.fp8_blocker and policy.format_for(lp.fqn).is_fp8}
+            if lp.fp8_blocker and policy.format_for(lp.fqn).is_scaled}
 
 
 def _ends(speedup: Interval) -> list[float]:

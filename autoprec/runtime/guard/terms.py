@@ -42,7 +42,7 @@ def watched(fmt: Format, formats: tuple[Format, ...]) -> bool:
     input spelled before changes nothing)."""
     if fmt in formats:
         return True
-    scaled = [p for p in fmt.parts if p.is_fp8]
+    scaled = [p for p in fmt.parts if p.is_scaled]
     return bool(scaled) and all(p in formats for p in scaled)
 
 
@@ -103,7 +103,7 @@ class GuardConfig:
         # ones, not the per-GEMM mixes some input happened to spell: `watched` covers those)
         formats = tuple(dict.fromkeys(
             g for f in self.formats
-            for g in ([h for h in Format.registered() if h.is_fp8]
+            for g in ([h for h in Format.registered() if h.is_scaled]
                       if isinstance(f, str) and f.strip().lower() == "fp8"
                       else (Format.parse(f, where="in GuardConfig.formats"),))))
         if Format.FP32 in formats:
