@@ -59,6 +59,26 @@ def gpt2():
     return tiny_gpt2()
 
 
+def train_mlps_in(fmt, n_embd: int = 64, seq_len: int = 32):
+    """A tiny GPT-2 in training mode with its MLPs in ``fmt`` (a registered format that the host
+    emulates, so ``apply`` warns), one forward and backward on random ids: the loss and every
+    gradient must be finite. Returns the model."""
+    import autoprec
+
+    model = tiny_gpt2(n_embd=n_embd, seq_len=seq_len)
+    model.train()
+    policy = autoprec.Policy(default="bf16", layers={"transformer.h.*.mlp.*": fmt.value})
+    with pytest.warns(UserWarning, match="emulate"):
+        autoprec.apply(model, policy)
+    assert autoprec.applied_formats(model)["transformer.h.0.mlp.c_fc"] is fmt
+    ids = torch.randint(0, model.config.vocab_size, (2, seq_len))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    return model
+
+
 @pytest.fixture
 def gpt2_batch():
     return byte_batches(1, 4, 32, seed=0)[0]

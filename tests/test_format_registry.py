@@ -10,7 +10,7 @@ import pickle
 import pytest
 import torch
 import yaml
-from conftest import tiny_gpt2, tiny_llama
+from conftest import tiny_llama, train_mlps_in
 from torch import nn
 
 import autoprec
@@ -147,17 +147,7 @@ def test_emulation_trains_a_step_in_it(toy):
     assert torch.equal(grads["toy_e4m3"][0], grads["tensorwise"][0])
     assert not torch.equal(grads["toy_e4m3"][1], grads["tensorwise"][1])
 
-    model = tiny_gpt2()
-    model.train()
-    policy = Policy(default="bf16", layers={"transformer.h.*.mlp.*": TOY})
-    with pytest.warns(UserWarning, match="emulate"):
-        autoprec.apply(model, policy)
-    assert autoprec.applied_formats(model)["transformer.h.0.mlp.c_fc"] is toy
-    ids = torch.randint(0, model.config.vocab_size, (2, 32))
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    assert torch.isfinite(loss)
-    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    model = train_mlps_in(toy)
     copy.deepcopy(model)  # regions holding the format copy
 
 

@@ -127,25 +127,16 @@ def test_no_circle_between_rooms_by_any_import():
         assert cycle is None, f"rooms of {parent} import in a circle: " + " -> ".join(cycle)
 
 
-def test_the_room_check_finds_a_deferred_import_back_up():
-    modules = {"pkg": "pkg/__init__.py", "pkg.low": "low.py", "pkg.high.top": "top.py",
-               "pkg.high": "high/__init__.py"}
-    sources = {"low.py": "def f():\n    from pkg.high.top import g\n",
-               "top.py": "from pkg.low import f\n", "pkg/__init__.py": "", "high/__init__.py": ""}
-    real_open = open
-
-    def fake_open(path, *args, **kwargs):
-        import io
-        return io.StringIO(sources[path]) if path in sources else real_open(path, *args, **kwargs)
-
-    import builtins
-    builtins.open, saved = fake_open, builtins.open
-    try:
-        assert _room_cycle(modules, "pkg") == ["pkg.high", "pkg.low", "pkg.high"]
-        sources["low.py"] = ""
-        assert _room_cycle(modules, "pkg") is None
-    finally:
-        builtins.open = saved
+def test_the_room_check_finds_a_deferred_import_back_up(tmp_path):
+    sources = {"pkg": "", "pkg.low": "def f():\n    from pkg.high.top import g\n",
+               "pkg.high": "", "pkg.high.top": "from pkg.low import f\n"}
+    modules = {}
+    for name, text in sources.items():
+        modules[name] = str(tmp_path / f"{name}.py")
+        (tmp_path / f"{name}.py").write_text(text)
+    assert _room_cycle(modules, "pkg") == ["pkg.high", "pkg.low", "pkg.high"]
+    (tmp_path / "pkg.low.py").write_text("")
+    assert _room_cycle(modules, "pkg") is None
 
 
 # The scalings' names, as a Gemm spells them: outside autoprec/scaling.py nothing compares a

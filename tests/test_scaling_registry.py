@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_gpt2, tiny_llama
+from conftest import tiny_llama, train_mlps_in
 
 import autoprec
 from autoprec import Policy
@@ -100,17 +100,8 @@ def test_emulation_rounds_and_trains_a_step_in_it(tiles):
     assert error(round_operand(a, fwd, 0)) < 0.1
     assert error(round_operand(a, Format.FP8.numerics.fwd, 0)) > 0.9
 
-    model = tiny_gpt2(n_embd=128, seq_len=64)
-    model.train()
-    policy = Policy(default="bf16", layers={"transformer.h.*.mlp.*": NAME})
-    with pytest.warns(UserWarning, match="emulate"):
-        autoprec.apply(model, policy)
-    assert autoprec.applied_formats(model)["transformer.h.0.mlp.c_fc"] is tiles
-    ids = torch.randint(0, model.config.vocab_size, (2, 64))
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    assert torch.isfinite(loss)
-    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    # 128 wide and 2 x 64 tokens: every MLP product is a whole number of tiles
+    train_mlps_in(tiles, n_embd=128, seq_len=64)
 
 
 def test_cost_model_prices_it_as_emulated_everywhere(tiles):
