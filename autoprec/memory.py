@@ -442,9 +442,8 @@ def memory_model(task: Any, prof: Any = None, model: nn.Module | None = None) ->
     measured on ``model`` itself (a build of the task's model prepared for measurement, e.g.
     the tune's own; None: a new build), its weights, buffers and gradients put back after
     each (a user's optimizer may move weights even at learning rate 0) from a copy that
-    waits outside its device's memory: the calibration holds the model once, as training does."""
-    import copy
-
+    waits outside its device's memory: the calibration holds the model once, as training does
+    (the capture, when one is needed, runs on it too and leaves it as it was)."""
     from autoprec._util import model_state
     from autoprec.measure.capture import capture
     from autoprec.measure.deviation import prepare_for_measurement
@@ -455,7 +454,7 @@ def memory_model(task: Any, prof: Any = None, model: nn.Module | None = None) ->
     if prof is not None and task.shape_batch is None:
         layers, edges = [lp.layer for lp in prof.layers], prof.edges
     else:
-        graph = capture(copy.deepcopy(model), batch)
+        graph = capture(model, batch)
         layers, edges = [lay for lay in graph.layers if lay.matmuls], graph.edges
 
     def measure(policy: Policy, compute_only: bool = False) -> StepMemory:

@@ -45,8 +45,8 @@ def test_trial_and_profile_agree_on_fp16_gradients_that_underflow_unscaled():
     assert trial.loss_increase == in_profile.loss_rel_change
     # both are loss-scaled: a small error. Unscaled, the same policy loses its gradients.
     assert trial.grad_error < 0.05, trial.grad_error
-    numerics = DeviationMeter(prepare_for_measurement(task.build_model()), batches, task.loss_fn)
-    unscaled = numerics.compare(Policy(default="fp32", layers={head: "fp16"},
+    meter = DeviationMeter(prepare_for_measurement(task.build_model()), batches, task.loss_fn)
+    unscaled = meter.compare(Policy(default="fp32", layers={head: "fp16"},
                                        loss_scaling={"init_scale": 1.0}))
     assert unscaled.grad_rel_error > 0.9, unscaled.grad_rel_error
 
@@ -54,13 +54,13 @@ def test_trial_and_profile_agree_on_fp16_gradients_that_underflow_unscaled():
 def test_compare_is_deterministic_and_fp32_against_itself_is_exact(gpt2_batch):
     torch.manual_seed(0)
     model = prepare_for_measurement(make_model(n_layer=1, n_embd=64, n_head=2, seq_len=32))
-    numerics = DeviationMeter(model, [gpt2_batch], lambda m, b: m(**b).loss)
-    same = numerics.compare(Policy(default="fp32"))
+    meter = DeviationMeter(model, [gpt2_batch], lambda m, b: m(**b).loss)
+    same = meter.compare(Policy(default="fp32"))
     assert same.loss_rel_change == 0.0 and same.grad_rel_error == 0.0 and same.finite
-    a = numerics.compare(Policy(default="bf16"))
-    b = numerics.compare(Policy(default="bf16"))
+    a = meter.compare(Policy(default="bf16"))
+    b = meter.compare(Policy(default="bf16"))
     assert a == b and 0 < a.grad_rel_error < 0.1
-    own = numerics.index_of(model.get_submodule(LAYER).parameters())
+    own = meter.index_of(model.get_submodule(LAYER).parameters())
     assert len(own) == 2 and 0 < a.grad_error_of(own) and a.grad_error_of([]) is None
     assert autoprec.applied_formats(model) == {}, "compare must leave no policy applied"
 
@@ -116,13 +116,13 @@ def test_parameters_sharing_a_gradient_tensor_are_each_compared_with_their_own_r
     x = torch.randn(1, 8)
     g = torch.autograd.grad(model(x), [model.a, model.b, model.c])
     assert g[0].data_ptr() == g[1].data_ptr() and g[2].stride() == (0, 0)  # the cases here
-    numerics = DeviationMeter(model, [x], lambda m, batch: m(batch))
-    same = numerics.compare(Policy(default="fp32"), bias=True)
+    meter = DeviationMeter(model, [x], lambda m, batch: m(batch))
+    same = meter.compare(Policy(default="fp32"), bias=True)
     # subtracting a's reference in place from the shared tensor used to leak into b's (and
     # the expanded one could not be written in place)
     assert same.diff_sq == (0.0,) * 5 and same.grad_rel_error == 0.0 and same.grad_bias == 0.0
-    bf16 = numerics.compare(Policy(default="bf16"))
-    own = numerics.index_of([model.a, model.b])
+    bf16 = meter.compare(Policy(default="bf16"))
+    own = meter.index_of([model.a, model.b])
     assert bf16.diff_sq[own[0]] == bf16.diff_sq[own[1]] > 0  # the same gradient, the same error
 
 
@@ -136,23 +136,23 @@ def test_gradients_read_as_they_arrive_give_the_numbers_a_whole_set_gives(gpt2_b
     model = prepare_for_measurement(make_model(n_layer=2, n_embd=64, n_head=2, seq_len=32))
     loss_fn = lambda m, b: m(**b).loss  # noqa: E731
     batches = [gpt2_batch, {k: v.flip(0) for k, v in gpt2_batch.items()}]
-    numerics = DeviationMeter(model, batches, loss_fn, seed=3)
-    ref = numerics.reference()
+    meter = DeviationMeter(model, batches, loss_fn, seed=3)
+    ref = meter.reference()
     for fmt in ("bf16", "fp8"):
         policy = Policy(default="fp32", layers={"transformer.h.*": fmt})
-        got = numerics.compare(policy, bias=True)
+        got = meter.compare(policy, bias=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # emulated fp8 is slow: numerics are what we read
             rewrite.apply(model, policy, strict=False)
-        diff_sq, total = torch.zeros(len(numerics.params), dtype=torch.float64), None
+        diff_sq, total = torch.zeros(len(meter.params), dtype=torch.float64), None
         try:
             for b, batch in enumerate(batches):
-                with torch.random.fork_rng(devices=[]), emulating(numerics.emulated):
+                with torch.random.fork_rng(devices=[]), emulating(meter.emulated):
                     torch.manual_seed(3 + b)
-                    grads = torch.autograd.grad(loss_fn(model, batch), numerics.params,
+                    grads = torch.autograd.grad(loss_fn(model, batch), meter.params,
                                                 allow_unused=True)
                 diff = [(torch.zeros_like(p) if g is None else g) - r
-                        for g, p, r in zip(grads, numerics.params, ref.grads[b])]
+                        for g, p, r in zip(grads, meter.params, ref.grads[b])]
                 diff_sq += torch.stack(torch._foreach_norm(diff)).double().square()
                 total = diff if total is None else [t + d for t, d in zip(total, diff)]
         finally:
@@ -177,26 +177,26 @@ def test_fp16_gradients_read_as_they_arrive_back_off_as_the_whole_set_did(gpt2_b
     loss_fn = lambda m, b: m(**b).loss  # noqa: E731
     batches = [gpt2_batch, {k: v.flip(0) for k, v in gpt2_batch.items()},
                {k: v.roll(1, 0) for k, v in gpt2_batch.items()}]
-    numerics = DeviationMeter(model, batches, loss_fn, seed=5)
-    ref = numerics.reference()
+    meter = DeviationMeter(model, batches, loss_fn, seed=5)
+    ref = meter.reference()
     policy = Policy(default="fp32", layers={"transformer.h.*": "fp16"},
                     loss_scaling=LossScaling(init_scale=2.0 ** 30))
-    got = numerics.compare(policy, bias=True)
+    got = meter.compare(policy, bias=True)
     rewrite.apply(model, policy, strict=False)
-    diff_sq, total, scales = torch.zeros(len(numerics.params), dtype=torch.float64), None, []
+    diff_sq, total, scales = torch.zeros(len(meter.params), dtype=torch.float64), None, []
     try:
         for b, batch in enumerate(batches):
             # the 16-bit GEMMs emulated where compare emulates them (fp16 on a CPU without
             # fp16 units: a native CPU fp16 matmul rounds differently)
-            with torch.random.fork_rng(devices=[]), emulating(numerics.emulated):
+            with torch.random.fork_rng(devices=[]), emulating(meter.emulated):
                 torch.manual_seed(5 + b)
                 loss = loss_fn(model, batch)
             scale = 2.0 ** 30
             while True:
-                grads = torch.autograd.grad(loss * scale, numerics.params, allow_unused=True,
+                grads = torch.autograd.grad(loss * scale, meter.params, allow_unused=True,
                                             retain_graph=True)
                 grads = [torch.zeros_like(p) if g is None else g
-                         for g, p in zip(grads, numerics.params)]
+                         for g, p in zip(grads, meter.params)]
                 if all(bool(torch.isfinite(g).all()) for g in grads):
                     break
                 scale /= 2

@@ -4,6 +4,8 @@ and then precision among ties, and says when the machine is too noisy to decide.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from test_timer import BurstyMachine
 
@@ -42,6 +44,9 @@ class FakeEvaluator:
 
     def consistent(self, ratio, predicted):
         return predicted is None or ratio.low / 1.25 <= predicted <= ratio.high * 1.25
+
+    def timing_steps(self):
+        return contextlib.nullcontext()  # no model to put back
 
 
 def _finalists(true: dict) -> list[Finalist]:

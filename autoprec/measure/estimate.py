@@ -354,7 +354,7 @@ class _Watch:
         self.est, self.name, self.module, self.fmts = est, name, module, fmts
         self.mine = mine
         self.pinned = pinned
-        self.params = [est.numerics.leaf(p) for p in module.parameters() if p.requires_grad]
+        self.params = [est.meter.leaf(p) for p in module.parameters() if p.requires_grad]
         self.own = [i for i, p in enumerate(self.params) if id(p) in own]
         self.calls: list[_Call] = []
         # (batch, probe) -> that probe pass's calls, in order
@@ -436,9 +436,9 @@ class _Estimator:
     probe pass), which batch, the probes' parameter gradients and curvature, and the local
     re-runs."""
 
-    def __init__(self, numerics: DeviationMeter, loss_scale: float,
+    def __init__(self, meter: DeviationMeter, loss_scale: float,
                  progress: Callable[[str], None] | None, n_probes: int):
-        self.numerics = numerics
+        self.meter = meter
         self.loss_scale = loss_scale
         self.progress = progress
         self.n_probes = n_probes
@@ -447,9 +447,9 @@ class _Estimator:
         self.local = False  # a layer's local re-runs are running
         self.batch = 0
         self.watches: dict[str, _Watch] = {}
-        params = numerics.params
+        params = meter.params
         self.index = {id(p): i for i, p in enumerate(params)}
-        stored = numerics.shards  # where the values are (each rank's part under FSDP2)
+        stored = meter.shards  # where the values are (each rank's part under FSDP2)
         sq = torch.tensor([_sq(shards.local(p)) for p in stored], dtype=torch.float64,
                           device=shards.local(stored[0]).device)
         total = math.fsum(shards.summed_each(sq, stored).tolist())
@@ -487,7 +487,7 @@ class _Estimator:
         moved along each probe's direction, then put back bit for bit. A pass records each
         watched call's inputs and output gradients; no parameter gradient is kept: each
         layer recomputes its own where the reference reaches it (:meth:`_probe_grads`)."""
-        stored = [shards.local(p) for p in self.numerics.shards]
+        stored = [shards.local(p) for p in self.meter.shards]
         keep = [p.detach().clone() for p in stored]
         self.z_states, self.delta, self.local_ref, self.plus = [], {}, {}, []
         try:
@@ -499,12 +499,12 @@ class _Estimator:
                     p.copy_(w)
 
     def _probe_pass(self, b: int, k: int, keep: list[torch.Tensor]) -> list:
-        numerics, params = self.numerics, self.numerics.params
+        meter, params = self.meter, self.meter.params
         gens: dict[torch.device, torch.Generator] = {}
-        seed = (numerics.seed * 1_000_003 + b * 1_009 + k) % 2**63
+        seed = (meter.seed * 1_000_003 + b * 1_009 + k) % 2**63
         states = []
         with torch.no_grad():
-            for p, w in zip(numerics.shards, keep):  # each drawn whole, its shard moved
+            for p, w in zip(meter.shards, keep):  # each drawn whole, its shard moved
                 gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
                 states.append(gen.get_state())
                 z = shards.local(shards.like(_direction(p, gen), p))
@@ -512,9 +512,9 @@ class _Estimator:
         self.probing, self.batch, self.reached = k, b, []
         self.plus.append({})
         try:
-            torch.manual_seed(numerics.seed + b)
+            torch.manual_seed(meter.seed + b)
             with _Uses(self) if k == 0 else contextlib.nullcontext():
-                loss = numerics.loss_fn(numerics.model, numerics.batches[b])
+                loss = meter.loss_fn(meter.model, meter.batches[b])
             if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
                 return states  # the reference's forward says what is wrong with it
             # only as far as the watched layers' outputs (their hooks keep the gradients) and
@@ -542,7 +542,7 @@ class _Estimator:
 
     def param_hooks(self) -> list:
         return [p.register_hook(partial(self._param_grad, i))
-                for i, p in enumerate(self.numerics.params)]
+                for i, p in enumerate(self.meter.params)]
 
     def index_users(self) -> None:
         """Which watched layers hold each parameter (only those can round it), and which of
@@ -602,7 +602,7 @@ class _Estimator:
             self._fold(i, self.pending.pop(i))
 
     def _fold(self, i: int, t2: torch.Tensor) -> None:
-        p = self.numerics.params[i]
+        p = self.meter.params[i]
         if p.untyped_storage().size() == 0:  # FSDP2 sharded its unit again: not weighed here
             self.doubtful.add(i)
             return
@@ -630,15 +630,15 @@ class _Estimator:
         call.done = True
         was = self.capturing
         self.capturing, self.local = False, True
-        prev = rewrite.applied_policy(self.numerics.model)
+        prev = rewrite.applied_policy(self.meter.model)
         try:
             with torch.enable_grad():
                 self._process(watch, call)
         finally:
             if prev is not None:
-                rewrite.apply(self.numerics.model, prev, strict=False)
+                rewrite.apply(self.meter.model, prev, strict=False)
             else:
-                rewrite.remove(self.numerics.model)
+                rewrite.remove(self.meter.model)
             self.capturing, self.local = was, False
             call.args = call.kwargs = None  # drop the refs: this call is done
         self.fold_ready()  # this layer's roundings are known now
@@ -646,7 +646,7 @@ class _Estimator:
             self.progress(watch.name)
 
     def _process(self, watch: _Watch, call: _Call) -> None:
-        model = self.numerics.model
+        model = self.meter.model
         rewrite.remove(model)
         ref = self._run(watch, call, None)
         g_out = [call.grads.get(i, torch.zeros_like(t)) for i, t in enumerate(ref[0])]
@@ -663,7 +663,7 @@ class _Estimator:
                 warnings.filterwarnings("ignore", message=r".*can only emulate.*")
                 rewrite.apply(model, policy, strict=False)
             try:
-                with emulating(self.numerics.emulated):  # 16-bit GEMMs the host lacks units for
+                with emulating(self.meter.emulated):  # 16-bit GEMMs the host lacks units for
                     run = self._run(watch, call, fmt, g_out)
             finally:
                 rewrite.remove(model)
@@ -722,7 +722,7 @@ class _Estimator:
         itself where it multiplies no parameter)."""
         if watch.roundings.get(fmt) == {}:
             return ref
-        model = self.numerics.model
+        model = self.meter.model
         mode = _RoundWeights(fmt, self.index, [model.get_submodule(c) for c in watch.pinned])
         out = self._run(watch, call, None, g_out, mode)
         watch.roundings.setdefault(fmt, mode.found)
@@ -855,7 +855,7 @@ def _accumulate(est: Estimate, b: int, runs: tuple, g_out: list, own: list[int],
 
 
 @contextlib.contextmanager
-def estimate_during_reference(numerics: DeviationMeter, names: Sequence[str],
+def estimate_during_reference(meter: DeviationMeter, names: Sequence[str],
                               formats: Mapping[str, Sequence[Format]],
                               pinned: Mapping[str, list[str]], own: Mapping[str, list[int]],
                               *, loss_scale: float = LossScaling().init_scale,
@@ -869,8 +869,8 @@ def estimate_during_reference(numerics: DeviationMeter, names: Sequence[str],
     if probes < 1:
         raise ValueError(f"The gradient-error estimate needs at least one curvature probe, got "
                          f"probes={probes!r}.")
-    model = numerics.model
-    est = _Estimator(numerics, loss_scale, progress, probes)
+    model = meter.model
+    est = _Estimator(meter, loss_scale, progress, probes)
     rank, n_ranks = shards.ranks(model)
     mine = set(names)
     if n_ranks > 1:  # under FSDP2 every rank runs the passes; each re-runs its share of layers
@@ -878,7 +878,7 @@ def estimate_during_reference(numerics: DeviationMeter, names: Sequence[str],
                 * len(formats[x]) for x in names}
         mine = set(shards.divide(_sharing(model, names), cost, n_ranks)[rank])
     for name in names:
-        ids = {id(numerics.params[i]) for i in own[name]}
+        ids = {id(meter.params[i]) for i in own[name]}
         est.watches[name] = _Watch(est, name, model.get_submodule(name), list(pinned[name]),
                                    list(formats[name]), ids, mine=name in mine)
     est.index_users()

@@ -447,7 +447,7 @@ class SensitivityResults(dict):
 class _Plan:
     """One measure_sensitivity call: what it compares, on which layers, and how."""
 
-    numerics: DeviationMeter
+    meter: DeviationMeter
     names: list[str]
     # per layer, its listed descendants (kept FP32 while it is measured) and the indices of
     # the parameters it owns (less theirs)
@@ -459,17 +459,17 @@ class _Plan:
     options: SensitivityOptions
 
     @classmethod
-    def build(cls, numerics: DeviationMeter, model: nn.Module, names: list[str], fmts: list[Format],
+    def build(cls, meter: DeviationMeter, model: nn.Module, names: list[str], fmts: list[Format],
               opts: SensitivityOptions) -> _Plan:
         pinned = {name: [] if opts.include_children else _listed_descendants(name, names)
                   for name in names}
-        own = _own_params(numerics, model, names, pinned)
+        own = _own_params(meter, model, names, pinned)
         only = opts.only
         todo = [(name, fmt) for name in names for fmt in fmts
                 if only is None or name not in only
                 or fmt in {Format.parse(f) for f in only[name]}]
         range_fmts = [f for f in Format if _narrow_range(f) and f in fmts]
-        return cls(numerics, names, pinned, own, todo, range_fmts, opts)
+        return cls(meter, names, pinned, own, todo, range_fmts, opts)
 
     def tick(self, done: int, total: int, label: str) -> None:
         if self.options.progress is not None:
@@ -491,8 +491,8 @@ def _measure_all(model, layers, fmts, calib, fn, seed: int,
                  opts: SensitivityOptions) -> SensitivityResults:
     # the estimates need the reference's gradient norms only; the exact comparisons (all of
     # them in "exact", those near the budget in "auto") run it again with its gradients
-    numerics = DeviationMeter(model, calib, fn, seed=seed, keep_grads=opts.mode == "exact")
-    plan = _Plan.build(numerics, model, _check_layers(model, layers), fmts, opts)
+    meter = DeviationMeter(model, calib, fn, seed=seed, keep_grads=opts.mode == "exact")
+    plan = _Plan.build(meter, model, _check_layers(model, layers), fmts, opts)
     results: dict[str, dict[Format, LayerSensitivity]] = {name: {} for name in plan.names}
     exact_why: dict[str, dict[Format, tuple[str, float]]] = {}
     if opts.mode != "exact":
@@ -504,7 +504,7 @@ def _measure_all(model, layers, fmts, calib, fn, seed: int,
         outputs = {name: None for name in plan.names}
     else:
         todo = plan.todo
-        outputs, ranges = _reference(numerics, plan.names, plan.range_fmts,
+        outputs, ranges = _reference(meter, plan.names, plan.range_fmts,
                                      opts.include_children)
         plan.tick(1, 1 + len(todo), "fp32 reference")
     for done, (name, fmt) in enumerate(todo, start=2):
@@ -516,13 +516,13 @@ def _measure_all(model, layers, fmts, calib, fn, seed: int,
     return SensitivityResults(results, exact_why)
 
 
-def _own_params(numerics, model, names, pinned) -> dict[str, list[int]]:
+def _own_params(meter, model, names, pinned) -> dict[str, list[int]]:
     """Per layer, the indices of the parameters it owns (less its listed descendants')."""
     own = {}
     for name in names:
         theirs = {id(p) for child in pinned[name]
                   for p in model.get_submodule(child).parameters()}
-        own[name] = numerics.index_of(p for p in model.get_submodule(name).parameters()
+        own[name] = meter.index_of(p for p in model.get_submodule(name).parameters()
                                       if id(p) not in theirs)
     return own
 
@@ -550,13 +550,13 @@ def check_sensitivity_mode(mode: str) -> None:
 def _estimate_all(plan: _Plan) -> tuple[dict, dict]:
     """Every pair of the plan estimated to first order during the FP32 reference pass, with
     the range statistics of that pass."""
-    numerics, names = plan.numerics, plan.names
+    meter, names = plan.meter, plan.names
     if any(name == "" for name in names):
         raise ValueError("The first-order estimate is per layer; measure the whole model "
                          "(layer '') with mode='exact'.")
     fmts_for = {name: [f for n, f in plan.todo if n == name] for name in names}
     # each layer is estimated once per calibration batch, as the reference pass reaches it
-    n_batches = len(numerics.batches)
+    n_batches = len(meter.batches)
     total, seen = len(names) * n_batches, dict.fromkeys(names, 0)
 
     def tick(name: str) -> None:
@@ -564,13 +564,13 @@ def _estimate_all(plan: _Plan) -> tuple[dict, dict]:
         plan.tick(min(sum(seen.values()), total), total,
                   f"{name} (first-order estimate, batch {min(seen[name], n_batches)}/{n_batches})")
 
-    with estimate_during_reference(numerics, names, fmts_for, plan.pinned, plan.own,
+    with estimate_during_reference(meter, names, fmts_for, plan.pinned, plan.own,
                                    loss_scale=plan.options.loss_scale,
                                    progress=tick) as (around, results):
-        _, ranges = _reference(numerics, names, plan.range_fmts, plan.options.include_children,
+        _, ranges = _reference(meter, names, plan.range_fmts, plan.options.include_children,
                                keep_outputs=False, extra=around)
         estimates = results()
-    ref = numerics.reference()
+    ref = meter.reference()
     total_sq = math.fsum(float(g.sum()) for g in ref.grad_sq)
     out = {}
     for name in names:
@@ -664,19 +664,19 @@ def _listed_descendants(name: str, names: Sequence[str]) -> list[str]:
     return [n for n in names if n != name and n.startswith(prefix)]
 
 
-def _reference(numerics: DeviationMeter, names: list[str], range_fmts: list[Format],
+def _reference(meter: DeviationMeter, names: list[str], range_fmts: list[Format],
                subtree: bool, *, keep_outputs: bool = True,
                extra: Callable[[int], Any] | None = None) -> tuple[dict[str, list], dict[str, dict]]:
     """The FP32 reference, with probes on every listed layer: each layer's outputs per batch
     (unless not ``keep_outputs``), and per layer and range format (act_overflow,
     act_underflow, grad_overflow, grad_underflow). ``extra(b)``: another context around batch
     ``b``'s forward (the first-order estimate's hooks)."""
-    model = numerics.model
+    model = meter.model
     active: list[_ReferenceProbe] = []
     probes = {n: _ReferenceProbe(model.get_submodule(n), range_fmts, active, keep_outputs)
               for n in names}
     # the parameters as calls see them (under FSDP2 the unsharded ones, not the shards)
-    params = {id(p) for p in (*model.parameters(), *numerics.params)}
+    params = {id(p) for p in (*model.parameters(), *meter.params)}
     counter = _RoundedCallCounter(active, params, subtree) if range_fmts else \
         contextlib.nullcontext()
 
@@ -690,7 +690,7 @@ def _reference(numerics: DeviationMeter, names: list[str], range_fmts: list[Form
             probe.end_batch()
 
     try:
-        numerics.reference(around=around)
+        meter.reference(around=around)
     finally:
         for probe in probes.values():
             probe.close()
@@ -711,7 +711,7 @@ def _measure_one(plan: _Plan, name: str, fmt: Format, ref_outputs: list | None,
 
 def _measure(plan: _Plan, name: str, fmt: Format, ref_outputs: list | None,
              ranges: tuple | None, sqnr_db: float | None) -> LayerSensitivity:
-    numerics, own = plan.numerics, plan.own[name]
+    meter, own = plan.meter, plan.own[name]
     loss_scaling = LossScaling(init_scale=plan.options.loss_scale)
     keep_fp32 = {child: Format.FP32 for child in plan.pinned[name]}
     # FP8 numerics on autoprec's own engine whatever is installed: torchao's computes the same
@@ -722,14 +722,14 @@ def _measure(plan: _Plan, name: str, fmt: Format, ref_outputs: list | None,
               else Policy(default=Format.FP32, layers={name: fmt, **keep_fp32},
                           loss_scaling=loss_scaling, fp8_engine="autoprec"))
     if ref_outputs is None:
-        dev: Deviation = numerics.compare(policy)
+        dev: Deviation = meter.compare(policy)
         sqnr_finite = sqnr_db is None or not math.isnan(sqnr_db)
         db = math.nan if sqnr_db is None else sqnr_db
     else:
-        probe = _OutputProbe(numerics.model.get_submodule(name))
+        probe = _OutputProbe(meter.model.get_submodule(name))
         sqnr = _SQNR(name, fmt, ref_outputs)
         try:
-            dev = numerics.compare(policy, after_forward=lambda b: sqnr.add(b, probe.take()))
+            dev = meter.compare(policy, after_forward=lambda b: sqnr.add(b, probe.take()))
         finally:
             probe.handle.remove()
         sqnr_finite, db = sqnr.finite, sqnr.db()

@@ -5,17 +5,17 @@ price for a ``target``)."""
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import math
 import statistics
 import warnings
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
-from autoprec._util import class_name, move_to
+from autoprec._util import class_name, model_state, move_to
 from autoprec.fingerprint import model_fingerprint
 from autoprec.formats import Format
 from autoprec.measure.deviation import Deviation, DeviationMeter, prepare_for_measurement
@@ -53,8 +53,9 @@ class Timed:
 
 
 class Evaluator:
-    """Holds the measurement copy of the task's model, the FP32 reference on the held-out
-    batches and, when measuring, a timing copy and the fp32 step time; evaluates policies."""
+    """Holds the task's model as the tune built it, the FP32 reference on the held-out batches
+    and, when measuring, a step timer on the same model and the fp32 step time; evaluates
+    policies."""
 
     def __init__(self, task: Task, holdout: Sequence[Any], *, prof: Profile,
                  target: str | None, timing: TimingConfig, model: nn.Module | None = None,
@@ -75,7 +76,7 @@ class Evaluator:
         model = prepare_for_measurement(model if model is not None else task.build_model())
         self.fingerprint = model_fingerprint(model)
         self.model_name = class_name(model)
-        self.numerics = DeviationMeter(model, [move_to(b, task.device) for b in holdout],
+        self.meter = DeviationMeter(model, [move_to(b, task.device) for b in holdout],
                                  task.loss_fn or default_loss, seed=task.seed,
                                  per_batch=recompute)
         self.steps: StepTimer | None = None
@@ -84,7 +85,7 @@ class Evaluator:
         # search, as the trials' own fp32 anchors saw it
         self.fp32_drift: list[float] = []
         if self.source.measured:
-            self.steps = StepTimer(copy.deepcopy(model), task.example_batch(),
+            self.steps = StepTimer(model, task.example_batch(),
                                    task.loss_fn or default_loss, task.make_optimizer,
                                    device=task.device)
         self.fp32_seconds = self._calibrate()
@@ -94,16 +95,28 @@ class Evaluator:
         sees it (before the search)."""
         if self.steps is None:
             return self.prof.estimate_step(expand(FP32, self.prof), self.target)
-        # the fp32 step time every trial is scaled by must not be a cold process's
-        self.steps.settle()
-        if self.reference_only:
-            run = self.steps.runner(FP32)  # warm: settle() ran fp32 steps
-            return statistics.median(run() for _ in range(3))
-        check = Comparison({"fp32": self.steps.runner(FP32), "fp32 again": self.steps.runner(FP32)},
-                           "fp32", repeats=self.timing.repeats, seed=self.task.seed)
-        check.run(max(6, self.timing.final_rounds), warmup=True)
+        with self.timing_steps():
+            # the fp32 step time every trial is scaled by must not be a cold process's
+            self.steps.settle()
+            if self.reference_only:
+                run = self.steps.runner(FP32)  # warm: settle() ran fp32 steps
+                return statistics.median(run() for _ in range(3))
+            check = Comparison({"fp32": self.steps.runner(FP32),
+                                "fp32 again": self.steps.runner(FP32)},
+                               "fp32", repeats=self.timing.repeats, seed=self.task.seed)
+            check.run(max(6, self.timing.final_rounds), warmup=True)
         self.aa = check.ratio("fp32 again")
         return check.seconds("fp32")
+
+    @contextlib.contextmanager
+    def timing_steps(self) -> Iterator[None]:
+        """Training steps timed on the model the numerics are compared on: afterwards its
+        weights, buffers and gradients are as before. The timed optimizer runs at learning
+        rate 0, but a user's optimizer may still move weights (weight decay outside the
+        learning rate, a NaN times 0), so the values wait outside the device's memory meanwhile
+        (:func:`~autoprec._util.model_state`), not in a second copy of the model."""
+        with model_state(self.steps.model, spill=True):
+            yield
 
     @property
     def noise(self) -> float | None:
@@ -122,7 +135,7 @@ class Evaluator:
         """``policy`` against FP32 on the held-out batches, the gradient bias included."""
         if self.announce is not None:
             self.announce(policy)
-        return self.numerics.compare(policy, bias=True)
+        return self.meter.compare(policy, bias=True)
 
     # ---------------------------------------------------------------- time
     def predicted_ratio(self, policy: Policy) -> float | None:
@@ -170,11 +183,12 @@ class Evaluator:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*can only emulate.*")
             cmp = self.comparison({"trial": policy}, repeats=self.timing.trial_repeats)
-            cmp.run(self.timing.trial_rounds)
-            ratio = cmp.ratio("trial")
-            if not self.consistent(ratio, predicted) and self.timing.recheck_rounds:
-                cmp.run(self.timing.recheck_rounds)
+            with self.timing_steps():
+                cmp.run(self.timing.trial_rounds)
                 ratio = cmp.ratio("trial")
+                if not self.consistent(ratio, predicted) and self.timing.recheck_rounds:
+                    cmp.run(self.timing.recheck_rounds)
+                    ratio = cmp.ratio("trial")
         self.fp32_drift.append(cmp.seconds("fp32") / self.fp32_seconds)
         return Timed(ratio, ratio.value * self.fp32_seconds, predicted,
                      not self.consistent(ratio, predicted))

@@ -46,7 +46,7 @@ def lead(ev: Any, search: Callable[[], Any]) -> Any:
     """Rank 0's search (``search()``) on ``ev``, an :class:`~autoprec.tuning.evaluate.Evaluator`
     of a sharded model: each comparison it runs is announced first, so the other ranks
     (:func:`follow`) run it beside rank 0; its result, or its error, ends theirs."""
-    model = ev.numerics.model
+    model = ev.meter.model
     if shards.ranks(model)[1] > 1:
         ev.announce = lambda policy: shards.broadcast(("deviation", policy), model)
     return decided(model, search)

@@ -126,7 +126,7 @@ def select(ev: Evaluator, finalists: list[Finalist], warms: Sequence[int], cfg: 
         return _select_priced(ev, finalists, warms)
     if ev.reference_only:
         return _select_reference(ev, finalists, warms)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), ev.timing_steps():
         warnings.filterwarnings("ignore", message=".*can only emulate.*")
         cmp = ev.comparison({f.number: f.policy for f in finalists}, aa=True)
         cmp.run(cfg.final_rounds, warmup=True)

@@ -392,11 +392,11 @@ class _Objective:
         # every trial's predicted peak memory (reported; a constraint under max_memory),
         # calibrated on the evaluator's model; none for a sharded model (one process's step)
         self.memory, self.memory_start = None, None
-        if not shards.is_sharded(ev.numerics.model):
+        if not shards.is_sharded(ev.meter.model):
             self._calibrate_memory(config.max_memory)
 
     def _calibrate_memory(self, limit: int | None) -> None:
-        self.memory = memory_model(self.ev.task, self.ev.prof, self.ev.numerics.model)
+        self.memory = memory_model(self.ev.task, self.ev.prof, self.ev.meter.model)
         self.memory_start = memory_warm_start(self.memory, self.space)
         if limit is not None and self.memory_start[2] > limit:
             raise ValueError(f"No policy fits --max-memory {format_size(limit)}: the smallest "
@@ -700,7 +700,7 @@ def _decide(handle: StudyHandle, task: Task, ev: Evaluator, space: SearchSpace,
                         units=space.units, selection=sel)
     result.policy = with_provenance(policy, provenance(
         task, result, config.budget, config.target, ev.prof,
-        bias_batches=len(ev.numerics.batches), at=config.budget_at))
+        bias_batches=len(ev.meter.batches), at=config.budget_at))
     return result
 
 

@@ -1,0 +1,86 @@
+"""A tune holds one model (issue 38, item 1): the step timer and the memory model measure on the
+model the numerics are compared on, not on copies of it, and leave it as it was."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from tasks import tiny_gpt2_task
+from torch import nn
+
+from autoprec import Policy
+from autoprec.memory import memory_model
+from autoprec.profiling import profile
+from autoprec.tuning.config import TimingConfig
+from autoprec.tuning.evaluate import Evaluator
+
+
+class MovesAtZeroLr(torch.optim.Optimizer):
+    """A user's optimizer whose step moves every weight whatever its learning rate (a decay of
+    its own): the step timer's learning rate 0 does not keep the weights put."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 1e-3})
+        self.steps = 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.steps += 1
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.mul_(0.9)
+
+
+@pytest.fixture
+def no_model_copies(monkeypatch):
+    """``copy.deepcopy`` of an ``nn.Module`` fails the test (anything else copies as usual)."""
+    real = copy.deepcopy
+
+    def deepcopy(x, memo=None, _nil=[]):  # noqa: B006 - copy.deepcopy's own signature
+        if isinstance(x, nn.Module):
+            raise AssertionError(f"a copy of the whole model ({type(x).__name__})")
+        return real(x, memo, _nil)
+
+    monkeypatch.setattr(copy, "deepcopy", deepcopy)
+
+
+def _params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_the_step_timer_times_the_compared_model_and_puts_back_what_its_steps_moved(
+        no_model_copies):
+    task = dataclasses.replace(tiny_gpt2_task(), optimizer=MovesAtZeroLr)
+    prof = profile(task, target="cpu-amx", progress=False)
+    ev = Evaluator(task, task.batches[2:], prof=prof, target=None,
+                   timing=TimingConfig(final_rounds=2, trial_rounds=2, recheck_rounds=0))
+    model = ev.meter.model
+    assert ev.steps.model is model
+    assert ev.steps.optimizer.steps > 0  # the fp32 calibration stepped it
+    before = _params(model)
+    fp32 = Policy(default="fp32")
+    assert ev.deviation(fp32).loss_rel_change == 0.0
+    stepped = ev.steps.optimizer.steps
+    ev.time(Policy(default="bf16"))
+    assert ev.steps.optimizer.steps > stepped
+    after = _params(model)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert all(p.grad is None for p in model.parameters())
+    # the reference the trials are compared with is the one before the timing
+    dev = ev.deviation(fp32)
+    assert dev.loss_rel_change == 0.0 and dev.grad_rel_error == 0.0
+
+
+def test_the_memory_model_captures_and_measures_on_the_model_it_is_given(no_model_copies):
+    task = tiny_gpt2_task()
+    task = dataclasses.replace(task, shape_batch=task.batches[0])  # captured again
+    model = task.build_model()
+    before = _params(model)
+    mm = memory_model(task, None, model)
+    assert mm.predict(Policy(default="bf16")) > 0
+    after = _params(model)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert not model._forward_hooks and not model._forward_pre_hooks
