@@ -63,6 +63,7 @@ import contextlib
 import enum
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -95,6 +96,9 @@ __all__ = [
     "FORMAT_ORDER",
     "FP8_RECIPES",
     "FP8_FORMATS",
+    "GROUPS",
+    "format_group",
+    "in_group",
     "expand_formats",
 ]
 
@@ -477,12 +481,16 @@ def register(numerics: Numerics, attribute: str | None = None) -> Format:
     """The one factory of formats: make ``numerics`` a Format (``Format(numerics.name)``,
     parsed from its name and label), optionally bound as ``Format.<attribute>``. The emulation
     and engines must have kernels for its GEMMs (each GEMM's scaling says which it has:
-    :meth:`autoprec.scaling.Scaling.has_kernel`); a name already taken is an error, and so is
-    a name with ``/`` (the spelling of a per-GEMM mix: :func:`per_gemm` makes those)."""
+    :meth:`autoprec.scaling.Scaling.has_kernel`); a name already taken (or ``scaled``, a group
+    word: :data:`GROUPS`) is an error, and so is a name with ``/`` (the spelling of a per-GEMM
+    mix: :func:`per_gemm` makes those)."""
     taken = [s for s in (numerics.name, numerics.label) if s in _SPELLINGS]
     if taken:
         raise ValueError(f"Format {quoted(taken[0])} is already registered; give the new format "
                          "another name.")
+    if any(s in GROUPS for s in (numerics.name, numerics.label)):
+        raise ValueError(f"Format {quoted(numerics.name)}: {', '.join(GROUPS)} are group words "
+                         "(each stands for several formats); give the new format another name.")
     if "/" in numerics.name or "/" in numerics.label:
         raise ValueError(f"Format {quoted(numerics.name)}: a name with '/' spells a per-GEMM "
                          "mix (fwd/dgrad/wgrad), which per_gemm makes; give the format another "
@@ -691,17 +699,47 @@ BLOCK_FORMATS: tuple[Format, ...] = tuple(f for f in FORMAT_ORDER
                                           if f.numerics.is_block_scaled)
 
 
+# The words that stand for a group of formats wherever a set of formats is written (the
+# formats a tune or profile considers, a phase's `formats:` key, GuardConfig.formats), with the
+# same meaning in each. Where one format is wanted, `fp8` alone is the policy's FP8 recipe.
+GROUPS: dict[str, str] = {
+    "fp8": "every FP8 recipe (fp8:tensorwise, fp8:rowwise, ...)",
+    "scaled": "every scaled format: the FP8 recipes, mxfp8, nvfp4 and any registered one",
+}
+
+
+def in_group(fmt: Format, word: str) -> bool:
+    """Whether the group word ``word`` (:data:`GROUPS`) stands for ``fmt`` (a per-GEMM mix
+    included: a mix is scaled when one of its GEMMs is)."""
+    if word == "fp8":
+        return fmt.recipe is not None
+    if word == "scaled":
+        return fmt.is_scaled
+    raise ValueError(f"{quoted(word)} is not a group word; the group words are "
+                     f"{', '.join(GROUPS)}.")
+
+
+def format_group(word: Any) -> tuple[Format, ...] | None:
+    """The registered formats that the group word ``word`` stands for (:data:`GROUPS`), or
+    None when it is none. A :class:`Format` is never a group: ``Format.FP8`` is the
+    tensorwise recipe, though it is the string "fp8"."""
+    if not isinstance(word, str) or isinstance(word, Format):
+        return None
+    text = word.strip().lower()
+    if text not in GROUPS:
+        return None
+    return tuple(f for f in Format.registered() if in_group(f, text))
+
+
 def expand_formats(values, *, where: str = "") -> tuple[Format, ...]:
     """The formats named by ``values``, in registration order (FORMAT_ORDER first), without
-    repeats; a bare ``fp8`` means every FP8 recipe (``fp8:tensorwise`` alone is written so).
-    A :class:`Format` is itself (``Format.FP8`` is tensorwise, though it is the string "fp8"),
-    so expanding formats already expanded changes nothing."""
+    repeats; a group word (:data:`GROUPS`: ``fp8``, ``scaled``) stands for its formats, and
+    ``fp8:tensorwise`` alone is written so. A :class:`Format` is itself, so expanding formats
+    already expanded changes nothing."""
     wanted: set[Format] = set()
     for v in values:
-        if isinstance(v, str) and not isinstance(v, Format) and v.strip().lower() == "fp8":
-            wanted.update(f for f in Format if f.recipe is not None)
-        else:
-            wanted.add(Format.parse(v, where=where))
+        group = format_group(v)
+        wanted.update(group if group is not None else (Format.parse(v, where=where),))
     return tuple(f for f in Format if f in wanted)
 
 

@@ -12,9 +12,13 @@ phases:                           # later phases; the policy above is the first 
 ```
 
 A phase's policy is the first phase's with every format of ``default`` and ``layers`` mapped
-through ``formats`` (the key ``fp8`` stands for every FP8 recipe, ``fp8:rowwise`` for one),
-then ``layers`` added. The map applies to the *policy's entries*, so a layer that inherits its
-parent's format follows its parent's mapped entry, as it would in the file.
+through ``formats``, then ``layers`` added. A key is a format or a group word as in every set
+of formats (:data:`autoprec.formats.GROUPS`): ``fp8`` stands for every FP8 recipe, ``scaled``
+for every scaled format (the FP8 recipes, mxfp8, nvfp4); a format's own key wins over ``fp8``,
+and ``fp8`` over ``scaled``. Policy files of schema 3 and older meant every scaled format by
+``fp8`` here: they read as if they said ``scaled``. The map applies to the *policy's
+entries*, so a layer that inherits its parent's format follows its parent's mapped entry, as
+it would in the file.
 
 Where a phase starts: ``from_step: N`` (after N optimizer steps, N >= 1) or
 ``from_fraction: F`` (0 < F < 1: after ``floor(F * total + 1/2)`` of the run's ``total``
@@ -34,7 +38,7 @@ from typing import Any
 import torch
 
 from autoprec._util import MAX_INT, brief, quoted, shown
-from autoprec.formats import FP4_E2M1, Format
+from autoprec.formats import FP4_E2M1, Format, format_group, in_group
 
 __all__ = ["Phase", "parse_phases", "phase_starts", "phase_index", "FINAL_FORMATS", "final_phase",
            "kept_for_range"]
@@ -60,8 +64,8 @@ class Phase:
     from_step: int | None = None
     # Share of the run's steps done when it starts (0 < F < 1); or None with from_step.
     from_fraction: float | None = None
-    # Format -> format; the key "fp8" means every scaled format, the FP8 recipes and the
-    # block-scaled ones (a format's own key wins).
+    # Format -> format; a key is a format's label or a group word (fp8: every FP8 recipe;
+    # scaled: every scaled format); a format's own key wins, then fp8, then scaled.
     formats: Mapping[str, Format] = field(default_factory=dict)
     # Layer entries of this phase, over the mapped ones (patterns as in `layers`).
     layers: Mapping[str, Format] = field(default_factory=dict)
@@ -109,11 +113,10 @@ class Phase:
 
     def maps(self, fmt: Format) -> Format:
         """What a layer the first phase puts in ``fmt`` computes in during this phase."""
-        own = self.formats.get(fmt.label)
-        if own is not None:
-            return own
-        if fmt.is_scaled:
-            return self.formats.get("fp8", fmt)
+        for key in (fmt.label, "fp8", "scaled"):
+            to = self.formats.get(key)
+            if to is not None and (key == fmt.label or in_group(fmt, key)):
+                return to
         return fmt
 
     def to_dict(self, spell: Callable[[Format], str]) -> dict[str, Any]:
@@ -134,12 +137,12 @@ class Phase:
 
 
 def _format_key(key: Any, fp8_recipe: str, where: str) -> str:
-    """A `formats:` key as stored: ``fp8`` (every recipe) or a format's label."""
+    """A `formats:` key as stored: a group word (``fp8``, ``scaled``) or a format's label."""
     if not isinstance(key, str):
         raise ValueError(f"a `formats` key must be a format name, got {brief(key)}{where}")
     text = key.strip().lower()
-    if text == "fp8":
-        return "fp8"
+    if format_group(text) is not None:
+        return text
     return Format.parse(text, where=f"as a `formats` key{where}", fp8_recipe=fp8_recipe).label
 
 
@@ -246,7 +249,7 @@ def final_phase(fraction: float, target: Format | str, used: set[Format]) -> Pha
                    key=lambda f: f.label)
     if not lower:
         return None
-    formats = {("fp8" if f.is_scaled else f.label): target for f in lower}
+    formats = {("scaled" if f.is_scaled else f.label): target for f in lower}
     return Phase(from_fraction=fraction, formats=formats, name="final")
 
 

@@ -1,4 +1,4 @@
-"""The precision policy: which format each layer computes in, as a YAML file (schema 2; 3 with phases).
+"""The precision policy: which format each layer computes in, as a YAML file (schema 2; 4 with phases).
 
 ```yaml
 autoprec: 2                     # schema version (version 1 files read unchanged)
@@ -13,8 +13,8 @@ loss_scaling: {init_scale: 65536, growth_interval: 2000}
 tuned: {...}                    # provenance written by `tune`; informational
 ```
 
-A policy may also say how its formats change over the run (``phases:``, schema 3; see
-:mod:`autoprec.phases`), e.g. ``phases: [{from_fraction: 0.9, formats: {fp8: bf16}}]``.
+A policy may also say how its formats change over the run (``phases:``, schema 4; see
+:mod:`autoprec.phases`), e.g. ``phases: [{from_fraction: 0.9, formats: {scaled: bf16}}]``.
 
 Patterns (:mod:`autoprec.globs`): ``*`` matches within one dotted component, ``**`` across
 components, ``?`` one character (not a dot); matched in linear time, at most MAX_PATTERN_CHARS
@@ -93,9 +93,13 @@ __all__ = [
 # files read unchanged (their `fp8` is tensorwise, the only recipe version 1 had).
 # Version 3 added `phases` (written only by policies that have phases, so that a policy
 # without them still reads in an autoprec that knows version 2).
-SCHEMA_VERSION = 3
+# Version 4 gave a phase's `formats:` key `fp8` the meaning it has in every set of formats,
+# every FP8 recipe, and added the key `scaled` (every scaled format); a version 3 file's `fp8`
+# key meant every scaled format, so it reads as `scaled`.
+SCHEMA_VERSION = 4
 _PLAIN_VERSION = 2
-_READABLE_VERSIONS = (1, 2, 3)
+_READABLE_VERSIONS = (1, 2, 3, 4)
+_OLD_PHASE_KEYS = 3  # the last version whose phase key `fp8` meant every scaled format
 FP8_ENGINES = ("auto", "torchao", "autoprec")
 
 _TOP_KEYS = ("autoprec", "model", "default", "layers", "fp8", "loss_scaling", "phases", "tuned")
@@ -810,7 +814,8 @@ class Policy:
                        model_name=model.get("name"), fingerprint=model.get("fingerprint"),
                        fp8_recipe=fp8.get("recipe", "tensorwise"),
                        fp8_engine=fp8.get("engine", "auto"), loss_scaling=loss_scaling,
-                       tuned=tuned, phases=phases or (), source=source, lines=lines)
+                       tuned=tuned, phases=_read_as_now(phases, data["autoprec"], where("phases")) or (),
+                       source=source, lines=lines)
         except ValueError as e:
             raise PolicyError(str(e)) from None
 
@@ -827,7 +832,31 @@ def _check_version(data: Mapping[str, Any], where: Callable[[str], str]) -> None
                           f"{', '.join(map(str, _READABLE_VERSIONS))}. Upgrade autoprec or "
                           "regenerate the policy.")
     if data.get("phases") is not None and version < 3:
-        raise PolicyError(f"`phases`{where('phases')} needs schema 3: write `autoprec: 3`.")
+        raise PolicyError(f"`phases`{where('phases')} needs schema {SCHEMA_VERSION}: write "
+                          f"`autoprec: {SCHEMA_VERSION}`.")
+
+
+def _read_as_now(phases: Any, version: int, at: str) -> Any:
+    """A file's ``phases:`` as this schema reads them: in a version 3 file, a phase's
+    ``formats:`` key ``fp8`` meant every scaled format, which is now written ``scaled``, a key
+    version 3 did not have (anything malformed is left for the phases' own checks)."""
+    if version > _OLD_PHASE_KEYS or not isinstance(phases, list):
+        return phases
+    out = []
+    for phase in phases:
+        keys = phase.get("formats") if isinstance(phase, Mapping) else None
+        if isinstance(keys, Mapping):
+            words = [k.strip().lower() if isinstance(k, str) else k for k in keys]
+            if "scaled" in words:
+                raise PolicyError(f"A phase's `formats:` key `scaled` needs schema "
+                                  f"{SCHEMA_VERSION}{at} (in schema {version}, `fp8` meant every "
+                                  f"scaled format): write `autoprec: {SCHEMA_VERSION}`.")
+            renamed = {("scaled" if w == "fp8" else k): v
+                       for k, w, v in zip(keys, words, keys.values())}
+            if len(renamed) == len(keys):  # else `fp8` twice: the phases' check says so
+                phase = {**phase, "formats": renamed}
+        out.append(phase)
+    return out
 
 
 def _plain(value: Any) -> Any:

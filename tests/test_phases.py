@@ -5,6 +5,7 @@ phase's policy at that step computes."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -161,7 +162,7 @@ def test_phases_round_trip_and_mean_the_first_phase_mapped(tmp_path):
     path = tmp_path / "p.yaml"
     policy.save(path)
     text = path.read_text()
-    assert text.startswith("# autoprec precision policy (schema 3)") and "from_fraction: 0.9" in text
+    assert text.startswith("# autoprec precision policy (schema 4)") and "from_fraction: 0.9" in text
     back = load_policy(path)
     assert back == policy
     one, two = back.phase(1), back.phase(2)
@@ -207,7 +208,7 @@ def test_bad_phases_are_one_line_errors_naming_the_file_and_phase(tmp_path, phas
 def test_phases_in_a_schema_2_file_are_refused_with_the_fix(tmp_path):
     path = tmp_path / "old.yaml"
     path.write_text("autoprec: 2\ndefault: fp8\nphases: [{from_step: 3, default: bf16}]\n")
-    with pytest.raises(PolicyError, match="needs schema 3: write `autoprec: 3`"):
+    with pytest.raises(PolicyError, match="needs schema 4: write `autoprec: 4`"):
         load_policy(path)
 
 
@@ -397,7 +398,7 @@ def test_a_final_phase_maps_every_format_below_its_own():
     policy = Policy(default="bf16", layers={"a": "fp8", "b": "fp8:rowwise", "c": "fp16",
                                             "d": "fp32"})
     decay = policy.with_final_phase(0.9)
-    assert decay.phases[0].formats == {"fp8": Format.BF16}
+    assert decay.phases[0].formats == {"scaled": Format.BF16}
     last = decay.phase(1)
     assert [last.format_for(x) for x in "abcd"] == [Format.BF16, Format.BF16, Format.FP16,
                                                    Format.FP32]
@@ -506,3 +507,57 @@ def test_the_guards_demotions_outlive_a_phase_switch():
     kept = merge_phases(up, {"a": Format.FP32}, ["a"])
     assert kept.phase(0).format_for("a") is Format.FP32 and kept.phase(1).format_for("a") is \
         Format.FP32
+
+
+GROUPED = {"a": "fp8", "b": "fp8:rowwise", "c": "mxfp8", "d": "nvfp4", "e": "bf16"}
+
+
+def _mapped(policy: Policy) -> dict[str, str]:
+    after = policy.phase(1)
+    return {k: after.format_for(k).value for k in GROUPED}
+
+
+def test_a_phase_key_fp8_means_every_fp8_recipe_and_scaled_every_scaled_format():
+    fp8 = Policy(default="fp32", layers=GROUPED, phases=[{"from_step": 2,
+                                                         "formats": {"fp8": "bf16"}}])
+    assert _mapped(fp8) == {"a": "bf16", "b": "bf16", "c": "mxfp8", "d": "nvfp4", "e": "bf16"}
+    scaled = Policy(default="fp32", layers=GROUPED, phases=[{"from_step": 2,
+                                                            "formats": {"scaled": "bf16"}}])
+    assert _mapped(scaled) == {"a": "bf16", "b": "bf16", "c": "bf16", "d": "bf16", "e": "bf16"}
+    # a format's own key wins over fp8, and fp8 over scaled
+    both = Policy(default="fp32", layers=GROUPED, phases=[{"from_step": 2, "formats": {
+        "scaled": "fp32", "fp8": "bf16", "fp8:rowwise": "fp16"}}])
+    assert _mapped(both) == {"a": "bf16", "b": "fp16", "c": "fp32", "d": "fp32", "e": "bf16"}
+    # the same word means the same formats in a candidate set and in the guard's
+    assert set(autoprec.formats.expand_formats(["fp8"])) == {
+        f for f in Format.registered() if f.recipe is not None}
+    assert set(autoprec.GuardConfig(formats=("scaled",)).formats) == {
+        f for f in Format.registered() if f.is_scaled}
+    assert Format.MXFP8 not in autoprec.GuardConfig(formats=("fp8",)).formats
+    assert Format.MXFP8 in autoprec.GuardConfig().formats  # the default watches every scaled
+
+
+def test_a_schema_3_file_keeps_what_its_fp8_key_said_and_is_written_as_schema_4(tmp_path):
+    layers = "".join(f"  {k}: {v}\n" for k, v in GROUPED.items())
+    old = tmp_path / "old.yaml"
+    old.write_text(f"autoprec: 3\ndefault: fp32\nlayers:\n{layers}"
+                   "phases: [{from_step: 2, formats: {fp8: bf16}}]\n")
+    policy = load_policy(old)
+    assert _mapped(policy) == {k: "bf16" for k in GROUPED}  # every scaled format, as it said
+    new = tmp_path / "new.yaml"
+    policy.save(new)
+    text = new.read_text()
+    assert "autoprec: 4" in text and "scaled: bf16" in text
+    assert _mapped(load_policy(new)) == _mapped(policy)
+    # `scaled` is schema 4's word: a schema 3 file that names it is refused in one line
+    old.write_text("autoprec: 3\ndefault: fp32\nphases: [{from_step: 2, formats: {scaled: bf16}}]\n")
+    with pytest.raises(PolicyError, match=r"key `scaled` needs schema 4.*old\.yaml") as e:
+        load_policy(old)
+    assert "\n" not in str(e.value)
+
+
+def test_no_format_may_take_a_group_words_name():
+    from autoprec.formats import register
+
+    with pytest.raises(ValueError, match="group word"):
+        register(dataclasses.replace(Format.BF16.numerics, name="scaled", label="scaled"))

@@ -267,9 +267,9 @@ def test_a_final_phase_moves_scaled_formats_to_fp16_but_never_bf16():
 
     used = Policy(default="bf16", layers={"a": "fp8", "b": "fp32"}).formats_used()
     assert kept_for_range(Format.FP16, used) == {Format.BF16}
-    assert final_phase(0.9, "fp16", used).formats == {"fp8": Format.FP16}
+    assert final_phase(0.9, "fp16", used).formats == {"scaled": Format.FP16}
     assert final_phase(0.9, "fp16", {Format.BF16}) is None
-    assert final_phase(0.9, "fp32", used).formats == {"fp8": Format.FP32, "bf16": Format.FP32}
+    assert final_phase(0.9, "fp32", used).formats == {"scaled": Format.FP32, "bf16": Format.FP32}
     assert kept_for_range(Format.FP32, used) == set()
 
 

@@ -93,7 +93,8 @@ class SearchConfig:
     number of trials, and how the profile measures sensitivity."""
 
     # Formats the search may use; fp32 is always added (the reference and the fallback). A
-    # bare "fp8" means every FP8 recipe; "fp8:rowwise" (etc.) names one. The default leaves
+    # group words as in every set of formats (formats.GROUPS): "fp8" every FP8 recipe,
+    # "scaled" every scaled format; "fp8:rowwise" (etc.) names one. The default leaves
     # out the block-scaled formats (mxfp8, nvfp4): they run natively on Blackwell only, and a
     # tune for one names them (``formats=(..., "mxfp8", "nvfp4")``).
     formats: tuple[Format, ...] = tuple(f for f in FORMAT_ORDER

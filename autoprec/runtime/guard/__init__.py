@@ -14,7 +14,8 @@
 What is watched: every module that computes (``autoprec.runtime.calls.layer_kind``, the rule
 capture uses too: ``nn.Linear``, HF ``Conv1D``, convolutions, and any module whose own forward
 runs a matmul-like call of the registry, such as an attention core running ``q @ k.T``) whose
-format under the policy is one of ``GuardConfig.formats`` (fp16, fp8 and bf16 by default).
+format under the policy is one of ``GuardConfig.formats`` (fp16, the scaled formats and bf16 by
+default).
 Modules that compute by their class are known at once; the others are found on the first
 training forward, by watching which module runs which registered call (their outputs are
 checked from that forward on). Norms and embeddings are not watched: autocast runs them in FP32
@@ -376,33 +377,33 @@ class Guard:
                 diagnosis.close()
             return False, None, False, checks
         enabled = scaler is not None and scaler.is_enabled()
-        verdict = blame(checks, self.watched, subtree_faults=diag.subtree_faults(),
+        found = blame(checks, self.watched, subtree_faults=diag.subtree_faults(),
                         scale=scaler.get_scale if enabled else None,
                         min_loss_scale=self.config.min_loss_scale)
-        if verdict.deferred is not None:
-            f = verdict.deferred
+        if found.deferred is not None:
+            f = found.deferred
             logger.debug("autoprec guard: step %d: non-finite %s at %s left to the GradScaler "
                          "(scale %g)", self.ledger.step, f.where, f.fqn, f.scale)
         formats = self.watched
         poisoned = self.poisoning.check(
             self.ledger.step, failing(checks, formats), self.model,
-            lambda: first_nonfinite(checks, verdict.failure, formats, self.recorder.finish,
+            lambda: first_nonfinite(checks, found.failure, formats, self.recorder.finish,
                                     self.coverage.unwatched(), self._format_of))
         if poisoned:
-            # every layer now computes from non-finite weights: no verdict, no suspects, no
+            # every layer now computes from non-finite weights: no blame, no suspects, no
             # diagnosis (its culprit would be the first layer with weights, not the cause)
-            verdict = Blame()
+            found = Blame()
             if diagnosis is not None:
                 diagnosis.close()
             diagnosis = None
-        suspects = verdict.cleared | ({verdict.failure.fqn} if verdict.failure else set())
+        suspects = found.cleared | ({found.failure.fqn} if found.failure else set())
         self.recorder.set_suspects(suspects, self.model)
         diag.watch_subtrees(self.model, suspects, frozenset(self.recorder.watches))
         if not poisoned:
-            diag.explain(diagnosis, verdict.origin,
-                         failed=verdict.failure is None and bool(verdict.cleared),
+            diag.explain(diagnosis, found.origin,
+                         failed=found.failure is None and bool(found.cleared),
                          model=self.model, step=self.ledger.step, format_of=self._format_of)
-        return True, verdict.failure, poisoned, checks
+        return True, found.failure, poisoned, checks
 
     # ---------------------------------------------------------------- demotion
     def _demote(self, fqn: str, source: str, seen: list[dict[str, Any]]) -> GuardEvent | None:

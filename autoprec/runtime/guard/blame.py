@@ -81,10 +81,10 @@ def blame(checks: Checks, formats: Mapping[str, Format], *,
     gradient fails (reading a GPU scaler's scale is a host sync); None: no enabled scaler.
     """
     bad = _judge(checks, formats)
-    verdict = _forward(checks, bad, subtree_faults or {})
-    if verdict is not None:
-        return verdict
-    verdict = Blame()
+    found = _forward(checks, bad, subtree_faults or {})
+    if found is not None:
+        return found
+    found = Blame()
     own = [f for f in checks.level["wgrad"] if bad("wgrad", f) and not bad("grad", f)]
     if own:
         # its own weight gradient non-finite while the gradient at its output is finite: it
@@ -92,15 +92,15 @@ def blame(checks: Checks, formats: Mapping[str, Format], *,
         failure = Failure(own[0], "weight gradients", checks.level["wgrad"][own[0]],
                           checks.share["wgrad"].get(own[0]))
     else:
-        failure = backward_culprit(checks, formats, bad, verdict.cleared,
+        failure = backward_culprit(checks, formats, bad, found.cleared,
                                    scaled=scale is not None)
     if failure is not None and scale is not None:
         failure.scale = float(scale() if callable(scale) else scale)
         if failure.scale > min_loss_scale:
-            verdict.deferred = failure
-            return verdict
-    verdict.failure = failure
-    return verdict
+            found.deferred = failure
+            return found
+    found.failure = failure
+    return found
 
 
 def _forward(checks: Checks, bad: Callable[[str, str], bool],
@@ -111,7 +111,7 @@ def _forward(checks: Checks, bad: Callable[[str, str], bool],
     same fault, except its ancestors (an attention core computes the input of its own
     c_proj); a suspect whose unwatched descendant (a child the policy keeps in fp32) made the
     first non-finite values is cleared too."""
-    verdict = Blame()
+    found = Blame()
     failed = False
     last_cleared = None
     for fqn, a in checks.level["out"].items():
@@ -121,17 +121,17 @@ def _forward(checks: Checks, bad: Callable[[str, str], bool],
         if last_cleared is not None and not is_ancestor(fqn, last_cleared):
             break
         if fqn in subtree_faults:
-            verdict.cleared.add(fqn)
-            verdict.origin = subtree_faults[fqn]
+            found.cleared.add(fqn)
+            found.origin = subtree_faults[fqn]
             break
         a_in = checks.level["in"].get(fqn)
         if a_in is not None and not math.isfinite(a_in):
-            verdict.cleared.add(fqn)  # its input was already non-finite: the fault is upstream
+            found.cleared.add(fqn)  # its input was already non-finite: the fault is upstream
             last_cleared = fqn
             continue
-        verdict.failure = Failure(fqn, "outputs", a, checks.share["out"].get(fqn))
-        return verdict
-    return verdict if failed else None  # only layers cleared of blame failed: none to count
+        found.failure = Failure(fqn, "outputs", a, checks.share["out"].get(fqn))
+        return found
+    return found if failed else None  # only layers cleared of blame failed: none to count
 
 
 def backward_culprit(checks: Checks, formats: Mapping[str, Format],

@@ -278,7 +278,7 @@ class Ledger:
         # an older autoprec listed the per-GEMM mixes made before its config (this one
         # watches them by their parts): those this guard watches are no difference
         saved = [n for n in state["formats"] if n in names or not watched(Format.parse(n), formats)]
-        if saved != names:
+        if set(saved) != set(names):  # the same formats, in whatever order they were listed
             raise PolicyError(
                 f"Guard state watched formats {shown(', '.join(state['formats']))} but this "
                 f"guard watches {', '.join(names)}; use GuardConfig(formats=...) as in the "

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from autoprec._util import quoted
-from autoprec.formats import Format
+from autoprec.formats import Format, expand_formats
 
 __all__ = ["GuardConfig", "GuardEvent", "watched"]
 
@@ -60,9 +60,10 @@ class GuardConfig:
             layer's first failing step makes it a suspect, and only the next one checks
             whether its inputs were already non-finite).
         check_gradients: watch dL/d(output) of each watched layer as well as its outputs.
-        formats: layers whose policy format is one of these are watched (``"fp8"``: every
-            scaled format registered when the config is made; a per-GEMM mix is watched when
-            the formats of its scaled GEMMs are: see ``watched``).
+        formats: layers whose policy format is one of these are watched; a group word stands
+            for its formats as they are registered when the config is made (``"scaled"``, the
+            default's: every scaled format; ``"fp8"``: every FP8 recipe). A per-GEMM mix is
+            watched when the formats of its scaled GEMMs are: see ``watched``.
         min_loss_scale: with an enabled GradScaler, non-finite gradients count against a
             layer only once the scaler's scale is at or below this (above it, backing off the
             scale is the remedy).
@@ -85,7 +86,7 @@ class GuardConfig:
 
     patience: int = 2
     check_gradients: bool = True
-    formats: tuple[Format | str, ...] = (Format.FP16, "fp8", Format.BF16)
+    formats: tuple[Format | str, ...] = (Format.FP16, "scaled", Format.BF16)
     min_loss_scale: float = 1.0
     save_to: str | None = None
     distributed: bool = True
@@ -99,16 +100,15 @@ class GuardConfig:
                 f"GuardConfig.patience must be an integer >= 2, got {self.patience!r}: a "
                 "layer's first failing step makes it a suspect, and only the next one checks "
                 "whether its inputs were already non-finite (the fault upstream, not its own).")
-        # a bare "fp8" means every scaled format: the FP8 recipes, mxfp8 and nvfp4 (registered
-        # ones, not the per-GEMM mixes some input happened to spell: `watched` covers those)
-        formats = tuple(dict.fromkeys(
-            g for f in self.formats
-            for g in ([h for h in Format.registered() if h.is_scaled]
-                      if isinstance(f, str) and f.strip().lower() == "fp8"
-                      else (Format.parse(f, where="in GuardConfig.formats"),))))
+        # group words as everywhere (formats.GROUPS): "fp8" every FP8 recipe, "scaled" every
+        # registered scaled format (not the per-GEMM mixes some input spelled: `watched`
+        # covers those), in the order given
+        formats = tuple(dict.fromkeys(g for f in self.formats
+                                      for g in expand_formats([f], where="in GuardConfig.formats")))
         if Format.FP32 in formats:
             raise ValueError("GuardConfig.formats cannot include fp32: an fp32 layer has no "
-                             "safer format to be demoted to. Use a subset of fp16, fp8, bf16.")
+                             "safer format to be demoted to. Use a subset of fp16, bf16 and the scaled "
+                             "formats.")
         object.__setattr__(self, "formats", formats)
         if not self.min_loss_scale > 0:
             raise ValueError(f"GuardConfig.min_loss_scale must be positive, got "
