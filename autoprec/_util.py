@@ -35,6 +35,7 @@ __all__ = [
     "device_of",
     "free_memory",
     "model_state",
+    "optimizer_step",
     "atomic_write",
     "atomic_write_all",
     "not_a_file",
@@ -170,6 +171,19 @@ def device_of(model: nn.Module, batch: Any = None) -> torch.device:
     for t in tensors(batch):
         return t.device
     return torch.device("cpu")
+
+
+def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer,
+                   scaler: torch.amp.GradScaler | None = None) -> None:
+    """Backward, step and zero the gradients, through ``scaler`` when one is given (fp16)."""
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        loss.backward()
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 @contextlib.contextmanager

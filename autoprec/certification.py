@@ -54,14 +54,14 @@ from typing import Any
 import torch
 
 from autoprec import blockscale
-from autoprec._util import log, shown
+from autoprec._util import log, optimizer_step, shown
 from autoprec.certificate import HELD_EQUAL, Certificate, verdict_of
 from autoprec.host import slow_16bit_dtypes
 from autoprec.policy import Policy, load_policy
 from autoprec.runtime.fp8 import emulating
 from autoprec.runtime.rewrite import apply
 from autoprec.runtime.switcher import PhaseSwitcher
-from autoprec.task import Task, optimizer_step
+from autoprec.task import Task
 
 __all__ = ["certify", "CertifyConfig", "CertifyResult", "DEFAULT_TOLERANCE", "DEFAULT_STEPS",
            "DEFAULT_BRANCHES", "REFERENCES", "start_run", "train_step", "training_stream",

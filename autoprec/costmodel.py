@@ -56,8 +56,8 @@ __all__ = [
 ]
 
 
-# bytes per FP32 element
-_FP32 = 4
+# bytes per FP32 element (this and the others below as torch's dtypes say)
+_FP32 = torch.float32.itemsize
 
 
 def as_layer(record: Any) -> Layer:
@@ -129,7 +129,7 @@ def _product_gemm(x: int, y: int, z: int, gemm: Gemm, fmt: Format, spec: DeviceS
 # dgrad's output (shaped like the input) and of the wgrad's (shaped like the weight). Without
 # them the model priced rowwise's whole-step speed-up 5-7% above the three published
 # measurements, with them 0.5-2.5% (benchmarks/bench_published.py).
-_BF, _F8 = 2, 1
+_BF, _F8 = torch.bfloat16.itemsize, torch.float8_e4m3fn.itemsize
 _RESCALE = 2 * _BF
 _CAST_KERNELS = {
     (("tensor", ()), "weight"): (_BF, 0, _BF + _F8, _BF + _F8),

@@ -33,21 +33,8 @@ from torch import nn
 from autoprec._util import ModelCall, call_model, loss_of, move_to, split_batch
 from autoprec.runtime.engines import torchao_available
 
-__all__ = ["Task", "TaskError", "load_task", "task_file", "check_batches", "default_loss", "move_to",
-           "optimizer_step"]
-
-
-def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer,
-                   scaler: torch.amp.GradScaler | None = None) -> None:
-    """Backward, step and zero the gradients, through ``scaler`` when one is given (fp16)."""
-    if scaler is not None:
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        loss.backward()
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+__all__ = ["Task", "TaskError", "load_task", "task_file", "check_batches", "default_loss",
+           "move_to"]
 
 
 def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from autoprec.costmodel import forward_gemm_seconds, linear_seconds, weight_cast_seconds
 from autoprec.devices import DeviceSpec, resolve_target
 from autoprec.formats import Format
@@ -29,8 +31,9 @@ __all__ = [
     "price_training_step",
 ]
 
-# bytes per element
-_FP32, _BF, _F8 = 4, 2, 1
+# bytes per element, as torch's dtypes say (the cost model reads them the same way)
+_FP32, _BF, _F8 = (torch.float32.itemsize, torch.bfloat16.itemsize,
+                   torch.float8_e4m3fn.itemsize)
 
 
 @dataclass(frozen=True)

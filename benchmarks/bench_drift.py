@@ -45,7 +45,7 @@ import torch
 from _common import device_line
 from scipy.stats import rankdata, spearmanr
 
-from autoprec._util import decode_float, encode_float, read_json, write_json
+from autoprec._util import decode_float, encode_float, optimizer_step, read_json, write_json
 from autoprec.formats import Format
 from autoprec.measure.capture import capture
 from autoprec.measure.sensitivity import (
@@ -54,7 +54,7 @@ from autoprec.measure.sensitivity import (
     measure_sensitivity,
 )
 from autoprec.runtime.calls import COMPUTING_KINDS
-from autoprec.task import Task, optimizer_step
+from autoprec.task import Task
 from examples import gpt2_bytes
 from examples.drift import DRIFT_LAYER, FP16_MAX, plant_drift
 

@@ -29,7 +29,7 @@ import torch
 from _common import device_line, interleaved, print_table
 
 import autoprec
-from autoprec.task import optimizer_step
+from autoprec._util import optimizer_step
 from autoprec.tuning import tune
 from examples.data import byte_batches
 from examples.gpt2_bytes import make_model, task

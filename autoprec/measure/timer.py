@@ -36,10 +36,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoprec._util import optimizer_step
 from autoprec.formats import Format
 from autoprec.policy import Interval, Policy
 from autoprec.runtime import rewrite
-from autoprec.task import optimizer_step
 
 __all__ = [
     "Clock",
