@@ -18,7 +18,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autoprec  # noqa: E402
-from autoprec.task import optimizer_step  # noqa: E402
 from examples.data import byte_batches  # noqa: E402
 from examples.gpt2_bytes import make_model, training_arg_parser  # noqa: E402
 
@@ -48,7 +47,14 @@ def train(policy: str | None, *, steps: int = 100, n_layer: int = 4, n_embd: int
         t0 = time.perf_counter()
         with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
             loss = model(**batch).loss
-        optimizer_step(loss, opt, scaler)
+        if scaler is not None:  # fp16 layers: the policy's loss scaling
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        opt.zero_grad(set_to_none=True)
         sched.step()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())

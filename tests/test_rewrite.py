@@ -15,9 +15,9 @@ from torch import nn
 
 import autoprec
 from autoprec import Format, Policy
+from autoprec._util import optimizer_step
 from autoprec.runtime.calls import fp8_shape_supported
 from autoprec.runtime.rewrite import applied_policy
-from autoprec.task import optimizer_step
 
 DTYPE = {Format.FP32: torch.float32, Format.BF16: torch.bfloat16, Format.FP16: torch.float16}
 
