@@ -114,9 +114,14 @@ class Evaluator:
         weights, buffers and gradients are as before. The timed optimizer runs at learning
         rate 0, but a user's optimizer may still move weights (weight decay outside the
         learning rate, a NaN times 0), so the values wait outside the device's memory meanwhile
-        (:func:`~autoprec._util.model_state`), not in a second copy of the model."""
-        with model_state(self.steps.model, spill=True):
-            yield
+        (:func:`~autoprec._util.model_state`), not in a second copy of the model; and the
+        timer's optimizer state is dropped afterwards, so the comparisons and the memory model
+        that use the model next do not hold it too."""
+        try:
+            with model_state(self.steps.model, spill=True):
+                yield
+        finally:
+            self.steps.release()
 
     @property
     def noise(self) -> float | None:
