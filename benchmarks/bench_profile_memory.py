@@ -26,7 +26,8 @@ same process (what ``predict_scale.py`` turns into a predicted tune time).
   keeping them would take over a quarter of the free memory);
 - ``tune-timed``: the tune the README's main job runs, its steps timed here (no ``target``):
   the step timer trains the same model with an AdamW at learning rate 0 (formats fp32 and
-  bf16, 2 trials, a short re-timing: the memory, not the verdict, is what is read).
+  bf16, 2 trials, a short re-timing: the memory, not the verdict, is what is read);
+- ``tune-timed-lean``: the same with ``holdout_gradients="recomputed"``.
 
 Each figure is printed in bytes, as a multiple of P (the model's FP32 parameter bytes) and as
 a multiple of ``step``. One process per figure: its spread is the allocator's, a few MB;
@@ -129,13 +130,14 @@ def child(part: str, size: str) -> None:
                                 model=_sharded(hidden, layers))
         assert prof.layers
         params = None
-    elif part == "tune-timed":
+    elif part in ("tune-timed", "tune-timed-lean"):
         from autoprec.tuning.config import TimingConfig
 
+        lean = {"holdout_gradients": "recomputed"} if part.endswith("lean") else {}
         with tempfile.TemporaryDirectory() as tmp:
             tune(task, formats=("fp32", "bf16"), sensitivity="fast", n_trials=2,
                  progress=False, output=os.path.join(tmp, "p.yaml"),
-                 timing=TimingConfig(final_rounds=3, max_final_rounds=3, trial_rounds=2))
+                 timing=TimingConfig(final_rounds=3, max_final_rounds=3, trial_rounds=2), **lean)
         params = None
     elif part in ("tune", "tune-lean", "tune@2", "tune-lean@2"):
         sharded = {"model": _sharded(hidden, layers)} if part.endswith("@2") else {}
@@ -202,6 +204,7 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="+", default=["512x4", "512x8", "1024x4"])
     ap.add_argument("--parts", nargs="+", default=["step", "fast", "exact", "tune"],
                     choices=["step", "fast", "exact", "tune", "tune-lean", "tune-timed",
+                             "tune-timed-lean",
                              "step@2", "fast@2",
                              "exact@2", "tune@2", "tune-lean@2"])
     ap.add_argument("--child", nargs=2, metavar=("PART", "SIZE"), help=argparse.SUPPRESS)

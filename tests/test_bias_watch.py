@@ -27,10 +27,10 @@ LINEARS = ("model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj", "lm_h
 
 
 def rtn_with_tail(start: dict) -> Policy:
-    """Round-to-nearest NVFP4 on every Linear, then a BF16 phase (the key fp8 maps every
+    """Round-to-nearest NVFP4 on every Linear, then a BF16 phase (the key scaled maps every
     scaled format) from ``start``."""
     return Policy.from_dict({"autoprec": SCHEMA_VERSION, "default": "bf16", "layers": dict.fromkeys(LINEARS, "nvfp4:plain"),
-                             "phases": [{**start, "name": "tail", "formats": {"fp8": "bf16"}}]})
+                             "phases": [{**start, "name": "tail", "formats": {"scaled": "bf16"}}]})
 
 
 @pytest.fixture(scope="module")

@@ -354,7 +354,7 @@ def test_show_with_a_missing_profile_is_an_error(tmp_path):
 
 
 def test_provenance_with_odd_values_is_shown_as_written():
-    from autoprec.cli import _provenance_text
+    from autoprec.policy_text import _provenance_text
 
     prov = Provenance.from_dict({
         "device": "cpu", "study": {"name": "s", "trials": "many"},
