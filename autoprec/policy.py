@@ -441,10 +441,12 @@ class Policy:
             :func:`~autoprec.fingerprint.model_fingerprint`; None = not checked.
         fp8_recipe: the FP8 recipe a bare ``fp8`` means (torchao's names: tensorwise, rowwise,
             rowwise_with_gw_hp); a layer may name its own (``fp8:rowwise``).
-        fp8_engine: who runs fp8 ``nn.Linear`` layers: torchao's Float8Linear (``"torchao"``),
-            autoprec's own FP8 matmul (``"autoprec"``), or torchao where it is installed
-            (``"auto"``). The same numbers either way; everything that is not an
-            ``nn.Linear`` always runs on autoprec's.
+        fp8_engine: who runs the scaled formats' ``nn.Linear`` layers: torchao's
+            Float8Linear, and MXFP8Linear on a GPU with MX kernels (``"torchao"``),
+            autoprec's own scaled matmul (``"autoprec"``), or torchao where it is installed
+            and takes the layer (``"auto"``; MXFP8 only on Blackwell). The same numbers
+            either way; everything that is not an ``nn.Linear``, and NVFP4, runs on
+            autoprec's (the name is older than the block-scaled formats).
         loss_scaling: GradScaler settings for policies with fp16 layers (a
             :class:`LossScaling` or a mapping of its fields).
         tuned: provenance written by tune (device, torch version, objective, metrics);
