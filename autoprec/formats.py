@@ -702,6 +702,7 @@ BLOCK_FORMATS: tuple[Format, ...] = tuple(f for f in FORMAT_ORDER
 # The words that stand for a group of formats wherever a set of formats is written (the
 # formats a tune or profile considers, a phase's `formats:` key, GuardConfig.formats), with the
 # same meaning in each. Where one format is wanted, `fp8` alone is the policy's FP8 recipe.
+# Narrowest first: a phase key that is a group word is looked up in this order.
 GROUPS: dict[str, str] = {
     "fp8": "every FP8 recipe (fp8:tensorwise, fp8:rowwise, ...)",
     "scaled": "every scaled format: the FP8 recipes, mxfp8, nvfp4 and any registered one",

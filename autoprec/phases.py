@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from autoprec._util import MAX_INT, brief, quoted, shown
-from autoprec.formats import FP4_E2M1, Format, format_group, in_group
+from autoprec.formats import FP4_E2M1, GROUPS, Format, format_group, in_group
 
 __all__ = ["Phase", "parse_phases", "phase_starts", "phase_index", "FINAL_FORMATS", "final_phase",
            "kept_for_range"]
@@ -113,7 +113,7 @@ class Phase:
 
     def maps(self, fmt: Format) -> Format:
         """What a layer the first phase puts in ``fmt`` computes in during this phase."""
-        for key in (fmt.label, "fp8", "scaled"):
+        for key in (fmt.label, *GROUPS):  # its own key, then the group words, narrowest first
             to = self.formats.get(key)
             if to is not None and (key == fmt.label or in_group(fmt, key)):
                 return to

@@ -30,13 +30,13 @@ def train(policy: str | None, *, steps: int = 100, n_layer: int = 4, n_embd: int
     torch.manual_seed(seed)
     model = make_model(n_layer=n_layer, n_embd=n_embd, n_head=max(1, n_embd // 64),
                        seq_len=seq_len).train()
-    scaler = None
+    # the policy's loss scaling (a pass-through unless some layer is fp16); without a policy,
+    # an outer fp16 autocast's
+    scaler = torch.amp.GradScaler("cpu", enabled=autocast == "fp16")
     if policy:
         pol = autoprec.load_policy(policy)
         autoprec.apply(model, pol, strict=False)
         scaler = pol.grad_scaler("cuda" if torch.cuda.is_available() else "cpu")
-    if autocast == "fp16" and scaler is None:
-        scaler = torch.amp.GradScaler("cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
     data = byte_batches(steps, batch_size, seq_len, seed=seed)
@@ -47,13 +47,9 @@ def train(policy: str | None, *, steps: int = 100, n_layer: int = 4, n_embd: int
         t0 = time.perf_counter()
         with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
             loss = model(**batch).loss
-        if scaler is not None:  # fp16 layers: the policy's loss scaling
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            opt.step()
+        scaler.scale(loss).backward()
+        scaler.step(opt)  # skipped when an enabled scaler finds inf/NaN gradients
+        scaler.update()
         opt.zero_grad(set_to_none=True)
         sched.step()
         times.append(time.perf_counter() - t0)
