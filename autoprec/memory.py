@@ -274,7 +274,7 @@ def _torchao_runs(layer: Layer, fmt: Format, policy: Policy) -> bool:
         return False
     p = layer.matmuls[0]
     return torchao_runs(fmt, linear=layer.module_type == "Linear", in_features=p.k,
-                        out_features=p.n, engine=policy.fp8_engine)
+                        out_features=p.n, engine=policy.engine)
 
 
 def _product_bytes(layer: Layer, fmt: Format, policy: Policy,

@@ -1,4 +1,5 @@
-"""The precision policy: which format each layer computes in, as a YAML file (schema 2; 4 with phases).
+"""The precision policy: which format each layer computes in, as a YAML file (schema 2; 4 with
+phases; 5 with an engine other than ``auto``).
 
 ```yaml
 autoprec: 2                     # schema version (version 1 files read unchanged)
@@ -8,7 +9,8 @@ layers:                         # fqn or glob -> format; the most specific match
   lm_head: fp32
   "transformer.h.*.mlp.*": fp8              # the default recipe below
   "model.layers.*.self_attn.k_proj": fp8:rowwise
-fp8: {recipe: tensorwise, engine: auto}     # what bare `fp8` means; who runs nn.Linear
+fp8: {recipe: tensorwise}                  # what a bare `fp8` means in this file
+scaled: {engine: torchao}                  # who runs scaled nn.Linear layers (schema 5; default auto)
 loss_scaling: {init_scale: 65536, growth_interval: 2000}
 tuned: {...}                    # provenance written by `tune`; informational
 ```
@@ -96,15 +98,23 @@ __all__ = [
 # Version 4 gave a phase's `formats:` key `fp8` the meaning it has in every set of formats,
 # every FP8 recipe, and added the key `scaled` (every scaled format); a version 3 file's `fp8`
 # key meant every scaled format, so it reads as `scaled`.
-SCHEMA_VERSION = 4
+# Version 5 moved the engine from `fp8: {engine: ...}` to `scaled: {engine: ...}`: it runs every
+# scaled format's nn.Linear layers (MXFP8 too), not only FP8's. Versions 2-4 keep their spelling.
+# A file is written with the lowest version that says all of it: 2, 4 with phases, 5 with an
+# engine other than `auto`.
+SCHEMA_VERSION = 5
 _PLAIN_VERSION = 2
-_READABLE_VERSIONS = (1, 2, 3, 4)
+_PHASES_VERSION = 4
+_READABLE_VERSIONS = (1, 2, 3, 4, 5)
 _OLD_PHASE_KEYS = 3  # the last version whose phase key `fp8` meant every scaled format
-FP8_ENGINES = ("auto", "torchao", "autoprec")
+_OLD_ENGINE_KEY = 4  # the last version whose engine was `fp8: {engine: ...}`
+ENGINES = ("auto", "torchao", "autoprec")
 
-_TOP_KEYS = ("autoprec", "model", "default", "layers", "fp8", "loss_scaling", "phases", "tuned")
+_TOP_KEYS = ("autoprec", "model", "default", "layers", "fp8", "scaled", "loss_scaling", "phases",
+             "tuned")
 _MODEL_KEYS = ("name", "fingerprint")
-_FP8_KEYS = ("recipe", "engine")
+_FP8_KEYS = ("recipe",)
+_SCALED_KEYS = ("engine",)
 # The error budget when nobody names one: a relative loss change of 1% vs FP32 on held-out
 # batches. Every default budget (Budget, the CLI, validation, the profile's verdicts) reads it.
 DEFAULT_MAX_LOSS_INCREASE = 0.01
@@ -441,12 +451,13 @@ class Policy:
             :func:`~autoprec.fingerprint.model_fingerprint`; None = not checked.
         fp8_recipe: the FP8 recipe a bare ``fp8`` means (torchao's names: tensorwise, rowwise,
             rowwise_with_gw_hp); a layer may name its own (``fp8:rowwise``).
-        fp8_engine: who runs the scaled formats' ``nn.Linear`` layers: torchao's
+        engine: who runs the scaled formats' ``nn.Linear`` layers: torchao's
             Float8Linear, and MXFP8Linear on a GPU with MX kernels (``"torchao"``),
             autoprec's own scaled matmul (``"autoprec"``), or torchao where it is installed
             and takes the layer (``"auto"``; MXFP8 only on Blackwell). The same numbers
             either way; everything that is not an ``nn.Linear``, and NVFP4, runs on
-            autoprec's (the name is older than the block-scaled formats).
+            autoprec's. The file writes it ``scaled: {engine: ...}`` (schema 5; an older
+            file's ``fp8: {engine: ...}`` reads the same).
         loss_scaling: GradScaler settings for policies with fp16 layers (a
             :class:`LossScaling` or a mapping of its fields).
         tuned: provenance written by tune (device, torch version, objective, metrics);
@@ -465,7 +476,7 @@ class Policy:
     model_name: str | None = None
     fingerprint: str | None = None
     fp8_recipe: str = "tensorwise"
-    fp8_engine: str = "auto"
+    engine: str = "auto"
     loss_scaling: LossScaling = field(default_factory=LossScaling)
     tuned: Mapping[str, Any] | None = None
     phases: tuple[Phase, ...] = ()
@@ -478,9 +489,9 @@ class Policy:
         if self.fp8_recipe not in fp8_recipes():
             raise PolicyError(f"Unknown fp8 recipe {quoted(self.fp8_recipe)}{self._where('fp8')}; "
                               f"expected one of {', '.join(fp8_recipes())}.")
-        if self.fp8_engine not in FP8_ENGINES:
-            raise PolicyError(f"Unknown fp8 engine {quoted(self.fp8_engine)}{self._where('fp8')}; "
-                              f"expected one of {', '.join(FP8_ENGINES)}.")
+        if self.engine not in ENGINES:
+            raise PolicyError(f"Unknown engine {quoted(self.engine)}{self._where('scaled')}; "
+                              f"expected one of {', '.join(ENGINES)}.")
         recipe = self.fp8_recipe
         object.__setattr__(self, "default", Format.parse(
             self.default, where=f"for `default`{self._where('default')}", fp8_recipe=recipe))
@@ -719,7 +730,9 @@ class Policy:
 
     # ---------------------------------------------------------------- YAML
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"autoprec": SCHEMA_VERSION if self.phases else _PLAIN_VERSION}
+        version = (SCHEMA_VERSION if self.engine != "auto" else
+                   _PHASES_VERSION if self.phases else _PLAIN_VERSION)
+        out: dict[str, Any] = {"autoprec": version}
         if self.model_name is not None or self.fingerprint is not None:
             model = {}
             if self.model_name is not None:
@@ -729,7 +742,9 @@ class Policy:
             out["model"] = model
         out["default"] = self._spell(self.default)
         out["layers"] = {p: self._spell(f) for p, f in self.layers.items()}
-        out["fp8"] = {"recipe": self.fp8_recipe, "engine": self.fp8_engine}
+        out["fp8"] = {"recipe": self.fp8_recipe}
+        if self.engine != "auto":
+            out["scaled"] = {"engine": self.engine}
         ls = self.loss_scaling
         out["loss_scaling"] = {"init_scale": ls.init_scale,
                                "growth_interval": int(ls.growth_interval)}
@@ -768,7 +783,7 @@ class Policy:
     @classmethod
     def from_dict(cls, data: Any, *, source: str | None = None,
                   lines: Mapping[str, int] | None = None) -> Policy:
-        """Validate a parsed YAML mapping (schema 1, 2 or 3) and build the Policy."""
+        """Validate a parsed YAML mapping (schema 1 to 5) and build the Policy."""
         lines = dict(lines or {})
         src = f" in {shown(source, PATH_CHARS)}" if source else ""
 
@@ -788,9 +803,7 @@ class Policy:
         model = data.get("model") or {}
         _require_mapping(model, "model", where)
         _reject_unknown(model, _MODEL_KEYS, "`model`", where, "model")
-        fp8 = data.get("fp8") or {}
-        _require_mapping(fp8, "fp8", where)
-        _reject_unknown(fp8, _FP8_KEYS, "`fp8`", where, "fp8")
+        fp8, engine = _fp8_and_engine(data, where)
         ls = data.get("loss_scaling") or {}
         _require_mapping(ls, "loss_scaling", where)
         _reject_unknown(ls, _LOSS_SCALING_KEYS, "`loss_scaling`", where, "loss_scaling")
@@ -815,27 +828,52 @@ class Policy:
             return cls(default=data["default"], layers=dict(layers),
                        model_name=model.get("name"), fingerprint=model.get("fingerprint"),
                        fp8_recipe=fp8.get("recipe", "tensorwise"),
-                       fp8_engine=fp8.get("engine", "auto"), loss_scaling=loss_scaling,
+                       engine=engine, loss_scaling=loss_scaling,
                        tuned=tuned, phases=_read_as_now(phases, data["autoprec"], where("phases")) or (),
                        source=source, lines=lines)
         except ValueError as e:
             raise PolicyError(str(e)) from None
 
 
+def _fp8_and_engine(data: Mapping[str, Any], where: Callable[[str], str]) -> tuple[Mapping, Any]:
+    """The file's ``fp8:`` mapping and its engine, as its version spells the engine: ``scaled:
+    {engine: ...}`` from version 5, ``fp8: {engine: ...}`` before (a key each version lacks is
+    refused, saying which version has it)."""
+    version = data["autoprec"]
+    fp8, scaled = data.get("fp8") or {}, data.get("scaled") or {}
+    _require_mapping(fp8, "fp8", where)
+    _require_mapping(scaled, "scaled", where)
+    if version <= _OLD_ENGINE_KEY:
+        if "scaled" in data:
+            raise PolicyError(f"`scaled: {{engine: ...}}`{where('scaled')} needs schema "
+                              f"{SCHEMA_VERSION} (schema {version} writes it `fp8: {{engine: "
+                              f"...}}`): write `autoprec: {SCHEMA_VERSION}`.")
+        _reject_unknown(fp8, (*_FP8_KEYS, "engine"), "`fp8`", where, "fp8")
+        return fp8, fp8.get("engine", "auto")
+    if "engine" in fp8:
+        raise PolicyError(f"`fp8: {{engine: ...}}`{where('fp8')} is written `scaled: {{engine: "
+                          f"...}}` in schema {version}: the engine runs every scaled format's "
+                          "nn.Linear layers; move it there.")
+    _reject_unknown(fp8, _FP8_KEYS, "`fp8`", where, "fp8")
+    _reject_unknown(scaled, _SCALED_KEYS, "`scaled`", where, "scaled")
+    return fp8, scaled.get("engine", "auto")
+
+
 def _check_version(data: Mapping[str, Any], where: Callable[[str], str]) -> None:
     version = data["autoprec"]
     if isinstance(version, bool) or not isinstance(version, int):
         raise PolicyError(f"Schema version `autoprec: {shown(version, 40)}`{where('autoprec')} must be "
-                          f"the integer {_PLAIN_VERSION}, or {SCHEMA_VERSION} for a policy with "
-                          f"phases (write `autoprec: {_PLAIN_VERSION}`, no quotes).")
+                          f"an integer: {_PLAIN_VERSION}, {_PHASES_VERSION} for a policy with "
+                          f"phases, {SCHEMA_VERSION} with `scaled: {{engine: ...}}` (write "
+                          f"`autoprec: {_PLAIN_VERSION}`, no quotes).")
     if version not in _READABLE_VERSIONS:
         raise PolicyError(f"Unknown policy schema version {shown(version, 40)}{where('autoprec')}; "
                           f"this autoprec reads versions "
                           f"{', '.join(map(str, _READABLE_VERSIONS))}. Upgrade autoprec or "
                           "regenerate the policy.")
     if data.get("phases") is not None and version < 3:
-        raise PolicyError(f"`phases`{where('phases')} needs schema {SCHEMA_VERSION}: write "
-                          f"`autoprec: {SCHEMA_VERSION}`.")
+        raise PolicyError(f"`phases`{where('phases')} needs schema {_PHASES_VERSION}: write "
+                          f"`autoprec: {_PHASES_VERSION}`.")
 
 
 def _read_as_now(phases: Any, version: int, at: str) -> Any:
@@ -851,8 +889,8 @@ def _read_as_now(phases: Any, version: int, at: str) -> Any:
             words = [k.strip().lower() if isinstance(k, str) else k for k in keys]
             if "scaled" in words:
                 raise PolicyError(f"A phase's `formats:` key `scaled` needs schema "
-                                  f"{SCHEMA_VERSION}{at} (in schema {version}, `fp8` meant every "
-                                  f"scaled format): write `autoprec: {SCHEMA_VERSION}`.")
+                                  f"{_PHASES_VERSION}{at} (in schema {version}, `fp8` meant every "
+                                  f"scaled format): write `autoprec: {_PHASES_VERSION}`.")
             renamed = {("scaled" if w == "fp8" else k): v
                        for k, w, v in zip(keys, words, keys.values())}
             if len(renamed) == len(keys):  # else `fp8` twice: the phases' check says so

@@ -24,8 +24,8 @@ def show_lines(policy, source: str, prof, prof_path: str) -> list[str]:
     lines.append(f"  default: {policy.default.label}")
     lines += [f"  {shown(pattern, 512)}: {fmt.label}" for pattern, fmt in policy.layers.items()]
     if any(f.is_scaled for f in policy.formats_used()):
-        lines.append(f"  fp8: default recipe {shown(policy.fp8_recipe)}, engine "
-                     f"{shown(policy.fp8_engine)}")
+        lines.append(f"  fp8: default recipe {shown(policy.fp8_recipe)}; scaled formats' "
+                     f"engine {shown(policy.engine)}")
     lines += _phase_lines(policy, prof)
     if policy.tuned:
         lines += ["provenance:", _provenance_text(policy.provenance)]
@@ -271,7 +271,7 @@ def _setting_changes(a, b) -> list[str]:
     for label, x, y in (("model", a.model_name, b.model_name),
                         ("model fingerprint", a.fingerprint, b.fingerprint),
                         ("fp8 recipe", a.fp8_recipe, b.fp8_recipe),
-                        ("fp8 engine", a.fp8_engine, b.fp8_engine)):
+                        ("scaled engine", a.engine, b.engine)):
         if x != y:
             lines.append(f"{label}: {setting(x)} -> {setting(y)}")
     sa, sb = a.loss_scaling, b.loss_scaling

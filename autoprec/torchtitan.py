@@ -150,7 +150,7 @@ def fp8_linears(policy: Policy, model_config) -> dict[str, Format]:
     layers :class:`PolicyConverter` builds as ``Float8Linear`` (``MXFP8Linear``,
     ``NVFP4Linear``). A policy whose engine is ``autoprec`` gets none (its own kernels run
     them all)."""
-    if policy.fp8_engine == "autoprec":
+    if policy.engine == "autoprec":
         return {}
     found = {}
     for fqn, config, _, _ in model_config.traverse(Linear.Config):

@@ -55,9 +55,9 @@ POLICIES = {
     },
     "llama": {
         "no policy": None,
-        "bf16 + fp8 mlp (autoprec) + fp32": Policy(default="bf16", fp8_engine="autoprec", layers={
+        "bf16 + fp8 mlp (autoprec) + fp32": Policy(default="bf16", engine="autoprec", layers={
             "model.layers.*.mlp.*": "fp8", "lm_head": "fp32"}),
-        "bf16 + fp8 mlp (torchao) + fp32": Policy(default="bf16", fp8_engine="torchao", layers={
+        "bf16 + fp8 mlp (torchao) + fp32": Policy(default="bf16", engine="torchao", layers={
             "model.layers.*.mlp.*": "fp8", "lm_head": "fp32"}),
     },
 }

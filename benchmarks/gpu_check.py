@@ -878,7 +878,7 @@ def section_recipes(cfg: Config, dev: torch.device, ctx: dict) -> None:
                 model = torch.nn.Sequential(copy.deepcopy(lin))
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    apply(model, Policy(default=f"fp8:{recipe}", fp8_engine=engine))
+                    apply(model, Policy(default=f"fp8:{recipe}", engine=engine))
                 models[(recipe, engine)] = model
                 fns[f"{recipe}/{engine}"] = _linear_step(
                     torch.compile(model) if cfg.compile else model, x, g)

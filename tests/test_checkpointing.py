@@ -37,7 +37,7 @@ CASES = {
     "gpt2 fp8 block": (tiny_gpt2, Policy(default="bf16", layers={
         "transformer.h.1": "fp8", "transformer.h.0.attn": "fp8:rowwise",
         "transformer.h.0.mlp.c_proj": "fp32", "lm_head": "fp32"})),
-    "llama fp8 default": (tiny_llama, Policy(default="fp8", fp8_engine="autoprec", layers={
+    "llama fp8 default": (tiny_llama, Policy(default="fp8", engine="autoprec", layers={
         "model.layers.1": "bf16", "model.layers.0.mlp.down_proj": "fp32", "lm_head": "fp32"})),
     # the MLP's nn.Linear layers on torchao's Float8Linear where it is installed
     "llama fp8 mlp torchao": (tiny_llama, Policy(default="bf16", layers={
@@ -202,7 +202,7 @@ class _HandWritten(nn.Module):
 def test_torch_checkpoint_in_a_hand_written_model_recomputes_in_policy_formats():
     torch.manual_seed(0)
     model = _HandWritten()
-    policy = Policy(default="fp8", fp8_engine="autoprec",
+    policy = Policy(default="fp8", engine="autoprec",
                     layers={"blocks.1.2": "bf16", "head": "fp32"})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

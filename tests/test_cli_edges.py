@@ -150,7 +150,7 @@ def test_every_command_finds_a_modules_task_file_the_same_way(tmp_path, monkeypa
 # ----------------------------------------------------------------------------- diff
 @pytest.mark.parametrize("change, needle", [
     ({"loss_scaling": LossScaling(init_scale=1024.0)}, "loss_scaling"),
-    ({"fp8_engine": "autoprec"}, "fp8 engine"),
+    ({"engine": "autoprec"}, "scaled engine"),
     ({"fp8_recipe": "rowwise"}, "fp8 recipe"),
     ({"fingerprint": "sha256:" + "1" * 64}, "fingerprint"),
     ({"model_name": "LlamaForCausalLM"}, "model"),

@@ -32,7 +32,7 @@ CASES = {
     "gpt2 fp8 + bf16/fp32": ("gpt2", Policy(default="bf16", layers={
         "transformer.h.*.mlp": "fp8", "transformer.h.1.attn": "fp8:rowwise",
         "transformer.h.0.mlp.c_proj": "fp32", "lm_head": "fp32"})),
-    "llama fp8 torchao + bf16/fp32": ("llama", Policy(default="bf16", fp8_engine="torchao",
+    "llama fp8 torchao + bf16/fp32": ("llama", Policy(default="bf16", engine="torchao",
                                                       layers={"model.layers.*.mlp.*": "fp8",
                                                               "lm_head": "fp32"})),
     # fp8 inherited from the root: under checkpointing the blocks re-enter it (rewrite._Reentry),

@@ -246,7 +246,7 @@ def test_gpt2_under_fp8_policy_runs_scaled_mm_in_valid_layouts(monkeypatch):
         model = tiny_gpt2(seq_len=32).train()
         with pytest.warns(UserWarning, match="can only emulate"):
             # autoprec's engine everywhere (lm_head included): its kernel calls are the subject
-            autoprec.apply(model, Policy(default="fp8", fp8_engine="autoprec"))
+            autoprec.apply(model, Policy(default="fp8", engine="autoprec"))
         rec = ScaledMMRecorder()
         with rec:
             loss = model(**batch).loss
@@ -453,7 +453,7 @@ def test_cuda_torchao_engine_agrees_with_autoprecs(recipe):
     outs = {}
     for engine in ("autoprec", "torchao"):
         model = torch.nn.Sequential(lin)
-        autoprec.apply(model, Policy(default=f"fp8:{recipe}", fp8_engine=engine))
+        autoprec.apply(model, Policy(default=f"fp8:{recipe}", engine=engine))
         assert (type(model[0]).__name__ == "Float8Linear") == (engine == "torchao")
         with torch.no_grad():
             outs[engine] = model(x).float()

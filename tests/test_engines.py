@@ -56,7 +56,7 @@ def test_torchao_and_autoprec_compute_the_same_recipe(recipe):
     g = torch.randn(4, 32, 128)
     outs = {}
     for engine in ("autoprec", "torchao"):
-        outs[engine], used = _run(lin, Policy(default=f"fp8:{recipe}", fp8_engine=engine), x, g)
+        outs[engine], used = _run(lin, Policy(default=f"fp8:{recipe}", engine=engine), x, g)
         assert used == engine
     exact = torch.nn.functional.linear(x.double(), lin.weight.double(), lin.bias.double())
     fp8_error = _rel(outs["autoprec"][0], exact)
@@ -117,24 +117,24 @@ def test_remove_restores_modules_state_dict_and_optimizer_state(llama, gpt2_batc
 def test_the_policy_or_apply_chooses_the_engine(llama):
     for engine, expect in (("autoprec", "Linear"), ("torchao", "Float8Linear")):
         model = copy.deepcopy(llama)
-        autoprec.apply(model, Policy(default="fp8", fp8_engine=engine))
+        autoprec.apply(model, Policy(default="fp8", engine=engine))
         assert type(model.model.layers[0].mlp.up_proj).__name__ == expect
         autoprec.remove(model)
         assert type(model.model.layers[0].mlp.up_proj) is nn.Linear
     # apply's engine= overrides the policy's, and is checked like the file's
     model = copy.deepcopy(llama)
-    autoprec.apply(model, Policy(default="fp8", fp8_engine="torchao"), engine="autoprec")
+    autoprec.apply(model, Policy(default="fp8", engine="torchao"), engine="autoprec")
     assert type(model.model.layers[0].mlp.up_proj) is nn.Linear
-    assert rewrite.applied_policy(model).fp8_engine == "autoprec"
+    assert rewrite.applied_policy(model).engine == "autoprec"
     autoprec.remove(model)
-    with pytest.raises(PolicyError, match="fp8 engine 'cuda'"):
+    with pytest.raises(PolicyError, match="Unknown engine 'cuda'"):
         autoprec.apply(model, Policy(default="fp8"), engine="cuda")
 
 
 def test_asking_for_torchao_without_it_is_one_line(monkeypatch, llama):
     monkeypatch.setattr(engines, "torchao_available", lambda: False)
     with pytest.raises(RuntimeError, match=r"torchao is not installed: pip install") as e:
-        autoprec.apply(llama, Policy(default="fp8", fp8_engine="torchao"))
+        autoprec.apply(llama, Policy(default="fp8", engine="torchao"))
     assert "\n" not in str(e.value)
     assert not rewrite.regions(llama)  # nothing half-applied
     autoprec.apply(llama, Policy(default="fp8"))  # auto falls back to autoprec's own

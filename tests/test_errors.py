@@ -138,8 +138,8 @@ def test_a_corrupt_profile_beside_a_policy_prints_nothing_but_the_error(tmp_path
 @pytest.mark.parametrize("text, needles", [
     ("autoprec: 1\ndefault: bf16\nloss_scaling: {growth_interval: x}\n",
      ["growth_interval", "line 3"]),
-    ('autoprec: "1"\ndefault: bf16\n', ["must be the integer 2", "no quotes"]),
-    ("autoprec: true\ndefault: bf16\n", ["must be the integer 2"]),
+    ('autoprec: "1"\ndefault: bf16\n', ["must be an integer: 2", "no quotes"]),
+    ("autoprec: true\ndefault: bf16\n", ["must be an integer: 2"]),
     ("autoprec: 1\ndefault: bf16\nlayers:\n  lm_head: fp32\n  lm_head: bf16\n",
      ["Duplicate key 'lm_head'", "lines 4 and 5"]),
 ])

@@ -57,7 +57,7 @@ def test_the_weights_the_estimate_rounds_are_the_ones_the_kernel_multiplies(fmt,
     model = torch.nn.Sequential(layer)
     x = torch.eye(32).repeat(2, 1)  # 64 rows: a shape the FP8 kernel takes
     f = Format.parse(fmt)
-    rewrite.apply(model, Policy(default=Format.FP32, layers={"0": f}, fp8_engine="autoprec"),
+    rewrite.apply(model, Policy(default=Format.FP32, layers={"0": f}, engine="autoprec"),
                   strict=False)
     try:
         kernel = model(x).float()

@@ -305,7 +305,7 @@ def test_module_filter_fn_selects_exactly_the_policys_fp8_linears(minilm_model, 
                    if not isinstance(m, nn.Linear))  # fp8 parents are not Linears
     # applied (on either engine), exactly the selected layers cast to FP8
     for engine in ("autoprec", "torchao"):
-        model = autoprec.apply(minilm_model, dataclasses.replace(policy, fp8_engine=engine))
+        model = autoprec.apply(minilm_model, dataclasses.replace(policy, engine=engine))
         with ComputeProbe(model) as probe:
             model(**minilm_batch)
         cast = {f for f in probe.fp8_casts if f in linears}

@@ -153,7 +153,7 @@ def test_policy_applied_after_configure_model_and_before_the_optimizer(tmp_path)
     # before configure_optimizers and the strategy see the model.
     pytest.importorskip("torchao")
     policy = Policy(default="bf16", layers={"model.layers.*.mlp.*": "fp8", "lm_head": "fp32"},
-                    fp8_engine="torchao")
+                    engine="torchao")
     seen = {}
 
     class LitLlama(L.LightningModule):

@@ -71,7 +71,7 @@ def test_prediction_within_15_percent_of_profiler_trace(name, make):
     policies = {"fp32": Policy(default="fp32"), "bf16": Policy(default="bf16"),
                 "mixed": MIXED[name], "fp8": Policy(default="fp8"),
                 "fp8 rowwise, autoprec engine": Policy(default="fp8:rowwise",
-                                                      fp8_engine="autoprec")}
+                                                      engine="autoprec")}
     measured = {k: measure(p) for k, p in policies.items()}
     for key, policy in policies.items():
         m, p = measured[key].peak, mm.predict(policy)
@@ -111,7 +111,7 @@ def test_rowwise_keeps_its_operands_as_they_came():
     step = StepMemory(0, 0, 0)  # the change per layer does not depend on the measured steps
     mm = MemoryModel.calibrate(layers, lambda _: step, edges=graph.edges)
     mm.residual_per_element = 0.0  # only what the layers themselves keep
-    rowwise = Policy(default="fp8:rowwise", fp8_engine="autoprec")
+    rowwise = Policy(default="fp8:rowwise", engine="autoprec")
     change = mm.layer_change(rowwise)
     by_fqn = {lay.fqn: lay for lay in layers}
 
@@ -125,7 +125,7 @@ def test_rowwise_keeps_its_operands_as_they_came():
     both = elements(f"{h}.attn", "a") + elements(f"{h}.attn", "b")
     assert change[f"{h}.attn"] == -2 * both
     # with its projection in fp32 the attention's operands come in FP32, and stay
-    fp32_proj = Policy(default="fp8:rowwise", fp8_engine="autoprec",
+    fp32_proj = Policy(default="fp8:rowwise", engine="autoprec",
                        layers={f"{h}.attn.c_attn": "fp32"})
     assert mm.layer_change(fp32_proj)[f"{h}.attn"] == 0
 

@@ -35,7 +35,7 @@ def _model(which: str):
 
 
 def _policy(which: str, engine: str = "autoprec") -> Policy:
-    return Policy(**(GPT2_POLICY if which == "gpt2" else LLAMA_POLICY), fp8_engine=engine)
+    return Policy(**(GPT2_POLICY if which == "gpt2" else LLAMA_POLICY), engine=engine)
 
 
 def _train(model, policy: Policy, *, by_apply: bool, steps: int = STEPS, start: int = 0,

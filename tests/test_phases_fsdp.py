@@ -37,7 +37,7 @@ def _phased_run(policy: Policy, engine: str, rank: int) -> dict:
     from test_fsdp import _batches, _half, _model, _shard
 
     model = _model("llama")
-    policy = dataclasses.replace(policy, fp8_engine=engine)
+    policy = dataclasses.replace(policy, engine=engine)
     autoprec.apply(model, policy)
     _shard(model)
     phases = PhaseSwitcher(model, policy, total_steps=STEPS)
@@ -60,7 +60,7 @@ def _refusal(rank: int) -> str:
     from test_fsdp import _model, _shard
 
     model = _model("llama")
-    policy = dataclasses.replace(UP, fp8_engine="torchao")
+    policy = dataclasses.replace(UP, engine="torchao")
     autoprec.apply(model, policy)
     _shard(model)
     try:

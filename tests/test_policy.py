@@ -85,9 +85,9 @@ def test_malformed_yaml_names_file_and_line(tmp_path):
 
 
 def test_unknown_schema_version(tmp_path):
-    path = write(tmp_path, "autoprec: 5\ndefault: bf16\n")
-    with pytest.raises(PolicyError, match=rf"schema version 5 in {path} line 1.*reads versions "
-                                          r"1, 2, 3, 4"):
+    path = write(tmp_path, "autoprec: 6\ndefault: bf16\n")
+    with pytest.raises(PolicyError, match=rf"schema version 6 in {path} line 1.*reads versions "
+                                          r"1, 2, 3, 4, 5"):
         load_policy(path)
     with pytest.raises(PolicyError, match="Missing schema key"):
         load_policy(write(tmp_path, "default: bf16\n", "nover.yaml"))

@@ -110,7 +110,7 @@ def test_policy_names_a_recipe_per_layer_and_glob(tmp_path, llama):
     assert policy.format_for("model.layers.1.mlp.up_proj") is Format.FP8
     assert policy.format_for("model.layers.1.self_attn.q_proj") is Format.FP8_ROWWISE
     assert policy.format_for("model.layers.0.self_attn.k_proj") is Format.FP8_ROWWISE_GW_HP
-    assert policy.fp8_engine == "autoprec"
+    assert policy.engine == "autoprec"
     # torchao's module_filter_fn per recipe selects exactly that recipe's nn.Linear layers
     keep = policy.module_filter_fn("rowwise")
     chosen = {fqn for fqn, m in llama.named_modules() if keep(m, fqn)}
@@ -137,7 +137,7 @@ def test_schema_1_policies_load_unchanged(tmp_path):
                     "loss_scaling: {init_scale: 65536, growth_interval: 2000}\n")
     policy = load_policy(path)
     assert policy.format_for("transformer.h.3.mlp.c_fc") is Format.FP8
-    assert policy.fp8_engine == "auto"
+    assert policy.engine == "auto"
     saved = tmp_path / "new.yaml"
     policy.save(saved)
     assert load_policy(saved).layers == policy.layers
@@ -145,11 +145,57 @@ def test_schema_1_policies_load_unchanged(tmp_path):
 
 @pytest.mark.parametrize("text, match", [
     ("fp8: {recipe: colwise}", r"Unknown fp8 recipe 'colwise'.*line 3.*tensorwise, rowwise"),
-    ("fp8: {engine: te}", r"Unknown fp8 engine 'te'.*auto, torchao, autoprec"),
+    ("fp8: {engine: te}", r"Unknown engine 'te'.*auto, torchao, autoprec"),
 ])
 def test_bad_recipe_or_engine_is_one_line(tmp_path, text, match):
     path = tmp_path / "p.yaml"
     path.write_text(f"autoprec: 2\ndefault: fp8\n{text}\n")
+    with pytest.raises(PolicyError, match=match) as e:
+        load_policy(path)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("engine, phased, version", [
+    ("auto", False, 2), ("auto", True, 4), ("torchao", False, 5), ("autoprec", True, 5)])
+def test_the_engine_is_written_scaled_engine_in_the_lowest_schema_that_says_it(
+        tmp_path, engine, phased, version):
+    phases = ({"from_fraction": 0.5, "formats": {"scaled": "bf16"}},) if phased else ()
+    policy = Policy(default="bf16", layers={"mlp": "mxfp8"}, engine=engine, phases=phases)
+    path = tmp_path / "p.yaml"
+    policy.save(path)
+    text = path.read_text()
+    assert f"\nautoprec: {version}\n" in text
+    # the engine runs every scaled format, so it is not under `fp8:` any more
+    assert ("scaled:\n  engine: " + engine in text) is (engine != "auto")
+    assert "engine" not in text.split("fp8:")[1].split("\n")[1]
+    assert load_policy(path) == policy
+
+
+def test_an_older_schemas_fp8_engine_reads_as_the_engine_and_is_written_anew(tmp_path):
+    old = tmp_path / "old.yaml"
+    old.write_text("autoprec: 2\ndefault: bf16\nlayers: {mlp: fp8}\n"
+                   "fp8: {recipe: rowwise, engine: torchao}\n")
+    policy = load_policy(old)
+    assert policy.engine == "torchao" and policy.fp8_recipe == "rowwise"
+    new = tmp_path / "new.yaml"
+    policy.save(new)
+    assert "autoprec: 5" in new.read_text() and load_policy(new) == policy
+
+
+@pytest.mark.parametrize("text, match", [
+    ("autoprec: 5\ndefault: fp8\nfp8: {engine: torchao}",
+     r"`fp8: \{engine: ...\}` in .*p\.yaml line 3 is written `scaled: \{engine: ...\}` in schema 5"),
+    ("autoprec: 4\ndefault: fp8\nscaled: {engine: torchao}",
+     r"`scaled: \{engine: ...\}` in .*p\.yaml line 3 needs schema 5.*write `autoprec: 5`"),
+    ("autoprec: 5\ndefault: fp8\nscaled: {engine: te}", r"Unknown engine 'te' in .*line 3"),
+    ("autoprec: 5\ndefault: fp8\nscaled: {recipe: rowwise}",
+     r"Unknown key\(s\) 'recipe' at `scaled`.*valid keys are engine"),
+    ("autoprec: 5\ndefault: fp8\nscaled: [torchao]", r"`scaled` in .*line 3 must be a mapping"),
+])
+def test_each_schema_reads_the_engine_where_it_writes_it_and_says_where_it_moved(
+        tmp_path, text, match):
+    path = tmp_path / "p.yaml"
+    path.write_text(text + "\n")
     with pytest.raises(PolicyError, match=match) as e:
         load_policy(path)
     assert "\n" not in str(e.value)

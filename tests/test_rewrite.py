@@ -102,7 +102,7 @@ def test_regions_nest_innermost_wins_and_redundant_ones_are_skipped():
     m = Inline()
     # autoprec's own FP8 engine: with torchao's, the nn.Linear `proj` gets a region of its own
     policy = Policy(default="fp8", layers={"block": "fp32", "block.2": "bf16", "proj": "fp8"},
-                    fp8_engine="autoprec")
+                    engine="autoprec")
     autoprec.apply(m, policy)
     # `proj` inherits fp8 from the root: no region of its own
     assert autoprec.applied_formats(m) == {"": Format.FP8, "block": Format.FP32,
@@ -207,7 +207,7 @@ def test_minilm_each_layer_computes_in_its_format(minilm_model, minilm_batch):
         "bert.encoder.layer.*.attention.self": "bf16",
         "bert.encoder.layer.0.output.dense": "fp16",
         "classifier": "fp8",            # N = 4 labels: the FP8 kernel can't take it -> bf16
-    }, fp8_engine="autoprec")  # the router's work is observed (torchao's: tests/test_engines.py)
+    }, engine="autoprec")  # the router's work is observed (torchao's: tests/test_engines.py)
     autoprec.apply(minilm_model, policy)
     assert not fp8_shape_supported(minilm_batch["labels"].numel(), 384, 4)[0]
     probe, checked = check_observed(
@@ -308,7 +308,7 @@ COMPILE_CASES = {
                  "transformer.h.0.mlp.c_fc"),
     # the MLP's nn.Linear layers on torchao's Float8Linear
     "llama fp8 torchao": (tiny_llama, Policy(default="bf16", layers={"model.layers.*.mlp.*": "fp8"},
-                                             fp8_engine="torchao"), "model.layers.0.mlp.up_proj"),
+                                             engine="torchao"), "model.layers.0.mlp.up_proj"),
 }
 
 

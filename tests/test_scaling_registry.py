@@ -120,7 +120,7 @@ def test_memory_model_reads_its_kernel(tiles):
     model = MemoryModel((layer,), StepMemory(0, 10**6, 10**5))
     # autoprec's per-GEMM kernel saves its inputs as they came, as the rowwise recipe does
     assert model.layer_change(Policy(default=NAME)) == \
-        model.layer_change(Policy(default="fp8:rowwise", fp8_engine="autoprec"))
+        model.layer_change(Policy(default="fp8:rowwise", engine="autoprec"))
     assert model.layer_change(Policy(default=NAME)) != model.layer_change(Policy(default="fp8"))
 
 

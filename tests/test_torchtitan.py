@@ -121,7 +121,7 @@ def test_layers_1_and_layers_10_get_their_own_formats_never_a_substring_match():
 
 
 def test_engine_autoprec_builds_no_float8linear():
-    policy = dataclasses.replace(POLICY, fp8_engine="autoprec")
+    policy = dataclasses.replace(POLICY, engine="autoprec")
     assert fp8_linears(policy, model_registry("debugmodel").model) == {}
 
 

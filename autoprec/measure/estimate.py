@@ -657,7 +657,7 @@ class _Estimator:
             policy = Policy(default=Format.FP32,
                             layers={watch.name: fmt, **{c: Format.FP32 for c in watch.pinned}},
                             loss_scaling=LossScaling(init_scale=self.loss_scale),
-                            fp8_engine="autoprec")
+                            engine="autoprec")
             with warnings.catch_warnings():
                 # the emulated-fp8 speed warning: numerics are exact, which is all we use
                 warnings.filterwarnings("ignore", message=r".*can only emulate.*")

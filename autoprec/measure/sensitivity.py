@@ -718,9 +718,9 @@ def _measure(plan: _Plan, name: str, fmt: Format, ref_outputs: list | None,
     # recipes to BF16 rounding (tests/test_engines.py), and a profile must not depend on an
     # optional extra (nor swap the module the output probe watches)
     policy = (Policy(default=fmt, layers=keep_fp32, loss_scaling=loss_scaling,
-                     fp8_engine="autoprec") if name == ""
+                     engine="autoprec") if name == ""
               else Policy(default=Format.FP32, layers={name: fmt, **keep_fp32},
-                          loss_scaling=loss_scaling, fp8_engine="autoprec"))
+                          loss_scaling=loss_scaling, engine="autoprec"))
     if ref_outputs is None:
         dev: Deviation = meter.compare(policy)
         sqnr_finite = sqnr_db is None or not math.isnan(sqnr_db)

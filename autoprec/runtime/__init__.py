@@ -46,7 +46,7 @@ def apply(model: nn.Module, policy: Policy | str | os.PathLike, *, strict: bool 
             re-attaches that guard, keeping its history. ``None`` (the default) or ``False``
             attaches none and detaches a guard a previous ``apply`` attached.
         engine: ``"auto"``, ``"torchao"`` or ``"autoprec"``: overrides the policy's
-            ``fp8: {engine: ...}``, who runs its fp8 ``nn.Linear`` layers.
+            ``scaled: {engine: ...}``, who runs its scaled ``nn.Linear`` layers.
         standalone: names modules called outside their parent's forward, which need a region
             of their own (see :func:`autoprec.runtime.rewrite.apply`).
 

@@ -136,7 +136,7 @@ def engine_for(module: nn.Module, fmt: Format, engine: str) -> str:
         # sharded DTensor weight (a mixed Tensor/DTensor error)
         if engine == "torchao":
             raise RuntimeError(
-                "The policy asks for the torchao engine (fp8: {engine: torchao}) but the model "
+                "The policy asks for the torchao engine (scaled: {engine: torchao}) but the model "
                 "is already sharded (fully_shard): torchao's Float8Linear must be swapped in "
                 "first. Apply the policy before fully_shard, or use engine auto or autoprec.")
         warnings.warn(
@@ -147,7 +147,7 @@ def engine_for(module: nn.Module, fmt: Format, engine: str) -> str:
     if torchao_available():
         return "torchao"
     if engine == "torchao":
-        raise RuntimeError("The policy asks for the torchao engine (fp8: {engine: torchao}) but "
+        raise RuntimeError("The policy asks for the torchao engine (scaled: {engine: torchao}) but "
                            "torchao is not installed: pip install 'autoprec[torchao]', or set "
                            "the engine to auto or autoprec.")
     return "autoprec"

@@ -503,8 +503,8 @@ def apply(model: nn.Module, policy: Policy | str | os.PathLike, *,
     ``policy`` is a :class:`Policy` or a path to a policy YAML file. With ``strict`` (the
     default) a fingerprint of another model or a pattern that matches no module is a
     :class:`~autoprec.policy.PolicyError`; with ``strict=False`` they are warnings. ``engine``
-    ("auto", "torchao" or "autoprec") overrides the policy's ``fp8: {engine: ...}``: who runs
-    its fp8 ``nn.Linear`` layers. Applying again replaces the previous policy.
+    ("auto", "torchao" or "autoprec") overrides the policy's ``scaled: {engine: ...}``: who runs
+    its scaled formats' ``nn.Linear`` layers. Applying again replaces the previous policy.
 
     A model wrapped by ``torch.compile``, ``DataParallel`` or ``DistributedDataParallel`` gets
     the policy on the module it wraps (:func:`unwrap`): the patterns and the fingerprint are
@@ -522,7 +522,7 @@ def apply(model: nn.Module, policy: Policy | str | os.PathLike, *,
     if not isinstance(policy, Policy):
         policy = load_policy(policy)
     if engine is not None:
-        policy = dataclasses.replace(policy, fp8_engine=engine)  # checked as the file's is
+        policy = dataclasses.replace(policy, engine=engine)  # checked as the file's is
     assigned = policy.check_model(model, strict=strict)
     # a re-apply (a guard's demotion, a phase switch) keeps the modules named standalone
     standalone = tuple(standalone) or model.__dict__.get(_STANDALONE_ATTR, ())
@@ -532,7 +532,7 @@ def apply(model: nn.Module, policy: Policy | str | os.PathLike, *,
     # parameters); each gets a region of its own, in which nothing is routed again
     torchao = {fqn: policy.format_for(fqn) for fqn, module in model.named_modules()
                if fqn and engines.engine_for(module, policy.format_for(fqn),
-                                             policy.fp8_engine) == "torchao"}
+                                             policy.engine) == "torchao"}
     swaps = engines.swap_to_torchao(model, torchao)
     installed = _install_regions(model, policy, assigned, torchao, standalone)
     model.__dict__[_REGIONS_ATTR] = installed

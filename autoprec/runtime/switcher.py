@@ -16,9 +16,9 @@ computes bit for bit what stopping and applying the next phase's policy computes
 runtime guard, the guard makes the switch (``Guard.replace_policy``) and keeps its demotions:
 a demoted layer computes in the safer of its demoted format and the phase's. Under
 ``torch.compile`` a switch is one recompile (the regions change, as with a demotion). Under
-FSDP2, every switch works on autoprec's FP8 engine, and with ``engine: auto`` (a Linear that
-starts FP8 after ``fully_shard`` runs on autoprec's engine, the same numbers). With ``engine:
-torchao`` a Linear cannot start FP8 after ``fully_shard`` (torchao swaps the module, and FSDP
+FSDP2, every switch works on autoprec's FP8 engine, and with the engine ``auto`` (a Linear that
+starts FP8 after ``fully_shard`` runs on autoprec's engine, the same numbers). With ``scaled:
+{engine: torchao}`` a Linear cannot start FP8 after ``fully_shard`` (torchao swaps the module, and FSDP
 already holds the old one): the switcher refuses that phase in one line at start-up, before the
 first step. A torchao layer fp8 in an earlier phase and bf16 later is fine: its sharded
 Float8Linear runs as ``nn.Linear`` in its new format.
@@ -98,7 +98,7 @@ class PhaseSwitcher:
                 try:
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore")  # auto's fallback: said at the switch
-                        engines.engine_for(module, fmt, policy.fp8_engine)
+                        engines.engine_for(module, fmt, policy.engine)
                 except RuntimeError as e:
                     raise PolicyError(
                         f"Phase {i} ({policy.phases[i - 1].describe()}) puts `{fqn}` in {fmt}, "

@@ -37,7 +37,7 @@ def main() -> None:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     for fmt, engine in (("bf16", "autoprec"), ("fp8", "autoprec"), ("fp8", "torchao")):
         model = torch.nn.Sequential(copy.deepcopy(lin))
-        apply(model, Policy(default=fmt, fp8_engine=engine))
+        apply(model, Policy(default=fmt, engine=engine))
 
         def call(model=model):
             model(x).sum().backward()
