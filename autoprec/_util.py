@@ -35,6 +35,7 @@ __all__ = [
     "device_of",
     "free_memory",
     "model_state",
+    "spilled",
     "optimizer_step",
     "atomic_write",
     "atomic_write_all",
@@ -209,6 +210,24 @@ def model_state(model: nn.Module, *, weights: bool = True, spill: bool = False) 
             p.grad = g
         for m, flag in flags:
             m.training = flag
+
+
+@contextlib.contextmanager
+def spilled(groups: list[list[torch.Tensor]]) -> Iterator[None]:
+    """Empty ``groups`` (a list of lists of tensors) meanwhile, their values waiting outside
+    device memory as :func:`model_state`'s ``spill`` keeps them, and fill it again after with
+    tensors of the same values on the same devices, one at a time. The caller holds no other
+    reference to them, or they stay alive beside the spill."""
+    sizes = [len(g) for g in groups]
+    store = _Spill([t for g in groups for t in g])
+    groups.clear()
+    try:
+        yield
+    finally:
+        values = iter(store)
+        devices = iter(spec[2] for spec in store.specs)
+        for n in sizes:
+            groups.append([next(values).to(next(devices)) for _ in range(n)])
 
 
 class _Spill:

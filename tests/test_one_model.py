@@ -86,3 +86,42 @@ def test_the_memory_model_captures_and_measures_on_the_model_it_is_given(no_mode
     after = _params(model)
     assert all(torch.equal(before[n], after[n]) for n in before)
     assert not model._forward_hooks and not model._forward_pre_hooks
+
+
+class Watched(MovesAtZeroLr):
+    """Records, at each timed step, how many held-out batches' reference gradients the meter
+    holds (``meter`` is set by the test once the evaluator exists)."""
+
+    meter = None
+    seen: list[int] = []
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if Watched.meter is not None:
+            Watched.seen.append(len(Watched.meter.reference().grads))
+        return super().step(closure)
+
+
+def test_the_kept_reference_gradients_wait_outside_while_a_step_is_timed(no_model_copies):
+    task = dataclasses.replace(tiny_gpt2_task(), optimizer=Watched)
+    prof = profile(task, target="cpu-amx", progress=False)
+    ev = Evaluator(task, task.batches[2:], prof=prof, target=None,
+                   timing=TimingConfig(final_rounds=2, trial_rounds=2, recheck_rounds=0))
+    bf16 = Policy(default="bf16")
+    first = ev.deviation(bf16)
+    ref = ev.meter.reference()
+    kept = [[g.clone() for g in batch] for batch in ref.grads]
+    assert len(kept) == len(task.batches[2:]) and kept[0]
+    Watched.meter, Watched.seen = ev.meter, []
+    try:
+        ev.time(bf16)
+    finally:
+        Watched.meter = None
+    assert Watched.seen and set(Watched.seen) == {0}  # none alive while a step ran
+    # back after, the same values on the same devices, and the comparisons unchanged
+    assert len(ref.grads) == len(kept)
+    assert all(torch.equal(a, b) and a.device == b.device
+               for got, want in zip(ref.grads, kept) for a, b in zip(got, want))
+    again = ev.deviation(bf16)
+    assert (again.loss_rel_change, again.grad_rel_error, again.grad_bias) == \
+        (first.loss_rel_change, first.grad_rel_error, first.grad_bias)

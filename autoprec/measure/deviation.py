@@ -27,7 +27,7 @@ import contextlib
 import dataclasses
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoprec._util import spilled
 from autoprec.formats import Format
 from autoprec.host import slow_16bit_dtypes
 from autoprec.measure import shards
@@ -290,6 +291,17 @@ class DeviationMeter:
         if summed:
             self._ref_sum_sq = self._across(_sq_norms(summed)).tolist()
         return Reference(losses=losses, grads=grads, grad_sq=grad_sq)
+
+    @contextlib.contextmanager
+    def kept_outside(self) -> Iterator[None]:
+        """The reference's kept gradients wait outside device memory meanwhile (a training step
+        timed on the same model needs the room), and are back after with the same values."""
+        ref = self._reference
+        if ref is None or not ref.grads:
+            yield
+            return
+        with spilled(ref.grads):
+            yield
 
     # ---------------------------------------------------------------- a candidate
     def compare(self, policy: Policy, *, after_forward: Callable[[int], None] | None = None,

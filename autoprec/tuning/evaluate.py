@@ -116,9 +116,10 @@ class Evaluator:
         learning rate, a NaN times 0), so the values wait outside the device's memory meanwhile
         (:func:`~autoprec._util.model_state`), not in a second copy of the model; and the
         timer's optimizer state is dropped afterwards, so the comparisons and the memory model
-        that use the model next do not hold it too."""
+        that use the model next do not hold it too. The FP32 reference's held-out gradients, when
+        kept, wait outside it too: the timed step needs the room they take."""
         try:
-            with model_state(self.steps.model, spill=True):
+            with model_state(self.steps.model, spill=True), self.meter.kept_outside():
                 yield
         finally:
             self.steps.release()
