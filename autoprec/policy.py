@@ -490,7 +490,8 @@ class Policy:
             raise PolicyError(f"Unknown fp8 recipe {quoted(self.fp8_recipe)}{self._where('fp8')}; "
                               f"expected one of {', '.join(fp8_recipes())}.")
         if self.engine not in ENGINES:
-            raise PolicyError(f"Unknown engine {quoted(self.engine)}{self._where('scaled')}; "
+            at = self._where("scaled" if "scaled" in self.lines else "fp8")  # where the file says it
+            raise PolicyError(f"Unknown engine {quoted(self.engine)}{at}; "
                               f"expected one of {', '.join(ENGINES)}.")
         recipe = self.fp8_recipe
         object.__setattr__(self, "default", Format.parse(

@@ -145,7 +145,7 @@ def test_schema_1_policies_load_unchanged(tmp_path):
 
 @pytest.mark.parametrize("text, match", [
     ("fp8: {recipe: colwise}", r"Unknown fp8 recipe 'colwise'.*line 3.*tensorwise, rowwise"),
-    ("fp8: {engine: te}", r"Unknown engine 'te'.*auto, torchao, autoprec"),
+    ("fp8: {engine: te}", r"Unknown engine 'te' in .*line 3; .*auto, torchao, autoprec"),
 ])
 def test_bad_recipe_or_engine_is_one_line(tmp_path, text, match):
     path = tmp_path / "p.yaml"
