@@ -707,7 +707,10 @@ class Policy:
         """``sha256:<hex>`` of what the policy computes and for which model: every key of its
         file but ``tuned:`` (the provenance), layer order aside. A certificate names the digest
         it certified; an edited policy has another."""
-        doc = {k: v for k, v in self.to_dict().items() if k not in ("tuned", "autoprec")}
+        doc = {k: v for k, v in self.to_dict().items() if k not in ("tuned", "autoprec", "scaled")}
+        # the engine spelled as schemas 2-4 wrote it, whatever the file's schema: the digest is
+        # of what the policy computes, so a certificate made before schema 5 still covers it
+        doc["fp8"] = {"recipe": self.fp8_recipe, "engine": self.engine}
         text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
         return f"sha256:{hashlib.sha256(text.encode()).hexdigest()}"
 

@@ -4,6 +4,9 @@ and per glob, schema-1 files load unchanged, and the search offers each recipe i
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -180,6 +183,22 @@ def test_an_older_schemas_fp8_engine_reads_as_the_engine_and_is_written_anew(tmp
     new = tmp_path / "new.yaml"
     policy.save(new)
     assert "autoprec: 5" in new.read_text() and load_policy(new) == policy
+
+
+def test_the_digest_is_of_what_a_policy_computes_not_of_how_its_schema_spells_the_engine(
+        tmp_path):
+    old = tmp_path / "old.yaml"
+    old.write_text("autoprec: 2\ndefault: bf16\nlayers: {mlp: fp8}\n"
+                   "fp8: {recipe: tensorwise, engine: torchao}\n")
+    policy = load_policy(old)
+    new = tmp_path / "new.yaml"
+    policy.save(new)
+    assert "scaled:" in new.read_text() and load_policy(new).digest() == policy.digest()
+    assert dataclasses.replace(policy, engine="autoprec").digest() != policy.digest()
+    # a certificate made before schema 5 still covers the policy it certified
+    shipped = Path(__file__).parent.parent / "policies" / "gpt2_bytes_h100.yaml"
+    cert, covers = load_policy(shipped).certified()
+    assert cert is not None and covers
 
 
 @pytest.mark.parametrize("text, match", [
