@@ -652,7 +652,6 @@ class _Estimator:
         g_out = [call.grads.get(i, torch.zeros_like(t)) for i, t in enumerate(ref[0])]
         recs = watch.take_probes(call)
         tangents = self._tangents(call, g_out, recs)
-        run = wonly = None  # no format to measure here leaves them unset
         for fmt in watch.fmts:
             policy = Policy(default=Format.FP32,
                             layers={watch.name: fmt, **{c: Format.FP32 for c in watch.pinned}},
@@ -670,7 +669,8 @@ class _Estimator:
             wonly = self._weights_only(watch, call, fmt, g_out, ref)
             _accumulate(watch.results[fmt], call.batch, (ref, run, wonly), g_out, watch.own,
                         tangents)
-        del run, wonly, tangents
+            run = wonly = None  # this format's gradients go before the next format's run
+        del tangents
         self._probe_grads(watch, call, recs, ref[2])
 
     def _probe_grads(self, watch: _Watch, call: _Call, recs: list,
