@@ -13,6 +13,9 @@ same process (what ``predict_scale.py`` turns into a predicted tune time).
 
 - ``step``: the task's model built, then two FP32 AdamW training steps on one calibration
   batch (the first creates the optimizer's state): what training this model costs;
+- ``step-bf16``: the same two steps with an all-bf16 policy applied (``autoprec.apply``, as a
+  tune's step timer applies a trial's): what training this model in BF16 costs, the step a
+  timed tune's bf16 trials run;
 - ``fast`` / ``exact``: ``autoprec.profile(task, target="h100", sensitivity=...)`` with the
   formats fp32, bf16, fp8 (priced by the cost model: no timing, only the numerics);
 - ``step@2`` / ``fast@2`` / ``exact@2`` / ``tune@2`` / ``tune-lean@2``: the same under
@@ -110,8 +113,10 @@ def child(part: str, size: str) -> None:
         dist.init_process_group("gloo")
     base = _rss()
     start = time.perf_counter()
-    if part in ("step", "step@2"):
-        model = task.build_model() if part == "step" else _sharded(hidden, layers)
+    if part in ("step", "step@2", "step-bf16"):
+        model = _sharded(hidden, layers) if part == "step@2" else task.build_model()
+        if part == "step-bf16":
+            autoprec.apply(model, autoprec.Policy(default=autoprec.Format.BF16), strict=False)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         for _ in range(2):
             task.loss(model, task.batches[0]).backward()
@@ -203,7 +208,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", nargs="+", default=["512x4", "512x8", "1024x4"])
     ap.add_argument("--parts", nargs="+", default=["step", "fast", "exact", "tune"],
-                    choices=["step", "fast", "exact", "tune", "tune-lean", "tune-timed",
+                    choices=["step", "step-bf16", "fast", "exact", "tune", "tune-lean",
+                             "tune-timed",
                              "tune-timed-lean",
                              "step@2", "fast@2",
                              "exact@2", "tune@2", "tune-lean@2"])
