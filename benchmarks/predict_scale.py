@@ -25,8 +25,10 @@ share (``S``: it halves on 2 ranks, so ``S = 2 (one process - per rank)``) and w
 holds whole (``R = one process - S``). ``S`` is taken to grow with P and shrink with the GPUs
 (``S/P x P / n``); ``R`` -- at the bench's sizes the gathered unit (the head) with FSDP2's
 gather buffers, the head's local re-runs, one batch's activations and the fixed cost of the
-machinery -- to grow with the head, the largest unit (vocabulary x hidden x 4 bytes). One size
-measured, so neither assumption is checked: a prediction to check on GPUs.
+machinery -- to grow with the head, the largest unit (vocabulary x hidden x 4 bytes). The
+prediction uses the largest size measured on 2 ranks; where the log has two or more, the
+smallest's split predicts the largest's peaks and the check prints both (the assumptions
+tested between those sizes, not at 8B or 70B): a prediction to check on GPUs.
 
 What it cannot say: GPU memory (the bench reads host RSS; on the H200 a 3.2B Llama's fast
 profile was 1.04x its step, see BENCHMARKS.md).
@@ -185,6 +187,7 @@ def predict_sharded(parts: list[str], rows: dict, sizes: list[str]) -> None:
     if not pairs:
         print("\n(no part measured both in one process and on 2 ranks: no sharded prediction)")
         return
+    check_split(pairs, rows, sizes)
     print(f"\nPREDICTION per GPU of a sharded run on {GPUS} GPUs (S: shared by the ranks, "
           "scales with P / GPUs; R: held whole by each, scales with the head; from the "
           "largest size measured on 2 ranks):")
@@ -194,14 +197,44 @@ def predict_sharded(parts: list[str], rows: dict, sizes: list[str]) -> None:
         (P, one), (_, two) = rows[p][-1], rows[f"{p}@2"][-1]
         hidden = int(sizes[-1].split("x")[0])
         head = BENCH_VOCAB * hidden * 4
-        shared = 2 * (one - two)
-        whole = one - shared
+        shared, whole = _split(one, two)
         cells = []
         for name, params in MODELS.items():
             peak = shared / P * params / GPUS + whole / head * HEADS[name]
             cells.append(f"{peak / 1e9:.0f} GB ({peak / H200:.2f} H200)")
         print(f"| {p} | {sizes[-1]} | {shared / P:.2f} P | {whole / head:.1f} x head "
               f"({whole / P:.2f} P) | " + " | ".join(cells) + " |")
+
+
+def _split(one: float, two: float) -> tuple[float, float]:
+    """``(S, R)`` of a part measured in one process (``one``) and per rank on 2 (``two``)."""
+    shared = 2 * (one - two)
+    return shared, one - shared
+
+
+def check_split(pairs: list[str], rows: dict, sizes: list[str]) -> dict:
+    """The split's assumptions checked where the log has two or more sizes on 2 ranks: the
+    smallest size's ``S`` (scaled with P) and ``R`` (scaled with the head) predict the largest
+    size's per-rank and one-process peaks, printed beside what was measured there. Returns
+    ``{part: (per rank, one process)}``, each measured / predicted."""
+    if len(sizes) < 2:
+        print("\n(one size on 2 ranks: the split's assumptions are not checked)")
+        return {}
+    out = {}
+    print(f"\nCHECK of the split: {sizes[0]}'s S and R predict {sizes[-1]} "
+          "(per rank on 2, one process):")
+    hidden = [int(x.split("x")[0]) for x in (sizes[0], sizes[-1])]
+    for p in pairs:
+        (P0, one0), (_, two0) = rows[p][0], rows[f"{p}@2"][0]
+        (P1, one1), (_, two1) = rows[p][-1], rows[f"{p}@2"][-1]
+        shared, whole = _split(one0, two0)
+        whole1 = whole * hidden[1] / hidden[0]  # the head grows with the width
+        rank, alone = shared / P0 * P1 / 2 + whole1, shared / P0 * P1 + whole1
+        out[p] = (two1 / rank, one1 / alone)
+        print(f"  {p}: per rank predicted {rank / 2**20:.0f} MiB, measured {two1 / 2**20:.0f} "
+              f"(measured / predicted {two1 / rank:.2f}); one process predicted "
+              f"{alone / 2**20:.0f}, measured {one1 / 2**20:.0f} ({one1 / alone:.2f})")
+    return out
 
 
 def predict_whole(parts: list[str], rows: dict) -> None:
