@@ -48,8 +48,12 @@ share when that layer's output stays low precision. That measurement runs withou
 (``measure_step_memory(compute_only=True)``): forward + backward add the same above the state
 as without it, and the calibration then never holds more than the fp32 training step it
 measures first (a bf16 step beside the optimizer's state held its 16-bit weight copies on
-top). The optimizer phase does not depend on the policy (gradients and state are FP32, the
-autocast cache is gone): the predicted peak is the larger of the two phases. Predictions are
+top). Nor does the fp32 step hold the optimizer's whole state: its forward + backward are
+measured the same way, and its optimizer phase is priced (:func:`price_optimizer`: the
+optimizer built and stepped over a part of the parameters at a time, its state summed, its
+temporaries combined as the step holds them). The optimizer phase does not depend on the
+policy (gradients and state are FP32, the autocast cache is gone): the predicted peak is the
+larger of the two phases. Predictions are
 for the batch the steps run on (the task's first calibration batch), on the task's device.
 """
 
@@ -73,7 +77,8 @@ from autoprec.graph import Layer
 from autoprec.policy import Policy
 from autoprec.scaling import shape_multiple
 
-__all__ = ["StepMemory", "MemoryModel", "measure_step_memory", "parse_size", "format_size"]
+__all__ = ["StepMemory", "OptimizerPrice", "MemoryModel", "measure_step_memory", "price_optimizer",
+           "parse_size", "format_size"]
 
 _FP32 = Policy(default=Format.FP32)
 _BF16 = Policy(default=Format.BF16)
@@ -135,19 +140,15 @@ class StepMemory:
 
 def _live_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
     """Bytes of the distinct storages of parameters, buffers and optimizer state."""
-    storages: dict[int, int] = {}
     state = [] if optimizer is None else [v for s in optimizer.state.values() for v in s.values()]
-    for t in [*model.parameters(), *model.buffers(), *state]:
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            s = t.untyped_storage()
-            storages[s.data_ptr()] = s.nbytes()
-    return sum(storages.values())
+    return _distinct_bytes([*model.parameters(), *model.buffers(), *state])
 
 
 def measure_step_memory(model: nn.Module, batch: Any, policy: Policy,
                         loss_fn: Callable[[nn.Module, Any], torch.Tensor],
                         make_optimizer: Callable[[Any], torch.optim.Optimizer], *,
-                        emulate: bool | None = None, compute_only: bool = False) -> StepMemory:
+                        emulate: bool | None = None, compute_only: bool = False,
+                        priced_optimizer: bool = False) -> StepMemory:
     """The peak memory of one training step of ``model`` on ``batch`` under ``policy`` (at
     learning rate 0, but a user's optimizer may still move weights: a caller that keeps the
     model puts them back); see the module docstring.
@@ -161,12 +162,17 @@ def measure_step_memory(model: nn.Module, batch: Any, policy: Policy,
     optimizer and so no optimizer state alive (``persistent`` is the parameters and buffers,
     ``optimizer_peak`` 0): what forward + backward add above what is live is the same as in a
     whole step, where the state waits untouched, and the measurement holds less than the step
-    it describes. ``make_optimizer`` is not called."""
+    it describes. ``make_optimizer`` is not called.
+
+    ``priced_optimizer``: forward + backward measured as ``compute_only`` measures them, and the
+    optimizer's phase priced rather than held: the optimizer stepped over the parameters a part
+    at a time (:func:`price_optimizer`), so no more than a part's state is ever alive; what it
+    returns describes the whole step, state included."""
     from autoprec.host import slow_16bit_dtypes
     from autoprec.runtime import rewrite
     from autoprec.runtime.fp8 import emulating
 
-    optimizer = None if compute_only else make_optimizer(model.parameters())
+    optimizer = None if compute_only or priced_optimizer else make_optimizer(model.parameters())
     for group in optimizer.param_groups if optimizer is not None else ():
         group["lr"] = 0.0
     scaler = None
@@ -180,12 +186,20 @@ def measure_step_memory(model: nn.Module, batch: Any, policy: Policy,
         with emulating(slow):
             # the first step creates the optimizer's state, which every later step keeps
             _backward(loss_fn(model, batch), scaler)
+            # priced on the gradients of that first backward, before the measured one
+            price = price_optimizer(model.parameters(), make_optimizer) \
+                if priced_optimizer else None
             _opt_step(model, optimizer, scaler)
             if device.type == "cuda":
-                return _cuda_step(model, batch, loss_fn, optimizer, scaler, device)
-            return _traced_step(model, batch, loss_fn, optimizer, scaler)
+                step = _cuda_step(model, batch, loss_fn, optimizer, scaler, device)
+            else:
+                step = _traced_step(model, batch, loss_fn, optimizer, scaler)
     finally:
         rewrite.remove(model)
+    if price is None:
+        return step
+    return StepMemory(step.persistent + price.state, step.compute_peak + price.state,
+                      step.persistent + price.state + price.gradients + price.temporaries)
 
 
 def _backward(loss: torch.Tensor, scaler) -> None:
@@ -261,6 +275,105 @@ def _traced_step(model, batch, loss_fn, optimizer, scaler) -> StepMemory:
             peak_opt = max(peak_opt, now)
     return StepMemory(persistent, persistent + peak_compute,
                       0 if optimizer is None else persistent + peak_opt)
+
+
+# ------------------------------------------------------------------ the optimizer, priced
+@dataclass(frozen=True)
+class OptimizerPrice:
+    """What an optimizer's phase of a training step adds, priced a part at a time."""
+
+    # the optimizer's state over all the parameters (the sum of the parts')
+    state: int
+    # the gradients it reads (live through the phase)
+    gradients: int
+    # the most its step allocates above its state and the gradients
+    temporaries: int
+    # the parts the parameters were stepped in
+    parts: int
+
+
+def price_optimizer(params: Iterable[torch.nn.Parameter],
+                    make_optimizer: Callable[[Any], torch.optim.Optimizer], *,
+                    parts: int = 8) -> OptimizerPrice:
+    """Price the optimizer step over ``params`` (those with a gradient) without holding its
+    whole state: ``make_optimizer`` builds an optimizer over one part of them at a time (about
+    1/``parts`` of their bytes, a parameter never split), at learning rate 0, which steps once
+    to create its state and once measured; then it is dropped. The state adds up over the
+    parts. The step's temporaries do not add up the same way for every optimizer: a loop over
+    the tensors (torch's default on the CPU) holds one tensor's at a time, the largest part's;
+    a ``foreach`` step (the default on CUDA) holds every tensor's at once, the sum of the
+    parts'. Which, is measured: the first two parts stepped together hold their larger part's
+    temporaries plus some share of the smaller's, and that share of the other parts' is added.
+    The caller puts the weights back (an optimizer may move them even at learning rate 0)."""
+    params = [p for p in params if p.grad is not None]
+    gradients = _distinct_bytes(p.grad for p in params)
+    groups = _parts(params, parts)
+    priced = [_step_part(group, make_optimizer) for group in groups]
+    temps = [t for _, t in priced]
+    share = 1.0
+    if len(groups) >= 2 and min(temps[:2]) > 0:
+        _, both = _step_part(groups[0] + groups[1], make_optimizer)
+        share = min(1.0, max(0.0, (both - max(temps[:2])) / min(temps[:2])))
+    temporaries = max(temps, default=0) + share * (sum(temps) - max(temps, default=0))
+    return OptimizerPrice(sum(s for s, _ in priced), gradients, int(temporaries), len(groups))
+
+
+def _parts(params: list[torch.Tensor], parts: int) -> list[list[torch.Tensor]]:
+    """``params`` in order, cut into runs of about 1/``parts`` of their bytes each."""
+    total = sum(p.numel() * p.element_size() for p in params)
+    target = total / max(parts, 1)
+    out: list[list[torch.Tensor]] = [[]]
+    held = 0
+    for p in params:
+        if out[-1] and held >= target:
+            out.append([])
+            held = 0
+        out[-1].append(p)
+        held += p.numel() * p.element_size()
+    return [group for group in out if group]
+
+
+def _step_part(params: list[torch.Tensor],
+               make_optimizer: Callable[[Any], torch.optim.Optimizer]) -> tuple[int, int]:
+    """(state bytes, peak bytes its second step allocates above what was live) of an
+    optimizer over ``params`` alone, dropped after."""
+    optimizer = make_optimizer(params)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    state = _distinct_bytes(v for s in optimizer.state.values() for v in s.values())
+    return state, _peak_above(optimizer.step, params[0].device)
+
+
+def _distinct_bytes(tensors: Iterable[Any]) -> int:
+    storages: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            s = t.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+    return sum(storages.values())
+
+
+def _peak_above(fn: Callable[[], Any], device: torch.device) -> int:
+    """The most ``fn()`` holds allocated at once above what was allocated when it began: the
+    caching allocator's statistics on CUDA, a ``torch.profiler`` memory trace elsewhere."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return max(0, torch.cuda.max_memory_allocated(device) - start)
+    from torch.profiler import ProfilerActivity, profile
+
+    with _quiet_kineto(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    now = peak = 0
+    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                            if e.name() == "[memory]"):
+        now += nbytes
+        peak = max(peak, now)
+    return peak
 
 
 # ============================================================================ predicting
@@ -443,7 +556,9 @@ def memory_model(task: Any, prof: Any = None, model: nn.Module | None = None) ->
     the tune's own; None: a new build), its weights, buffers and gradients put back after
     each (a user's optimizer may move weights even at learning rate 0) from a copy that
     waits outside its device's memory: the calibration holds the model once, as training does
-    (the capture, when one is needed, runs on it too and leaves it as it was)."""
+    (the capture, when one is needed, runs on it too and leaves it as it was), and the
+    optimizer's state a part at a time (``priced_optimizer``): it holds less than the training
+    step it predicts."""
     from autoprec._util import model_state
     from autoprec.measure.capture import capture
     from autoprec.measure.deviation import prepare_for_measurement
@@ -460,7 +575,8 @@ def memory_model(task: Any, prof: Any = None, model: nn.Module | None = None) ->
     def measure(policy: Policy, compute_only: bool = False) -> StepMemory:
         with model_state(model, spill=True):
             return measure_step_memory(model, batch, policy, task.loss_fn or default_loss,
-                                       task.make_optimizer, compute_only=compute_only)
+                                       task.make_optimizer, compute_only=compute_only,
+                                       priced_optimizer=not compute_only)
 
     return MemoryModel.calibrate(layers, measure, edges=edges,
                                  measure_compute=partial(measure, compute_only=True))
