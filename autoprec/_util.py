@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "Spilled",
     "class_name",
     "ModelCall",
     "call_model",
@@ -257,6 +258,46 @@ class _Spill:
                 if self.file.readinto(buf.view(torch.uint8).numpy().data) != buf.nbytes:
                     raise OSError("a spilled model state came back short")
                 yield buf.reshape(shape)
+
+
+class Spilled:
+    """Tensors written out as they come, in any order, and read back by index, each when it is
+    asked for: a CPU tensor's bytes in an unnamed temporary file, an accelerator's tensor in
+    host memory. Nothing of them waits in the device's memory meanwhile."""
+
+    def __init__(self, n: int):
+        self.file: Any = None
+        self.host: dict[int, torch.Tensor] = {}
+        # index -> (offset in the file, shape, dtype, device)
+        self.where: list[tuple | None] = [None] * n
+
+    def put(self, i: int, t: torch.Tensor) -> None:
+        t = t.detach()
+        if t.device.type != "cpu":
+            self.host[i] = t.to("cpu", copy=True)
+            self.where[i] = (None, t.shape, t.dtype, t.device)
+            return
+        if self.file is None:
+            self.file = tempfile.TemporaryFile()
+        offset = self.file.seek(0, os.SEEK_END)
+        self.file.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        self.where[i] = (offset, t.shape, t.dtype, t.device)
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        offset, shape, dtype, device = self.where[i]
+        if offset is None:
+            return self.host[i].to(device)
+        buf = torch.empty(shape, dtype=dtype).reshape(-1)
+        self.file.seek(offset)
+        if self.file.readinto(buf.view(torch.uint8).numpy().data) != buf.nbytes:
+            raise OSError("a spilled tensor came back short")
+        return buf.reshape(shape)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (self[i] for i in range(len(self)))
 
 
 # ------------------------------------------------------------------------------ files

@@ -27,6 +27,10 @@ same process (what ``predict_scale.py`` turns into a predicted tune time).
 - ``tune-lean``: the same tune with ``holdout_gradients="recomputed"``: each trial computes
   each held-out batch's reference gradients again beside its own (what ``"auto"`` picks when
   keeping them would take over a quarter of the free memory);
+- ``tune-spilled`` / ``tune-spilled@2``: the same with ``holdout_gradients="spilled"``: the
+  held-out batches' FP32 gradients computed once and kept in a temporary file (on disk, so
+  not in RSS: the page cache may hold them, and gives them up under pressure), each read back
+  as a trial's gradient of the same parameter arrives;
 - ``tune-timed``: the tune the README's main job runs, its steps timed here (no ``target``):
   the step timer trains the same model with an AdamW at learning rate 0 (formats fp32 and
   bf16, 2 trials, a short re-timing: the memory, not the verdict, is what is read);
@@ -144,12 +148,13 @@ def child(part: str, size: str) -> None:
                  progress=False, output=os.path.join(tmp, "p.yaml"),
                  timing=TimingConfig(final_rounds=3, max_final_rounds=3, trial_rounds=2), **lean)
         params = None
-    elif part in ("tune", "tune-lean", "tune@2", "tune-lean@2"):
+    elif part in ("tune", "tune-lean", "tune-spilled", "tune@2", "tune-lean@2",
+                  "tune-spilled@2"):
         sharded = {"model": _sharded(hidden, layers)} if part.endswith("@2") else {}
+        holdout = "recomputed" if "lean" in part else "spilled" if "spilled" in part else "kept"
         with tempfile.TemporaryDirectory() as tmp:
             tune(task, target="h100", sensitivity="fast", n_trials=4, progress=False,
-                 output=os.path.join(tmp, "p.yaml"),
-                 holdout_gradients="recomputed" if "lean" in part else "kept", **sharded)
+                 output=os.path.join(tmp, "p.yaml"), holdout_gradients=holdout, **sharded)
         params = None
     else:
         raise SystemExit(f"unknown part {part!r}")
@@ -209,10 +214,9 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="+", default=["512x4", "512x8", "1024x4"])
     ap.add_argument("--parts", nargs="+", default=["step", "fast", "exact", "tune"],
                     choices=["step", "step-bf16", "fast", "exact", "tune", "tune-lean",
-                             "tune-timed",
-                             "tune-timed-lean",
-                             "step@2", "fast@2",
-                             "exact@2", "tune@2", "tune-lean@2"])
+                             "tune-spilled", "tune-timed", "tune-timed-lean",
+                             "step@2", "fast@2", "exact@2", "tune@2", "tune-lean@2",
+                             "tune-spilled@2"])
     ap.add_argument("--child", nargs=2, metavar=("PART", "SIZE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

@@ -253,3 +253,20 @@ def test_a_reference_recomputed_per_batch_gives_the_numbers_a_kept_one_gives(gpt
     # fp32 against itself, per batch too, is exactly 0
     same = lean.compare(Policy(default="fp32"), bias=True)
     assert same.grad_rel_error == 0 and same.grad_bias == 0 and same.loss_rel_change == 0
+    del lean
+
+    # spill: the reference's gradients computed once, each written out as it arrives and read
+    # back as the candidate's arrives; nothing held, no backward more than the kept reference's
+    from autoprec._util import Spilled
+
+    spilled = DeviationMeter(model, batches, loss_fn, seed=5, spill=True)
+    ref = spilled.reference()
+    assert len(ref.grads) == len(batches) and all(isinstance(g, Spilled) for g in ref.grads)
+    assert all(g.file is not None and not g.host for g in ref.grads)  # on disk, not in memory
+    backwards.clear()
+    assert spilled.compare(policy, bias=True) == want
+    assert len(backwards) == n_kept
+    same = spilled.compare(Policy(default="fp32"), bias=True)
+    assert same.grad_rel_error == 0 and same.grad_bias == 0 and same.loss_rel_change == 0
+    with pytest.raises(ValueError, match="pick one"):
+        DeviationMeter(model, batches, loss_fn, per_batch=True, spill=True)

@@ -116,8 +116,12 @@ def test_held_out_gradients_recomputed_per_trial_give_the_same_trials(tmp_path, 
                          for t in r.trials]
     assert numbers(lean) == numbers(kept) and lean.policy == kept.policy
     assert any(Format.FP16 in t.assignment.values() for t in lean.trials)
+    # kept outside memory (a temporary file here), read back as each trial's arrive: the same
+    spilled = tune(small_gpt2_task(), holdout_gradients="spilled",
+                   output=str(tmp_path / "s.yaml"), progress=False, **kw)
+    assert numbers(spilled) == numbers(kept) and spilled.policy == kept.policy
     with pytest.raises(ValueError, match="holdout_gradients must be one of auto, kept, "
-                                         "recomputed; got 'some'"):
+                                         "recomputed, spilled; got 'some'"):
         autoprec.TuneConfig(holdout_gradients="some")
 
 

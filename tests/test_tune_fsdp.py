@@ -57,7 +57,7 @@ def _policy(policy) -> dict:
 def _numerics() -> dict:
     """A trial's comparison (``DeviationMeter.compare(bias=True)``), one process and sharded: bf16
     and fp16 (loss-scaled, its bias read after the backward is known finite), the held-out
-    reference gradients kept or computed again per batch."""
+    reference gradients kept, computed again per batch, or kept outside memory (spilled)."""
     from autoprec.formats import Format
     from autoprec.measure.deviation import DeviationMeter, prepare_for_measurement
     from autoprec.policy import Policy
@@ -65,15 +65,15 @@ def _numerics() -> dict:
 
     out = {}
     for fmt in (Format.BF16, Format.FP16):
-        for per_batch in (False, True):
+        for mode in ("kept", "recomputed", "spilled"):
             for sharded in (False, True):
                 model = prepare_for_measurement(tiny_llama())
                 model = _shard(model, "llama") if sharded else model
                 num = DeviationMeter(model, byte_batches(2, 4, 32, seed=7), default_loss, seed=0,
-                               per_batch=per_batch)
+                                     per_batch=mode == "recomputed", spill=mode == "spilled")
                 d = num.compare(Policy(default=fmt), bias=True)
-                out[fmt.value, per_batch, sharded] = (d.loss_rel_change, d.grad_rel_error,
-                                                      d.finite, d.grad_bias, d.bias_sq)
+                out[fmt.value, mode, sharded] = (d.loss_rel_change, d.grad_rel_error,
+                                                 d.finite, d.grad_bias, d.bias_sq)
     return out
 
 
@@ -127,13 +127,16 @@ def test_a_sharded_models_tune_is_the_one_process_tune_on_every_rank(tmp_path):
         assert {t[4] for t in alone["trials"]} == {True, False}, alone["trials"]
         _same_tune(sharded, alone, rank)
         numerics = got["numerics"]
-        for (fmt, per_batch, is_sharded), (loss, grad, *same, bias, bias_sq) in numerics.items():
+        for (fmt, mode, is_sharded), (loss, grad, *same, bias, bias_sq) in numerics.items():
             if is_sharded:
-                one_loss, one_grad, *one, one_bias, one_sq = numerics[fmt, per_batch, False]
-                assert (loss, same) == (one_loss, one), (fmt, per_batch)
-                assert 0 < grad == pytest.approx(one_grad, rel=NORMS), (fmt, per_batch)
-                assert 0 < bias == pytest.approx(one_bias, rel=NORMS), (fmt, per_batch)
-                assert bias_sq == pytest.approx(one_sq, rel=NORMS), (fmt, per_batch)
+                one_loss, one_grad, *one, one_bias, one_sq = numerics[fmt, mode, False]
+                assert (loss, same) == (one_loss, one), (fmt, mode)
+                assert 0 < grad == pytest.approx(one_grad, rel=NORMS), (fmt, mode)
+                assert 0 < bias == pytest.approx(one_bias, rel=NORMS), (fmt, mode)
+                assert bias_sq == pytest.approx(one_sq, rel=NORMS), (fmt, mode)
+            # the spilled reference's parts, read back, are the kept ones: the same numbers
+            if mode == "spilled":
+                assert numerics[fmt, mode, is_sharded] == numerics[fmt, "kept", is_sharded]
         assert set(alone["winner"].values()) != {"fp32"}, alone["trials"]
         assert alone["memory"] and sharded["memory"] is None
         assert got["refused"]["target"].startswith("tune(model=...) of a model FSDP2 shards "

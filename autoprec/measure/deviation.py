@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec._util import spilled
+from autoprec._util import Spilled, spilled
 from autoprec.formats import Format
 from autoprec.host import slow_16bit_dtypes
 from autoprec.measure import shards
@@ -173,14 +173,24 @@ class DeviationMeter:
     of one more FP32 forward and backward per batch per comparison. An fp16 candidate's part
     of the bias sum is then read in a second backward, once the first has shown the scale does
     not overflow, rather than held while an overflow may still void it. The same numbers.
+
+    ``spill=True`` (implies ``keep_grads``): the reference's gradients are kept, but outside the
+    device's memory (:class:`autoprec._util.Spilled`: a temporary file beside a CPU model, host
+    memory beside an accelerator's), each written as autograd finishes it and read back when
+    the candidate's gradient of the same parameter arrives: no set of them is held, and none
+    is computed again. The bias's denominator is summed as they arrive, as ``per_batch`` sums
+    it. The same numbers.
     """
 
     def __init__(self, model: nn.Module, batches: Sequence[Any],
                  loss_fn: Callable[[nn.Module, Any], torch.Tensor], *, seed: int = 0,
-                 keep_grads: bool = True, per_batch: bool = False):
+                 keep_grads: bool = True, per_batch: bool = False, spill: bool = False):
+        if per_batch and spill:
+            raise ValueError("DeviationMeter: per_batch computes the reference's gradients again "
+                             "per comparison, spill keeps them outside memory; pick one.")
         self.model = model
-        self.keep_grads = keep_grads and not per_batch
-        self.per_batch = per_batch
+        self.keep_grads = (keep_grads or spill) and not per_batch
+        self.per_batch, self.spill = per_batch, spill
         self.batches = list(batches)
         if not self.batches:
             raise ValueError("Measuring numerics needs at least one batch; got none.")
@@ -264,14 +274,19 @@ class DeviationMeter:
         losses, grads, grad_sq = [], [], []
         # per_batch: the bias's denominator is summed now, as the gradients arrive (later no
         # comparison has every batch's gradients to sum)
-        summed: list | None = [] if self.per_batch else None
+        summed: list | None = [] if self.per_batch or self.spill else None
         with _fp32(self.model):
             for b, batch in enumerate(self.batches):
                 ctx = around(b) if around is not None else contextlib.nullcontext()
                 with torch.random.fork_rng(devices=_rng_devices(self.model)), ctx:
                     torch.manual_seed(self.seed + b)
                     loss = self._loss(batch)
-                if keep:
+                if keep and self.spill:  # each written out as it arrives
+                    kept = Spilled(len(self.params))
+                    sq, finite, summed = _differences(loss, self.params, None, total=summed,
+                                                      parts=self._parts, keep=kept.put)
+                    grads.append(kept)
+                elif keep:
                     g = _grads(loss, self.params)
                     sq, finite = _sq_norms(g), all_finite(g)
                     grads.append(self._kept(g))
@@ -297,7 +312,7 @@ class DeviationMeter:
         """The reference's kept gradients wait outside device memory meanwhile (a training step
         timed on the same model needs the room), and are back after with the same values."""
         ref = self._reference
-        if ref is None or not ref.grads:
+        if ref is None or not ref.grads or self.spill:
             yield
             return
         with spilled(ref.grads):
@@ -429,7 +444,8 @@ def writable(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 def _differences(loss: torch.Tensor, params: list[torch.Tensor],
                  ref: list[torch.Tensor] | None, *, scale: float = 1.0,
                  total: list | None = None, hold: bool = True,
-                 parts: Sequence[torch.Tensor] | None = None
+                 parts: Sequence[torch.Tensor] | None = None,
+                 keep: Callable[[int, torch.Tensor], None] | None = None
                  ) -> tuple[torch.Tensor, bool, list | None]:
     """This batch's gradients of ``loss`` minus the reference's ``ref`` (None: the gradients
     themselves): each difference's squared norm (float64, per parameter), whether the
@@ -447,12 +463,15 @@ def _differences(loss: torch.Tensor, params: list[torch.Tensor],
     ``parts``: the shards of a model FSDP2 shards, one per parameter: the sum keeps only this
     rank's part of each difference (:func:`autoprec.measure.shards.part`), and ``ref`` is this
     rank's part of the reference's gradients, so the differences and their norms are of this
-    rank's parts (the caller sums the squares over the ranks)."""
+    rank's parts (the caller sums the squares over the ranks). ``keep(i, g)``: with no ``ref``
+    (a reference's own backward), each gradient as it is read (this rank's part of it), before
+    the sum adds to it; the scale is 1 there, so each is read once."""
     if scale != 1.0 and not bool(torch.isfinite(loss.detach())):
         scale = 1.0
     while True:
         again = not hold and scale != 1.0 and bool(total)
-        reading = _Reading(params, ref, scale, None if again else total, parts=parts)
+        reading = _Reading(params, ref, scale, None if again else total, parts=parts,
+                           keep=keep)
         scaled = loss * scale if scale != 1.0 else loss
         _as_they_arrive(scaled, params, reading.read, retain_graph=reading.may_retry)
         if not reading.overflowed:
@@ -472,8 +491,10 @@ class _Reading:
 
     def __init__(self, params: list[torch.Tensor], ref: list[torch.Tensor] | None,
                  scale: float, total: list | None, *, retry: bool = True,
-                 parts: Sequence[torch.Tensor] | None = None):
+                 parts: Sequence[torch.Tensor] | None = None,
+                 keep: Callable[[int, torch.Tensor], None] | None = None):
         self.params, self.ref, self.scale, self.parts = params, ref, scale, parts
+        self.keep = keep
         # a sharded model's reference is kept in parts: so is each difference
         self.may_retry = retry and scale > 1.0  # a gradient that overflows voids this reading
         self.overflowed = False
@@ -499,6 +520,8 @@ class _Reading:
             g = shards.part(g, self.parts[i])
         d = g if self.ref is None else g.sub_(self.ref[i])
         self.norms[i] = torch._foreach_norm([d])[0]
+        if self.keep is not None:
+            self.keep(i, d if self.parts is None else shards.part(d, self.parts[i]))
         if self.summed is None:
             return
         if self.parts is not None and self.ref is None:

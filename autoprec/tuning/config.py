@@ -24,7 +24,7 @@ __all__ = ["TuneConfig", "SearchConfig", "StudyConfig", "TimingConfig", "Groupin
            "per_gemm_candidates"]
 
 # SearchConfig.holdout_gradients's choices
-HOLDOUT_GRADIENTS = ("auto", "kept", "recomputed")
+HOLDOUT_GRADIENTS = ("auto", "kept", "recomputed", "spilled")
 
 
 class Grouping(str, enum.Enum):
@@ -124,8 +124,12 @@ class SearchConfig:
     # The FP32 reference's gradients on the held-out batches: "kept" (computed once, all held
     # through the search: n_holdout x the model's parameter bytes), "recomputed" (each
     # batch's computed again beside each trial's and dropped: one batch's held, one more FP32
-    # forward and backward per batch per trial; the same numbers) or "auto" (recomputed when
-    # keeping them would take over a quarter of the memory free on the task's device).
+    # forward and backward per batch per trial; the same numbers), "spilled" (computed once
+    # and kept outside the device's memory, in a temporary file beside a CPU model, in host
+    # memory beside an accelerator's: each read back as the trial's gradient of the same
+    # parameter arrives; none held, none computed again; the same numbers) or "auto"
+    # (recomputed when keeping them would take over a quarter of the memory free on the
+    # task's device).
     holdout_gradients: str = "auto"
     # How the profile gets each layer x format's sensitivity: "auto" (first-order estimates,
     # those near the budget or doubtful measured exactly), "fast" or "exact".

@@ -59,14 +59,14 @@ class Evaluator:
 
     def __init__(self, task: Task, holdout: Sequence[Any], *, prof: Profile,
                  target: str | None, timing: TimingConfig, model: nn.Module | None = None,
-                 reference_only: bool = False, recompute: bool = False):
+                 reference_only: bool = False, holdout_gradients: str = "kept"):
         """``model``: a fresh build of the task's model to measure on (prepared for
         measurement in place, so no one else's), or None to build one. ``reference_only``:
         every policy evaluated is all-fp32, the reference itself (a search space of one
         policy), so nothing is timed against fp32 and there is no A/A check: the fp32 step is
-        timed once, for the report. ``recompute``: the FP32 reference's gradients on each
-        held-out batch are computed again beside each trial's rather than kept
-        (:class:`DeviationMeter` ``per_batch``)."""
+        timed once, for the report. ``holdout_gradients``: the FP32 reference's gradients on
+        the held-out batches "kept", "recomputed" beside each trial's (:class:`DeviationMeter`
+        ``per_batch``) or kept outside the device's memory, "spilled" (``spill``)."""
         self.task, self.prof, self.target, self.timing = task, prof, target, timing
         self.reference_only = reference_only
         # called with each policy before its comparison runs (rank 0 of a sharded tune tells
@@ -78,7 +78,8 @@ class Evaluator:
         self.model_name = class_name(model)
         self.meter = DeviationMeter(model, [move_to(b, task.device) for b in holdout],
                                  task.loss_fn or default_loss, seed=task.seed,
-                                 per_batch=recompute)
+                                 per_batch=holdout_gradients == "recomputed",
+                                 spill=holdout_gradients == "spilled")
         self.steps: StepTimer | None = None
         self.aa: Interval | None = None
         # each trial's fp32 step time / the calibrated one: the machine's noise during the

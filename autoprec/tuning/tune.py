@@ -142,10 +142,11 @@ def _tune(task: Task, config: TuneConfig, prof: Profile | None, log: Reporter,
         handle.study.set_user_attr("profile", json.dumps(prof.to_dict()))
     space = SearchSpace.build(prof, config.formats, config.grouping, config.couple)
     lone = _describe(space, prof, config, log)
-    recompute = decided(model, lambda: _recompute_holdout(config, model, len(holdout),
-                                                          task.device, log))
+    holdout_gradients = decided(model, lambda: _holdout_gradients(config, model, len(holdout),
+                                                                  task.device, log))
     ev = Evaluator(task, holdout, prof=prof, target=config.target,
-                   timing=config.timing, model=model, reference_only=lone, recompute=recompute)
+                   timing=config.timing, model=model, reference_only=lone,
+                   holdout_gradients=holdout_gradients)
     # the evaluator owns the model now (prepared for measurement in place)
     if handle is None:  # a rank other than 0 of a sharded model
         return follow(ev.deviation, model)
@@ -180,21 +181,22 @@ def _search(handle: StudyHandle, task: Task, ev: Evaluator, space: SearchSpace,
     return _decide(handle, task, ev, space, config, log)
 
 
-def _recompute_holdout(config: TuneConfig, model: nn.Module, n_batches: int,
-                       device: Any, log: Reporter) -> bool:
-    """Whether the trials compute the FP32 reference's held-out gradients again beside their
-    own (SearchConfig.holdout_gradients) rather than keep them; "auto" decides by the memory
-    free on ``device`` now."""
+def _holdout_gradients(config: TuneConfig, model: nn.Module, n_batches: int,
+                       device: Any, log: Reporter) -> str:
+    """How the trials get the FP32 reference's held-out gradients (SearchConfig.
+    holdout_gradients): "kept", "recomputed" beside their own, or "spilled"; "auto" keeps
+    them or recomputes them by the memory free on ``device`` now."""
     if config.holdout_gradients != "auto":
-        return config.holdout_gradients == "recomputed"
+        return config.holdout_gradients
     kept = n_batches * sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
     free = free_memory(device)
     if free is None or kept <= free / 4:
-        return False
+        return "kept"
     log(f"the FP32 gradients of {n_batches} held-out batch(es) would take {format_size(kept)} of "
         f"the {format_size(free)} free: each trial computes each batch's again beside its own "
-        "(one more FP32 forward and backward per batch; holdout_gradients='kept' keeps them)")
-    return True
+        "(one more FP32 forward and backward per batch; holdout_gradients='kept' keeps them, "
+        "'spilled' keeps them outside memory)")
+    return "recomputed"
 
 
 def _note_emulated(task: Task, config: TuneConfig, log: Reporter) -> None:
