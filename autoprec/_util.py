@@ -263,7 +263,8 @@ class _Spill:
 class Spilled:
     """Tensors written out as they come, in any order, and read back by index, each when it is
     asked for: a CPU tensor's bytes in an unnamed temporary file, an accelerator's tensor in
-    host memory. Nothing of them waits in the device's memory meanwhile."""
+    host memory. Nothing of them waits in the device's memory meanwhile. A sum can be kept
+    this way too (:meth:`add`). True once anything is in it."""
 
     def __init__(self, n: int):
         self.file: Any = None
@@ -283,8 +284,22 @@ class Spilled:
         self.file.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
         self.where[i] = (offset, t.shape, t.dtype, t.device)
 
+    def add(self, i: int, t: torch.Tensor) -> None:
+        """Tensor ``i`` becomes itself + ``t`` (``t`` itself, the first time)."""
+        if self.where[i] is None:
+            self.put(i, t)
+        elif self.where[i][0] is None:
+            self.host[i].add_(t.detach().to("cpu"))
+        else:
+            total = self[i].add_(t.detach())
+            self.file.seek(self.where[i][0])
+            self.file.write(total.reshape(-1).view(torch.uint8).numpy().data)
+
     def __len__(self) -> int:
         return len(self.where)
+
+    def __bool__(self) -> bool:
+        return any(w is not None for w in self.where)
 
     def __getitem__(self, i: int) -> torch.Tensor:
         offset, shape, dtype, device = self.where[i]

@@ -298,24 +298,63 @@ def price_optimizer(params: Iterable[torch.nn.Parameter],
     """Price the optimizer step over ``params`` (those with a gradient) without holding its
     whole state: ``make_optimizer`` builds an optimizer over one part of them at a time (about
     1/``parts`` of their bytes, a parameter never split), at learning rate 0, which steps once
-    to create its state and once measured; then it is dropped. The state adds up over the
-    parts. The step's temporaries do not add up the same way for every optimizer: a loop over
-    the tensors (torch's default on the CPU) holds one tensor's at a time, the largest part's;
-    a ``foreach`` step (the default on CUDA) holds every tensor's at once, the sum of the
-    parts'. Which, is measured: the first two parts stepped together hold their larger part's
-    temporaries plus some share of the smaller's, and that share of the other parts' is added.
-    The caller puts the weights back (an optimizer may move them even at learning rate 0)."""
+    to create its state and once measured; then it is dropped. Meanwhile the gradients wait
+    outside the device's memory (:class:`autoprec._util.Spilled`), a part's brought back for
+    its steps, and all of them are back after. The state adds up over the parts. The step's
+    temporaries do not add up the same way for every optimizer: a loop over the tensors
+    (torch's default on the CPU) holds one tensor's at a time, the largest part's; a
+    ``foreach`` step (the default on CUDA) holds every tensor's at once, the sum of the
+    parts'. Which, is measured: the two smallest parts (of at least half the aimed size)
+    stepped together hold their larger's temporaries plus some share of the smaller's, and
+    that share of the other parts' is added. The caller puts the weights back (an optimizer
+    may move them even at learning rate 0)."""
+    from autoprec._util import Spilled
+
     params = [p for p in params if p.grad is not None]
     gradients = _distinct_bytes(p.grad for p in params)
     groups = _parts(params, parts)
-    priced = [_step_part(group, make_optimizer) for group in groups]
-    temps = [t for _, t in priced]
-    share = 1.0
-    if len(groups) >= 2 and min(temps[:2]) > 0:
-        _, both = _step_part(groups[0] + groups[1], make_optimizer)
-        share = min(1.0, max(0.0, (both - max(temps[:2])) / min(temps[:2])))
+    store = Spilled(len(params))
+    for i, p in enumerate(params):
+        store.put(i, p.grad)
+        p.grad = None
+    index = {id(p): i for i, p in enumerate(params)}
+
+    def step(group: list[torch.Tensor]) -> tuple[int, int]:
+        for p in group:
+            p.grad = store[index[id(p)]]
+        try:
+            return _step_part(group, make_optimizer)
+        finally:
+            for p in group:
+                p.grad = None
+
+    try:
+        priced = [step(group) for group in groups]
+        temps = [t for _, t in priced]
+        share = 1.0
+        pair = _pair(groups, temps, parts)
+        if pair is not None:
+            a, b = pair
+            _, both = step(groups[a] + groups[b])
+            share = min(1.0, max(0.0, (both - max(temps[a], temps[b])) / min(temps[a], temps[b])))
+    finally:
+        for i, p in enumerate(params):
+            p.grad = store[i]
     temporaries = max(temps, default=0) + share * (sum(temps) - max(temps, default=0))
     return OptimizerPrice(sum(s for s, _ in priced), gradients, int(temporaries), len(groups))
+
+
+def _pair(groups: list[list[torch.Tensor]], temps: list[int], parts: int) -> tuple[int, int] | None:
+    """The two smallest parts of at least half the aimed size (else the two smallest), to see
+    how their temporaries add up; None when there are fewer than two, or one has none."""
+    size = [sum(p.numel() * p.element_size() for p in g) for g in groups]
+    if len(groups) < 2:
+        return None
+    aimed = sum(size) / max(parts, 1)
+    order = sorted(range(len(groups)), key=lambda i: size[i])
+    big = [i for i in order if size[i] >= aimed / 2]
+    a, b = (big if len(big) >= 2 else order)[:2]
+    return None if min(temps[a], temps[b]) <= 0 else (a, b)
 
 
 def _parts(params: list[torch.Tensor], parts: int) -> list[list[torch.Tensor]]:

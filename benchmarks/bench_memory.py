@@ -15,8 +15,14 @@ step under 16-bit policies, traced once on autocast's kernels and once with thei
 emulated in FP32 (runtime.fp8.emulating, which saves the 16-bit copies autocast saves), as
 emulated / native. Each step is traced twice: a trace is deterministic, and the two must agree.
 
+Then (``--calibration-rounds N``, 0 skips it) what pricing the optimizer costs in time: the
+memory model's fp32 measurement on the README's GPT-2 task with the optimizer's phase priced a
+part of the parameters at a time (``priced_optimizer=True``, what a tune runs) against the
+same measurement holding the whole optimizer (what it ran before), timed in interleaved rounds:
+priced / held, with its interval.
+
     python benchmarks/bench_memory.py [--llama-hidden 256] [--skip-llama]
-                                      [--emulation-widths 256 512]
+                                      [--emulation-widths 256 512] [--calibration-rounds 8]
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import warnings
 
 import _common  # noqa: F401  (sets up sys.path)
 import torch
-from _common import device_line, print_table
+from _common import device_line, interleaved, print_table, ratio_cell
 
 import autoprec
 from autoprec.measure.deviation import prepare_for_measurement
@@ -112,12 +118,29 @@ def emulation_rows(hidden: int) -> list[list[str]]:
     return rows
 
 
+def calibration_time(rounds: int) -> str:
+    """The fp32 calibration step measured with the optimizer priced / held, interleaved."""
+    task = gpt2_bytes.task()
+    model = prepare_for_measurement(task.build_model())
+    batch, loss = task.example_batch(), task.loss_fn or default_loss
+    fp32 = Policy(default="fp32")
+
+    def run(priced: bool):
+        return lambda: measure_step_memory(model, batch, fp32, loss, task.make_optimizer,
+                                           priced_optimizer=priced)
+    cmp = interleaved({"held": run(False), "priced": run(True)}, warmup=1, rounds=rounds,
+                      repeats=1)
+    return f"{task.name}: priced / held {ratio_cell(cmp.ratio('priced', 'held'))}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-hidden", type=int, default=256)
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--emulation-widths", type=int, nargs="*", default=[256, 512],
                     help="Llama widths for the emulated-vs-native table (none: skip it)")
+    ap.add_argument("--calibration-rounds", type=int, default=8,
+                    help="interleaved rounds timing the priced calibration (0: skip it)")
     args = ap.parse_args()
     print(device_line())
     rows = rows_for(gpt2_bytes.task(), POLICIES["gpt2"])
@@ -134,6 +157,9 @@ def main() -> None:
         print_table(rows, ["task", "policy", "native peak", "emulated peak", "emulated / native"])
         spread = [float(r[4]) for r in rows]
         print(f"emulated / native: {min(spread):.3f} to {max(spread):.3f}")
+    if args.calibration_rounds:
+        print("\nthe fp32 calibration step's time, the optimizer priced a part at a time / held:")
+        print(calibration_time(args.calibration_rounds))
 
 
 if __name__ == "__main__":

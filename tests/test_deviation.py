@@ -256,7 +256,9 @@ def test_a_reference_recomputed_per_batch_gives_the_numbers_a_kept_one_gives(gpt
     del lean
 
     # spill: the reference's gradients computed once, each written out as it arrives and read
-    # back as the candidate's arrives; nothing held, no backward more than the kept reference's
+    # back as the candidate's arrives, the bias sum kept the same way; nothing held, no
+    # backward more than the kept reference's but for fp16, whose every batch reads its part of
+    # the sum in a second backward (an overflow would void what the first added)
     from autoprec._util import Spilled
 
     spilled = DeviationMeter(model, batches, loss_fn, seed=5, spill=True)
@@ -265,7 +267,7 @@ def test_a_reference_recomputed_per_batch_gives_the_numbers_a_kept_one_gives(gpt
     assert all(g.file is not None and not g.host for g in ref.grads)  # on disk, not in memory
     backwards.clear()
     assert spilled.compare(policy, bias=True) == want
-    assert len(backwards) == n_kept
+    assert len(backwards) == n_kept + (len(batches) if fmt == "fp16" else 0)
     same = spilled.compare(Policy(default="fp32"), bias=True)
     assert same.grad_rel_error == 0 and same.grad_bias == 0 and same.loss_rel_change == 0
     with pytest.raises(ValueError, match="pick one"):

@@ -317,25 +317,23 @@ def test_the_priced_optimizer_reads_what_the_held_one_measures(name, rows):
 def test_temporaries_neither_one_tensors_nor_every_tensors_are_priced_above():
     # Adafactor's step holds more than its largest tensor's temporaries and less than all of
     # theirs: the share measured on two parts is added for the others, so the price is above
-    # the step that holds the whole state, not below it
+    # the step that holds the whole state (1.14x on this model), not below it; its state, and
+    # the gradients (back where they were after), exactly
     torch.manual_seed(0)
-    model = _llama()
-    default_loss(model, byte_batches(1, 1, SEQ, seed=0)[0]).backward()
+    model = prepare_for_measurement(_llama())
+    batch = byte_batches(1, 1, SEQ, seed=0)[0]
 
     def make(params):
         return torch.optim.Adafactor(params, lr=1e-2)
+    fp32 = Policy(default="fp32")
+    held = measure_step_memory(copy.deepcopy(model), batch, fp32, default_loss, make)
+    priced = measure_step_memory(copy.deepcopy(model), batch, fp32, default_loss, make,
+                                 priced_optimizer=True)
+    assert priced.persistent == held.persistent
+    assert 1.0 <= priced.optimizer_peak / held.optimizer_peak <= 1.2, (priced, held)
+
+    default_loss(model, batch).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     price = price_optimizer(model.parameters(), make)
-    whole = make(list(model.parameters()))
-    whole.step()
-    state = sum(v.numel() * v.element_size() for s in whole.state.values() for v in s.values())
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        whole.step()
-    now = peak = 0
-    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                            if e.name() == "[memory]"):
-        now += nbytes
-        peak = max(peak, now)
-    assert price.parts >= 4
-    assert price.state == state
-    assert peak <= price.temporaries <= 2 * peak + price.gradients / 8, (price, peak)
+    assert price.parts >= 4 and price.gradients == sum(g.nbytes for g in grads.values())
+    assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters())

@@ -179,7 +179,9 @@ class DeviationMeter:
     memory beside an accelerator's), each written as autograd finishes it and read back when
     the candidate's gradient of the same parameter arrives: no set of them is held, and none
     is computed again. The bias's denominator is summed as they arrive, as ``per_batch`` sums
-    it. The same numbers.
+    it, and a comparison's bias sum is kept outside memory the same way (an fp16 candidate's
+    part of it read in a second backward at the scale that did not overflow, every batch's).
+    The same numbers.
     """
 
     def __init__(self, model: nn.Module, batches: Sequence[Any],
@@ -274,7 +276,7 @@ class DeviationMeter:
         losses, grads, grad_sq = [], [], []
         # per_batch: the bias's denominator is summed now, as the gradients arrive (later no
         # comparison has every batch's gradients to sum)
-        summed: list | None = [] if self.per_batch or self.spill else None
+        summed: Any = Spilled(len(self.params)) if self.spill else [] if self.per_batch else None
         with _fp32(self.model):
             for b, batch in enumerate(self.batches):
                 ctx = around(b) if around is not None else contextlib.nullcontext()
@@ -330,7 +332,8 @@ class DeviationMeter:
         diff_sq = torch.zeros(len(self.params), dtype=torch.float64,
                               device=ref.grad_sq[0].device)
         finite = True
-        total: list[torch.Tensor] | None = None
+        # the bias sum: kept outside memory beside a spilled reference
+        total: Any = Spilled(len(self.params)) if self.spill and bias else None
         # holding every batch's reference, the policy stays on for the whole run; per batch,
         # it comes off while each batch's reference is computed again
         with self._under(policy) if ref.grads else contextlib.nullcontext():
@@ -343,9 +346,11 @@ class DeviationMeter:
                     if after_forward is not None:
                         after_forward(b)
                     value = float(loss.detach())
+                    summing = total if total or not bias or isinstance(total, Spilled) else []
                     sq, ok, total = _differences(loss, self.params, grads, scale=scale,
-                                                 total=total if total or not bias else [],
-                                                 hold=not self.per_batch, parts=self._parts)
+                                                 total=summing,
+                                                 hold=not (self.per_batch or self.spill),
+                                                 parts=self._parts)
                     sq = self._across(sq)  # the differences of this rank's parts
                 del grads, loss
                 r = ref.losses[b]
@@ -469,7 +474,9 @@ def _differences(loss: torch.Tensor, params: list[torch.Tensor],
     if scale != 1.0 and not bool(torch.isfinite(loss.detach())):
         scale = 1.0
     while True:
-        again = not hold and scale != 1.0 and bool(total)
+        # a spilled sum is added to as the gradients arrive: even the first batch's part is
+        # read again once the scale is known not to overflow (an overflow would void it)
+        again = not hold and scale != 1.0 and (bool(total) or isinstance(total, Spilled))
         reading = _Reading(params, ref, scale, None if again else total, parts=parts,
                            keep=keep)
         scaled = loss * scale if scale != 1.0 else loss
@@ -500,7 +507,8 @@ class _Reading:
         self.overflowed = False
         self.finite = True
         self.norms: list[torch.Tensor | None] = [None] * len(params)
-        self.summed = None if total is None else (total or [None] * len(params))
+        self.summed = None if total is None else total if isinstance(total, Spilled) else \
+            (total or [None] * len(params))
         # a later batch's part of the sum waits while an overflow may still void the reading
         self.held = self.may_retry and bool(total)
         self.waiting: dict[int, torch.Tensor] = {}
@@ -528,6 +536,12 @@ class _Reading:
             d = shards.part(d, self.parts[i])
         if self.held:
             self.waiting[i] = d
+        else:
+            self._add(i, d)
+
+    def _add(self, i: int, d: torch.Tensor) -> None:
+        if isinstance(self.summed, Spilled):
+            self.summed.add(i, d)
         elif self.summed[i] is None:
             self.summed[i] = d
         else:
@@ -538,7 +552,7 @@ class _Reading:
             if n is None:  # unused by this loss: its gradient is zero
                 self.read(i, torch.zeros_like(self.params[i], dtype=torch.float32))
         for i, d in self.waiting.items():
-            self.summed[i].add_(d)
+            self._add(i, d)
         return torch.stack(self.norms).to(torch.float64).square(), self.finite, self.summed
 
 
@@ -586,6 +600,8 @@ def _sq_norms(grads: list[torch.Tensor]) -> torch.Tensor:
     """
     if not grads:
         return torch.zeros(0, dtype=torch.float64)
+    if isinstance(grads, Spilled):  # read back one at a time
+        return torch.stack([torch._foreach_norm([g])[0] for g in grads]).to(torch.float64).square()
     return torch.stack(torch._foreach_norm(grads)).to(torch.float64).square()
 
 
