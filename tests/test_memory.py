@@ -289,8 +289,8 @@ OPTIMIZERS = {
 def test_the_priced_optimizer_reads_what_the_held_one_measures(name, rows):
     # the memory model prices the fp32 step's optimizer phase a part of the parameters at a
     # time: the state, the forward + backward above it and the optimizer phase's peak come
-    # out as a step that holds the whole state measures them (at 8 x 128 tokens the
-    # activations are the peak, at 1 x 128 ... still; the optimizer phase is read on its own)
+    # out as a step that holds the whole state measures them (at 8 and at 1 x 128 tokens
+    # alike: each phase's peak is compared on its own, whichever of them is the larger)
     torch.manual_seed(0)
     model = prepare_for_measurement(_llama())
     batch = byte_batches(1, rows, SEQ, seed=0)[0]
