@@ -265,9 +265,8 @@ def _traced_step(model, batch, loss_fn, optimizer, scaler) -> StepMemory:
     split = min(e.start_ns() for e in events if e.name() == _MARK)
     # frees of blocks allocated before the trace carry no size and are not in it; a step
     # frees none that matter (gradients start as None, the state is updated in place)
-    allocs = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
     now = peak_compute = peak_opt = 0
-    for t, nbytes in allocs:
+    for t, nbytes in _allocations(events):
         now += nbytes
         if t < split:
             peak_compute = max(peak_compute, now)
@@ -408,11 +407,16 @@ def _peak_above(fn: Callable[[], Any], device: torch.device) -> int:
     with _quiet_kineto(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     now = peak = 0
-    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                            if e.name() == "[memory]"):
+    for _, nbytes in _allocations(prof.profiler.kineto_results.events()):
         now += nbytes
         peak = max(peak, now)
     return peak
+
+
+def _allocations(events: Iterable[Any]) -> list[tuple[int, int]]:
+    """A memory trace's allocations (+bytes) and frees (-bytes), as (start ns, bytes) in time
+    order."""
+    return sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
 
 
 # ============================================================================ predicting
