@@ -232,3 +232,41 @@ def test_a_weight_used_outside_its_layer_is_probed_whole_or_measured_exactly(mon
     assert all(math.isnan(blind["weights"]["lm_head", f]) for f in head)
     assert all(s.source == "measured" and math.isfinite(s.grad_rel_error)
                for s in rows["lm_head"].values())
+
+
+def test_the_probes_hold_no_copy_of_the_parameters(monkeypatch):
+    """The probe passes move every parameter and put it back from a backup kept outside the
+    device's memory (a temporary file on CPU, host memory beside a GPU; issue 38): what they
+    allocate above their start stays under half the parameters' bytes, where a backup in
+    memory alone would be all of them (a Llama whose parameters outweigh its activations,
+    traced allocations: no timing), and the parameters come back bit for bit."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from autoprec.measure import estimate
+    from examples.data import byte_batches
+    from examples.llama_bytes import make_model
+
+    torch.manual_seed(0)
+    model = make_model(n_layer=2, hidden=256, intermediate=688, heads=4, kv_heads=2, seq_len=8)
+    before = [p.detach().clone() for p in model.parameters()]
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    peaks = []
+    probe = estimate._Estimator.probe
+
+    def traced(self, b):
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            probe(self, b)
+        now = peak = 0
+        for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in
+                                prof.profiler.kineto_results.events() if e.name() == "[memory]"):
+            now += nbytes
+            peak = max(peak, now)
+        peaks.append(peak)
+
+    monkeypatch.setattr(estimate._Estimator, "probe", traced)
+    out = measure_sensitivity(model, matmul_layers(model), ["bf16", "fp8"],
+                              batches=byte_batches(2, 1, 8, seed=3), mode="fast", in_place=True)
+    assert all(math.isfinite(s.loss_rel_change) for r in out.values() for s in r.values())
+    assert len(peaks) == 2 and 0 < max(peaks) < params / 2, (peaks, params)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+

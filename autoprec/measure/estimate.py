@@ -68,7 +68,9 @@ Memory: the recorded inputs are the tensors autograd saves anyway for a matmul, 
 layer's local runs happen inside the backward as soon as its gradient arrives, so nothing per
 layer is kept beyond the numbers, except the probes': per probe until its layer's turn, copies
 of the layers' inputs and output gradients at the probe point (about what a training step
-saves), and a copy of the parameters while the probes run. No probe keeps a parameter
+saves). The parameters' values, which the probes move and put back bit for bit, wait
+outside the device's memory meanwhile (a temporary file on CPU, host memory beside a GPU),
+each read back as it is moved: no copy of the parameters is held. No probe keeps a parameter
 gradient: each layer recomputes its own parameters' gradients at each probe point (on the
 probe's recorded inputs and output gradients, its parameters moved by the same draw, drawn
 again from the generator state the probe saved) and at the reference, and the difference,
@@ -101,7 +103,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from autoprec._util import floating
+from autoprec._util import Spilled, floating
 from autoprec.formats import Format, Gemm
 from autoprec.measure import shards
 from autoprec.measure.deviation import DeviationMeter, all_finite, writable
@@ -488,7 +490,9 @@ class _Estimator:
         watched call's inputs and output gradients; no parameter gradient is kept: each
         layer recomputes its own where the reference reaches it (:meth:`_probe_grads`)."""
         stored = [shards.local(p) for p in self.meter.shards]
-        keep = [p.detach().clone() for p in stored]
+        keep = Spilled(len(stored))  # outside the device's memory, read back as each is moved
+        for i, p in enumerate(stored):
+            keep.put(i, p)
         self.z_states, self.delta, self.local_ref, self.plus = [], {}, {}, []
         try:
             for k in range(self.n_probes):
@@ -498,17 +502,18 @@ class _Estimator:
                 for p, w in zip(stored, keep):
                     p.copy_(w)
 
-    def _probe_pass(self, b: int, k: int, keep: list[torch.Tensor]) -> list:
+    def _probe_pass(self, b: int, k: int, keep: Spilled) -> list:
         meter, params = self.meter, self.meter.params
         gens: dict[torch.device, torch.Generator] = {}
         seed = (meter.seed * 1_000_003 + b * 1_009 + k) % 2**63
         states = []
         with torch.no_grad():
-            for p, w in zip(meter.shards, keep):  # each drawn whole, its shard moved
+            for i, p in enumerate(meter.shards):  # each drawn whole, its shard moved
                 gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
                 states.append(gen.get_state())
                 z = shards.local(shards.like(_direction(p, gen), p))
-                shards.local(p).copy_(w + self.step * z)
+                # w + step * z, in place: the same values as _moved's, one temporary
+                shards.local(p).copy_(keep[i]).add_(z.mul_(self.step))
         self.probing, self.batch, self.reached = k, b, []
         self.plus.append({})
         try:
