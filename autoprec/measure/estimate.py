@@ -275,7 +275,7 @@ def _differentiable(out: Any) -> bool:
 
 class _RoundWeights(TorchFunctionMode):
     """Inside: the layer's parameters, where a rounded call multiplies them, replaced by their
-    rounding in ``fmt`` (values rounded, gradients still to the parameter); everything else
+    rounding in ``fmt`` (values only: no gradient reaches the parameter); everything else
     computes as it is (FP32). ``found``: parameter index -> its rounding. Calls inside
     ``pinned`` descendants (kept FP32 while the layer is measured) are left alone."""
 
@@ -310,7 +310,9 @@ class _RoundWeights(TorchFunctionMode):
                 _rounding_of(self.fmt, call, args, kwargs, name)
             if r is not None:
                 self.found.setdefault(i, r)
-                swap[name] = t + (r.apply(t) - t.detach())
+                # the rounded values alone (t + (r - t) is r bit for bit): the runs inside
+                # take only the inputs' gradients, so no copy of t carries one to it
+                swap[name] = r.apply(t).requires_grad_(t.requires_grad)
         if swap:
             args = tuple(swap.get(call.params[i], a) if i < len(call.params) else a
                          for i, a in enumerate(args))
@@ -543,7 +545,8 @@ class _Estimator:
         """Parameter ``p`` where probe ``k`` of this batch moved it: the same values."""
         gen = torch.Generator(device=p.device)
         gen.set_state(self.z_states[k][self.index[id(p)]])
-        return p.detach() + self.step * _direction(p, gen)
+        # p + step * z in the drawn z's own memory (the same sum, bit for bit): one tensor
+        return _direction(p, gen).mul_(self.step).add_(p.detach())
 
     def param_hooks(self) -> list:
         return [p.register_hook(partial(self._param_grad, i))
