@@ -300,7 +300,10 @@ def test_pickle_bomb_through_the_cli_is_one_line_in_bounded_time(cli_files):
     bomb = _torch_zip(cli_files[2] / "bomb.pt", _bomb())
     code, stderr, reading, total = _recheck(cli_files, bomb, timeout=60)
     _one_line_error(code, stderr, "bomb.pt", "refused unread")
-    assert reading < 2 and total < 10, (reading, total)
+    # the bomb refused as soon as it is read; and nothing before the "loading" line reads
+    # it either (a bomb hashes for hours): the whole run is the CLI's start-up, which read
+    # 13 s once on 2 cores shared with two benchmarks (under 10 s alone)
+    assert reading < 2 and total < 30, (reading, total)
 
 
 @pytest.mark.slow
