@@ -240,8 +240,7 @@ def test_the_probes_hold_no_copy_of_the_parameters(monkeypatch):
     allocate above their start stays under half the parameters' bytes, where a backup in
     memory alone would be all of them (a Llama whose parameters outweigh its activations,
     traced allocations: no timing), and the parameters come back bit for bit."""
-    from torch.profiler import ProfilerActivity, profile
-
+    from autoprec import memory
     from autoprec.measure import estimate
     from examples.data import byte_batches
     from examples.llama_bytes import make_model
@@ -253,15 +252,8 @@ def test_the_probes_hold_no_copy_of_the_parameters(monkeypatch):
     peaks = []
     probe = estimate._Estimator.probe
 
-    def traced(self, b):
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            probe(self, b)
-        now = peak = 0
-        for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in
-                                prof.profiler.kineto_results.events() if e.name() == "[memory]"):
-            now += nbytes
-            peak = max(peak, now)
-        peaks.append(peak)
+    def traced(self, b):  # the traced allocation peak above the probes' start
+        peaks.append(memory._peak_above(lambda: probe(self, b), torch.device("cpu")))
 
     monkeypatch.setattr(estimate._Estimator, "probe", traced)
     out = measure_sensitivity(model, matmul_layers(model), ["bf16", "fp8"],
