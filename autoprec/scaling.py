@@ -90,13 +90,13 @@ def rowwise_scale(x: torch.Tensor, fp8_dtype: torch.dtype, dim: int) -> torch.Te
 def quantize(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """Round ``x * scale`` to ``fp8_dtype`` (saturating at the format's max)."""
     fp8_max = torch.finfo(fp8_dtype).max
-    with torch.no_grad():
-        return (x.detach().to(torch.float32) * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+    with torch.no_grad():  # clamped in the product's own memory: one FP32 temporary, not two
+        return (x.detach().to(torch.float32) * scale).clamp_(-fp8_max, fp8_max).to(fp8_dtype)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """FP32 values an FP8 tensor stands for."""
-    return q.to(torch.float32) / scale
+    """FP32 values an FP8 tensor stands for (divided in the widened copy's own memory)."""
+    return q.to(torch.float32, copy=True).div_(scale)
 
 
 def shape_multiple(numerics) -> int:

@@ -143,3 +143,26 @@ def test_policy_file_and_show(tiles, tmp_path, capsys):
     assert back == policy and back.format_for("transformer.h.0.mlp.c_fc") is tiles
     assert main(["show", str(path)]) == 0
     assert f"transformer.h.*.mlp.*: {NAME}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["tensor", "row"])
+def test_rounding_an_operand_holds_one_fp32_temporary(name):
+    """An FP32-scaled rounding (quantize, then dequantize) clamps in the product's memory and
+    divides in the widened copy's: at most its result and the FP8 values (1.25x the operand's
+    bytes, traced allocations: no timing), where a new tensor per step held 2.25x; the values
+    are those of the step-by-step formula, bit for bit (issue 38: the fold rounds a head)."""
+    from autoprec.memory import _peak_above
+    from autoprec.scaling import dequantize, quantize
+
+    scaling = scaling_named(name)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1024, 1024, generator=g) * 10.0 ** torch.randint(-6, 3, (1024, 1024),
+                                                                     generator=g)
+    dtype = torch.float8_e4m3fn
+    got = []
+    peak = _peak_above(lambda: got.append(scaling.round(x, None, dtype)), torch.device("cpu"))
+    assert peak <= 1.25 * x.nbytes + 4096, (peak, x.nbytes)
+    s = scaling.scale(x, dtype, -1)
+    m = torch.finfo(dtype).max
+    assert torch.equal(got[0], (x * s).clamp(-m, m).to(dtype).to(torch.float32) / s)
+    assert torch.equal(dequantize(quantize(x, s, dtype), s), got[0])
