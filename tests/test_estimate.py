@@ -285,3 +285,38 @@ def test_a_rounded_weight_is_its_own_straight_through_value(fmt):
     rounded = r.apply(w)
     assert not torch.equal(rounded, w)
     assert torch.equal(w + (rounded - w), rounded)
+
+
+def test_the_fold_holds_no_probe_difference_but_the_sum(monkeypatch):
+    """Where a parameter's reference gradient arrives, its probes' gradient differences are
+    squared and summed in the first one's memory; the others go before that sum is folded
+    (the fold rounds the parameter in each format: a head's worth of temporaries), so no probe
+    difference but the sum is alive inside the fold."""
+    import gc
+    import weakref
+
+    from autoprec.measure import estimate
+    from examples.data import byte_batches
+    from examples.llama_bytes import make_model
+
+    torch.manual_seed(0)
+    model = make_model(n_layer=1, hidden=64, intermediate=172, heads=4, kv_heads=2, seq_len=8)
+    alive, folds = {}, []
+    param_grad, fold = estimate._Estimator._param_grad, estimate._Estimator._fold
+
+    def arriving(self, i, g):
+        alive[i] = [weakref.ref(d) for d in self.delta.get(i) or () if d is not None]
+        return param_grad(self, i, g)
+
+    def folding(self, i, t2):
+        gc.collect()
+        folds.append([r() is not None and r() is not t2 for r in alive.pop(i, ())])
+        return fold(self, i, t2)
+
+    monkeypatch.setattr(estimate._Estimator, "_param_grad", arriving)
+    monkeypatch.setattr(estimate._Estimator, "_fold", folding)
+    out = measure_sensitivity(model, matmul_layers(model), ["fp8"],
+                              batches=byte_batches(2, 1, 8, seed=3), mode="fast", in_place=True)
+    assert all(math.isfinite(s.loss_rel_change) for r in out.values() for s in r.values())
+    measured = [f for f in folds if len(f) > 1]  # a parameter all probes measured
+    assert measured and not any(any(f) for f in measured), folds

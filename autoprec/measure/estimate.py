@@ -593,6 +593,7 @@ class _Estimator:
             d.div_(self.step).square_().div_(self.n_probes)
             t2 = d if t2 is None else t2.add_(d)
         deltas.clear()
+        d = None  # the last probe's, added into t2: not held through the fold's rounding
         if i in self.pending:
             t2.add_(self.pending.pop(i))
         if self._ready(i):
@@ -812,15 +813,26 @@ def _local_grads(out, wrt, g_out, scale: float):
 
 def _sq(t: torch.Tensor, minus: torch.Tensor | None = None) -> float:
     """``sum (t - minus)^2`` (``minus`` absent: ``sum t^2``) in float64, a chunk at a time."""
-    a = t.detach().reshape(-1)
-    b = None if minus is None else minus.detach().reshape(-1)
     total = 0.0
-    for start in range(0, a.numel(), _CHUNK):
-        c = a[start:start + _CHUNK].to(torch.float64)
-        if b is not None:
-            c = c - b[start:start + _CHUNK].to(torch.float64)
+    for start in range(0, t.numel(), _CHUNK):
+        c = _flat_part(t, start, start + _CHUNK).to(torch.float64)
+        if minus is not None:
+            c = c - _flat_part(minus, start, start + _CHUNK).to(torch.float64)
         total += float(c.square().sum())
     return total
+
+
+def _flat_part(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Elements ``start:end`` of ``t`` flattened in row-major order, copying no more than the
+    rows they lie in: ``t.reshape(-1)`` copies all of a non-contiguous ``t`` (a gradient
+    autograd hands back transposed), a head's worth of memory for a chunk of it."""
+    t = t.detach()
+    if t.is_contiguous() or t.dim() < 2:
+        return t.reshape(-1)[start:end]
+    rows = t.reshape(t.shape[0], -1)
+    cols = rows.shape[1]
+    first = start // cols
+    return rows[first:-(-end // cols)].reshape(-1)[start - first * cols:end - first * cols]
 
 
 def _weighed(d: torch.Tensor, t: torch.Tensor) -> float:
