@@ -320,3 +320,22 @@ def test_the_fold_holds_no_probe_difference_but_the_sum(monkeypatch):
     assert all(math.isfinite(s.loss_rel_change) for r in out.values() for s in r.values())
     measured = [f for f in folds if len(f) > 1]  # a parameter all probes measured
     assert measured and not any(any(f) for f in measured), folds
+
+
+def test_a_transposed_gradient_is_squared_a_chunk_at_a_time():
+    """``_sq`` reads a non-contiguous tensor (autograd hands a linear's weight gradient back
+    transposed) a chunk of rows at a time: what it allocates stays under one such tensor's
+    bytes, where flattening it copied both (traced allocations: no timing), and the sums are
+    those of the contiguous copies, bit for bit (the same chunks in the same order)."""
+    from autoprec import memory
+    from autoprec.measure.estimate import _sq
+
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(2000, 8000, generator=g).t()
+    m = torch.randn(2000, 8000, generator=g).t()
+    assert not t.is_contiguous()
+    got = []
+    peak = memory._peak_above(lambda: got.append(_sq(t, m)), torch.device("cpu"))
+    assert peak < t.nbytes, (peak, t.nbytes)
+    assert got[0] == _sq(t.contiguous(), m.contiguous())
+    assert _sq(t) == _sq(t.contiguous())
