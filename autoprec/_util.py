@@ -200,7 +200,7 @@ def model_state(model: nn.Module, *, weights: bool = True, spill: bool = False) 
     flags = [(m, m.training) for m in model.modules()]
     grads = [(p, p.grad) for p in model.parameters()]
     values = (list(model.parameters()) if weights else []) + list(model.buffers())
-    store = _Spill(values) if spill else [t.detach().clone() for t in values]
+    store = Spilled.holding(values) if spill else [t.detach().clone() for t in values]
     try:
         yield
     finally:
@@ -220,44 +220,14 @@ def spilled(groups: list[list[torch.Tensor]]) -> Iterator[None]:
     tensors of the same values on the same devices, one at a time. The caller holds no other
     reference to them, or they stay alive beside the spill."""
     sizes = [len(g) for g in groups]
-    store = _Spill([t for g in groups for t in g])
+    store = Spilled.holding([t for g in groups for t in g])
     groups.clear()
     try:
         yield
     finally:
         values = iter(store)
-        devices = iter(spec[2] for spec in store.specs)
         for n in sizes:
-            groups.append([next(values).to(next(devices)) for _ in range(n)])
-
-
-class _Spill:
-    """Tensors' values written out once and read back, in order, one at a time
-    (:func:`model_state`'s ``spill``)."""
-
-    def __init__(self, tensors: Sequence[torch.Tensor]):
-        self.file = None
-        self.host: list[torch.Tensor] = []
-        self.specs = [(t.shape, t.dtype, t.device) for t in tensors]
-        if all(t.device.type != "cpu" for t in tensors):
-            self.host = [t.detach().to("cpu", copy=True) for t in tensors]
-            return
-        self.file = tempfile.TemporaryFile()
-        for t in tensors:
-            flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-            self.file.write(flat.numpy().data)
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        if self.file is None:
-            yield from self.host
-            return
-        with self.file:
-            self.file.seek(0)
-            for shape, dtype, _ in self.specs:
-                buf = torch.empty(shape, dtype=dtype).reshape(-1)
-                if self.file.readinto(buf.view(torch.uint8).numpy().data) != buf.nbytes:
-                    raise OSError("a spilled model state came back short")
-                yield buf.reshape(shape)
+            groups.append([next(values) for _ in range(n)])
 
 
 class Spilled:
@@ -271,6 +241,14 @@ class Spilled:
         self.host: dict[int, torch.Tensor] = {}
         # index -> (offset in the file, shape, dtype, device)
         self.where: list[tuple | None] = [None] * n
+
+    @classmethod
+    def holding(cls, tensors: Sequence[torch.Tensor]) -> Spilled:
+        """``tensors`` written out now, read back by index (or in order) when asked for."""
+        out = cls(len(tensors))
+        for i, t in enumerate(tensors):
+            out.put(i, t)
+        return out
 
     def put(self, i: int, t: torch.Tensor) -> None:
         t = t.detach()
