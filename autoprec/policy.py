@@ -108,7 +108,8 @@ _PHASES_VERSION = 4
 _READABLE_VERSIONS = (1, 2, 3, 4, 5)
 _OLD_PHASE_KEYS = 3  # the last version whose phase key `fp8` meant every scaled format
 _OLD_ENGINE_KEY = 4  # the last version whose engine was `fp8: {engine: ...}`
-ENGINES = ("auto", "torchao", "autoprec")
+AUTO_ENGINE = "auto"  # the default: torchao where it takes the layer, else autoprec's kernels
+ENGINES = (AUTO_ENGINE, "torchao", "autoprec")
 
 _TOP_KEYS = ("autoprec", "model", "default", "layers", "fp8", "scaled", "loss_scaling", "phases",
              "tuned")
@@ -476,7 +477,7 @@ class Policy:
     model_name: str | None = None
     fingerprint: str | None = None
     fp8_recipe: str = "tensorwise"
-    engine: str = "auto"
+    engine: str = AUTO_ENGINE
     loss_scaling: LossScaling = field(default_factory=LossScaling)
     tuned: Mapping[str, Any] | None = None
     phases: tuple[Phase, ...] = ()
@@ -734,7 +735,7 @@ class Policy:
 
     # ---------------------------------------------------------------- YAML
     def to_dict(self) -> dict[str, Any]:
-        version = (SCHEMA_VERSION if self.engine != "auto" else
+        version = (SCHEMA_VERSION if self.engine != AUTO_ENGINE else
                    _PHASES_VERSION if self.phases else _PLAIN_VERSION)
         out: dict[str, Any] = {"autoprec": version}
         if self.model_name is not None or self.fingerprint is not None:
@@ -747,7 +748,7 @@ class Policy:
         out["default"] = self._spell(self.default)
         out["layers"] = {p: self._spell(f) for p, f in self.layers.items()}
         out["fp8"] = {"recipe": self.fp8_recipe}
-        if self.engine != "auto":
+        if self.engine != AUTO_ENGINE:
             out["scaled"] = {"engine": self.engine}
         ls = self.loss_scaling
         out["loss_scaling"] = {"init_scale": ls.init_scale,
@@ -853,14 +854,14 @@ def _fp8_and_engine(data: Mapping[str, Any], where: Callable[[str], str]) -> tup
                               f"{SCHEMA_VERSION} (schema {version} writes it `fp8: {{engine: "
                               f"...}}`): write `autoprec: {SCHEMA_VERSION}`.")
         _reject_unknown(fp8, (*_FP8_KEYS, "engine"), "`fp8`", where, "fp8")
-        return fp8, fp8.get("engine", "auto")
+        return fp8, fp8.get("engine", AUTO_ENGINE)
     if "engine" in fp8:
         raise PolicyError(f"`fp8: {{engine: ...}}`{where('fp8')} is written `scaled: {{engine: "
                           f"...}}` in schema {version}: the engine runs every scaled format's "
                           "nn.Linear layers; move it there.")
     _reject_unknown(fp8, _FP8_KEYS, "`fp8`", where, "fp8")
     _reject_unknown(scaled, _SCALED_KEYS, "`scaled`", where, "scaled")
-    return fp8, scaled.get("engine", "auto")
+    return fp8, scaled.get("engine", AUTO_ENGINE)
 
 
 def _check_version(data: Mapping[str, Any], where: Callable[[str], str]) -> None:
