@@ -128,6 +128,12 @@ PROBE_STEP = 1e-3
 # temporaries of a parameter's size would be the profile's peak (a 32k-vocabulary head's).
 _CHUNK = 1 << 20
 
+# Layers whose output is linear in each parameter, so no parameter gradient reads a
+# parameter's value (a weight's is the output gradient times the input): a probe's is taken at
+# the parameters as they are, the same bits as at the moved ones. Exactly these classes (a
+# subclass, e.g. a parametrized one, may compute anything).
+_LINEAR_IN_PARAMS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
 
 @dataclass
 class Estimate:
@@ -675,9 +681,12 @@ class _Estimator:
                     run = self._run(watch, call, fmt, g_out)
             finally:
                 rewrite.remove(model)
+            # its parameter gradients compared now, and let go before the weights-only run
+            diffs = _param_diffs(run, ref[2])
+            run = run[:2]
             wonly = self._weights_only(watch, call, fmt, g_out, ref)
-            _accumulate(watch.results[fmt], call.batch, (ref, run, wonly), g_out, watch.own,
-                        tangents)
+            _accumulate(watch.results[fmt], call.batch, (ref, run, wonly), diffs, g_out,
+                        watch.own, tangents)
             run = wonly = None  # this format's gradients go before the next format's run
         del tangents
         self._probe_grads(watch, call, recs, ref[2])
@@ -705,8 +714,9 @@ class _Estimator:
                 else:
                     deltas[k].add_(grads[j]).sub_(ref_gp[j])
             del grads
-        for (_, i), g in zip(mine, writable([ref_gp[j] for j, _ in mine])):
-            self.local_ref[i] = g if i not in self.local_ref else self.local_ref[i].add_(g)
+        for j, i in mine:  # added out of place: ref_gp may be a view autograd shares
+            g = ref_gp[j]
+            self.local_ref[i] = g if i not in self.local_ref else self.local_ref[i] + g
 
     def _at_probe(self, watch: _Watch, call: _Call, rec: _ProbeCall,
                   k: int) -> list[torch.Tensor]:
@@ -717,7 +727,12 @@ class _Estimator:
                   and t.requires_grad else t for t in flat]
         args, kwargs = tree_unflatten(leaves, spec)
         named = [(n, p) for n, p in watch.module.named_parameters() if p.requires_grad]
-        moved = {n: self._moved(p, k).requires_grad_(True) for n, p in named}
+        if type(watch.module) in _LINEAR_IN_PARAMS:
+            # their gradients do not read their values: the same bits at p as at p + step*z,
+            # with no moved copy of the weight
+            moved = {n: p.detach().requires_grad_(True) for n, p in named}
+        else:
+            moved = {n: self._moved(p, k).requires_grad_(True) for n, p in named}
         out = [t for t in floating(torch.func.functional_call(watch.module, moved, args, kwargs))
                if t.requires_grad]
         g_out = [rec.grads.get(i, torch.zeros_like(t)) for i, t in enumerate(out)]
@@ -840,13 +855,22 @@ def _weighed(d: torch.Tensor, t: torch.Tensor) -> float:
     return float((d.to(torch.float32) * t.to(torch.float32)).square().sum(dtype=torch.float64))
 
 
-def _accumulate(est: Estimate, b: int, runs: tuple, g_out: list, own: list[int],
-                tangents: list) -> None:
-    """Add batch ``b``'s call to ``est``: ``runs`` are the (outputs, input grads, parameter
-    grads) of the layer in FP32, in the estimated format and in FP32 with the format's
-    rounded weights (see ``_Estimator._run``); ``tangents`` the probes' (u, v)."""
-    (ref_out, ref_gx, ref_gp), (out, gx, gp), (w_out, w_gx, _) = runs
+def _param_diffs(run: tuple, ref_gp: list[torch.Tensor]) -> tuple[bool, list[float]]:
+    """Whether a format's run (outputs, input grads, parameter grads) is finite, and if so
+    each parameter gradient's squared difference from the FP32 run's (``ref_gp``)."""
+    out, gx, gp = run
     finite = all_finite(list(out)) and all_finite([g for g in (*gx, *gp)])
+    return finite, [_sq(a, c) for a, c in zip(gp, ref_gp)] if finite else []
+
+
+def _accumulate(est: Estimate, b: int, runs: tuple, diffs: tuple[bool, list[float]],
+                g_out: list, own: list[int], tangents: list) -> None:
+    """Add batch ``b``'s call to ``est``: ``runs`` are the (outputs, input grads) of the layer
+    in FP32 (with its parameter grads), in the estimated format and in FP32 with the format's
+    rounded weights (see ``_Estimator._run``); ``diffs`` the format's :func:`_param_diffs`;
+    ``tangents`` the probes' (u, v)."""
+    (ref_out, ref_gx, ref_gp), (out, gx), (w_out, w_gx, _) = runs
+    finite, diffs = diffs
     est.finite = est.finite and finite
     if not finite:
         return
@@ -863,7 +887,6 @@ def _accumulate(est: Estimate, b: int, runs: tuple, g_out: list, own: list[int],
         est.noise += float(d.square().sum())
     est.first[b] = est.first.get(b, 0.0) + first
     est.second[b] = est.second.get(b, 0.0) + second
-    diffs = [_sq(a, c) for a, c in zip(gp, ref_gp)]
     est.sub_diff += math.fsum(diffs)
     est.own_diff += math.fsum(diffs[i] for i in own)
     est.own_ref += math.fsum(_sq(ref_gp[i]) for i in own)
