@@ -82,10 +82,15 @@ def _profiles() -> dict:
 
     from torch.distributed.fsdp import fully_shard
 
+    from autoprec.measure import shards
+
     model = task.build_model()
     alone = rows(model)
     fully_shard(model.lm_head)
-    out = {"alone": alone, "sharded": rows(_shard(model, "llama"))}
+    out = {"alone": alone, "sharded": rows(_shard(model, "llama")),
+           # the head, FSDP2's class of nn.Linear, is still linear in its parameters: its
+           # probes' re-runs need no moved copy of it (estimate._LINEAR_IN_PARAMS)
+           "head": [type(model.lm_head).__name__, shards.own_class(model.lm_head).__name__]}
     for how in ({"target": None}, {"share": lambda units, work: None}):
         try:
             autoprec.profile(task, ("fp32", "bf16"), progress=False, model=model,
@@ -152,6 +157,7 @@ def test_a_sharded_models_sensitivity_is_the_one_process_numbers_and_each_rank_e
             assert not shares[0] & shares[1] and all(shares), (key, shares)
     for rank, got in enumerate(ranks):
         alone, sharded = got["profile"]["alone"], got["profile"]["sharded"]
+        assert got["profile"]["head"] == ["FSDPLinear", "Linear"]
         assert sharded.keys() == alone.keys() and len(alone) >= 3 * 9
         for pair, numbers in alone.items():
             assert all(map(_same, sharded[pair], numbers)), \

@@ -130,8 +130,8 @@ _CHUNK = 1 << 20
 
 # Layers whose output is linear in each parameter, so no parameter gradient reads a
 # parameter's value (a weight's is the output gradient times the input): a probe's is taken at
-# the parameters as they are, the same bits as at the moved ones. Exactly these classes (a
-# subclass, e.g. a parametrized one, may compute anything).
+# the parameters as they are, the same bits as at the moved ones. Exactly these classes, or
+# FSDP2's of them (a subclass, e.g. a parametrized one, may compute anything).
 _LINEAR_IN_PARAMS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
@@ -727,7 +727,7 @@ class _Estimator:
                   and t.requires_grad else t for t in flat]
         args, kwargs = tree_unflatten(leaves, spec)
         named = [(n, p) for n, p in watch.module.named_parameters() if p.requires_grad]
-        if type(watch.module) in _LINEAR_IN_PARAMS:
+        if shards.own_class(watch.module) in _LINEAR_IN_PARAMS:
             # their gradients do not read their values: the same bits at p as at p + step*z,
             # with no moved copy of the weight
             moved = {n: p.detach().requires_grad_(True) for n, p in named}
