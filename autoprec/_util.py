@@ -26,6 +26,7 @@ from torch import nn
 __all__ = [
     "Spilled",
     "class_name",
+    "own_class",
     "ModelCall",
     "call_model",
     "loss_of",
@@ -928,15 +929,22 @@ def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+def own_class(module: nn.Module) -> type:
+    """The class ``module`` had before ``fully_shard`` (FSDP2) made it a subclass of its own
+    (``FSDPLinear`` of ``nn.Linear``); its class itself where nothing sharded it."""
+    for cls in type(module).__mro__:
+        if not (cls.__name__.startswith("FSDP") and cls.__module__.startswith("torch.distributed")):
+            return cls
+    return type(module)
+
+
 def class_name(module: nn.Module) -> str:
     """The module's own class name: past the subclass ``fully_shard`` (FSDP2) makes of a module
-    it shards (``FSDPLinear``) and past torchao's ``Float8Linear``, ``MXFP8Linear`` and
+    it shards (:func:`own_class`) and past torchao's ``Float8Linear``, ``MXFP8Linear`` and
     ``NVFP4Linear`` (torchtitan's subclasses included), each the ``Linear`` it replaced:
     sharding, or building the low-precision layers so (torchtitan's converters), leaves the
     name (a policy's model name, the fingerprint of its layers) as it was."""
-    for cls in type(module).__mro__:
-        if cls.__name__.startswith("FSDP") and cls.__module__.startswith("torch.distributed"):
-            continue
+    for cls in own_class(module).__mro__:
         if cls.__name__ in ("Float8Linear", "MXFP8Linear", "NVFP4Linear") and \
                 cls.__module__.startswith(("torchao.", "torchtitan.")):
             continue

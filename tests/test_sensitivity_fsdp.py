@@ -82,7 +82,7 @@ def _profiles() -> dict:
 
     from torch.distributed.fsdp import fully_shard
 
-    from autoprec.measure import shards
+    from autoprec._util import own_class
 
     model = task.build_model()
     alone = rows(model)
@@ -90,7 +90,7 @@ def _profiles() -> dict:
     out = {"alone": alone, "sharded": rows(_shard(model, "llama")),
            # the head, FSDP2's class of nn.Linear, is still linear in its parameters: its
            # probes' re-runs need no moved copy of it (estimate._LINEAR_IN_PARAMS)
-           "head": [type(model.lm_head).__name__, shards.own_class(model.lm_head).__name__]}
+           "head": [type(model.lm_head).__name__, own_class(model.lm_head).__name__]}
     for how in ({"target": None}, {"share": lambda units, work: None}):
         try:
             autoprec.profile(task, ("fp32", "bf16"), progress=False, model=model,

@@ -103,7 +103,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from autoprec._util import Spilled, floating
+from autoprec._util import Spilled, floating, own_class
 from autoprec.formats import Format, Gemm
 from autoprec.measure import shards
 from autoprec.measure.deviation import DeviationMeter, all_finite, writable
@@ -727,7 +727,7 @@ class _Estimator:
                   and t.requires_grad else t for t in flat]
         args, kwargs = tree_unflatten(leaves, spec)
         named = [(n, p) for n, p in watch.module.named_parameters() if p.requires_grad]
-        if shards.own_class(watch.module) in _LINEAR_IN_PARAMS:
+        if own_class(watch.module) in _LINEAR_IN_PARAMS:
             # their gradients do not read their values: the same bits at p as at p + step*z,
             # with no moved copy of the weight
             moved = {n: p.detach().requires_grad_(True) for n, p in named}

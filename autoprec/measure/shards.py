@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 __all__ = ["is_sharded", "unsharded", "local", "like", "ranks", "divide", "gathered",
-           "broadcast", "part", "summed_each", "own_class"]
+           "broadcast", "part", "summed_each"]
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -53,16 +53,6 @@ def unsharded(model: nn.Module) -> dict[int, nn.Parameter]:
         finally:
             m.reshard()
     return out
-
-
-def own_class(module: nn.Module) -> type:
-    """The class ``module`` had before ``fully_shard`` made it an FSDP2 one (``FSDPLinear``
-    from ``nn.Linear``); its class itself otherwise."""
-    cls = type(module)
-    if isinstance(module, FSDPModule) and len(cls.__bases__) == 2 \
-            and cls.__bases__[0] is FSDPModule:
-        return cls.__bases__[1]
-    return cls
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
