@@ -682,10 +682,10 @@ class _Estimator:
             finally:
                 rewrite.remove(model)
             # its parameter gradients compared now, and let go before the weights-only run
-            diffs = _param_diffs(run, ref[2])
+            compared = _param_diffs(run, ref[2])
             run = run[:2]
             wonly = self._weights_only(watch, call, fmt, g_out, ref)
-            _accumulate(watch.results[fmt], call.batch, (ref, run, wonly), diffs, g_out,
+            _accumulate(watch.results[fmt], call.batch, (ref, run, wonly), compared, g_out,
                         watch.own, tangents)
             run = wonly = None  # this format's gradients go before the next format's run
         del tangents
@@ -863,14 +863,14 @@ def _param_diffs(run: tuple, ref_gp: list[torch.Tensor]) -> tuple[bool, list[flo
     return finite, [_sq(a, c) for a, c in zip(gp, ref_gp)] if finite else []
 
 
-def _accumulate(est: Estimate, b: int, runs: tuple, diffs: tuple[bool, list[float]],
+def _accumulate(est: Estimate, b: int, runs: tuple, compared: tuple[bool, list[float]],
                 g_out: list, own: list[int], tangents: list) -> None:
     """Add batch ``b``'s call to ``est``: ``runs`` are the (outputs, input grads) of the layer
     in FP32 (with its parameter grads), in the estimated format and in FP32 with the format's
-    rounded weights (see ``_Estimator._run``); ``diffs`` the format's :func:`_param_diffs`;
+    rounded weights (see ``_Estimator._run``); ``compared`` the format's :func:`_param_diffs`;
     ``tangents`` the probes' (u, v)."""
     (ref_out, ref_gx, ref_gp), (out, gx), (w_out, w_gx, _) = runs
-    finite, diffs = diffs
+    finite, diffs = compared
     est.finite = est.finite and finite
     if not finite:
         return
