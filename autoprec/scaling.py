@@ -71,10 +71,18 @@ Rounder = Callable[[torch.Tensor, object, torch.dtype, bool], torch.Tensor]
 Scaler = Callable[[torch.Tensor, torch.dtype, int], torch.Tensor]
 
 
+def _amax(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """``x.abs().amax()`` (along ``dim``, kept) without ``x.abs()``'s tensor of ``x``'s size:
+    the larger of the largest value and minus the smallest, the same value (a NaN too)."""
+    if dim is None:
+        return torch.maximum(x.amax(), x.amin().neg())
+    return torch.maximum(x.amax(dim=dim, keepdim=True), x.amin(dim=dim, keepdim=True).neg())
+
+
 def tensorwise_scale(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """FP32 scalar ``fp8_max / amax(x)``; ``x * scale`` fills the FP8 range. No autograd."""
     with torch.no_grad():
-        amax = x.detach().abs().amax().to(torch.float32).clamp(min=AMAX_EPS)
+        amax = _amax(x.detach()).to(torch.float32).clamp(min=AMAX_EPS)
         return torch.finfo(fp8_dtype).max / amax
 
 
@@ -82,7 +90,7 @@ def rowwise_scale(x: torch.Tensor, fp8_dtype: torch.dtype, dim: int) -> torch.Te
     """FP32 ``fp8_max / amax(x)`` along ``dim`` (kept, so it broadcasts against ``x``), rounded
     down to a power of two as torchao's rowwise recipes do. No autograd."""
     with torch.no_grad():
-        amax = x.detach().abs().amax(dim=dim, keepdim=True).to(torch.float32)
+        amax = _amax(x.detach(), dim).to(torch.float32)
         scale = torch.finfo(fp8_dtype).max / amax.clamp(min=AMAX_EPS)
         return torch.exp2(torch.floor(torch.log2(scale)))
 
@@ -175,6 +183,13 @@ class Scaling(str):
             return x.to(dtype).to(torch.float32)
         s = self.scale(x, dtype, -1)
         return dequantize(quantize(x, s, dtype), s)
+
+    @property
+    def rounds_by_scale(self) -> bool:
+        """Whether :meth:`round` is ``scale``'s quantize-dequantize: each element rounded
+        alone, given its tensor's or its row's scale (so a part of a tensor can be rounded
+        with the whole's scales)."""
+        return self._round is None and self.scale is not None
 
     def has_kernel(self, gemm) -> bool:
         """Whether autoprec's kernels compute ``gemm`` (a Gemm with this scaling)."""
