@@ -288,10 +288,10 @@ def test_a_rounded_weight_is_its_own_straight_through_value(fmt):
 
 
 def test_the_fold_holds_no_probe_difference_but_the_sum(monkeypatch):
-    """Where a parameter's reference gradient arrives, its probes' gradient differences are
-    squared and summed in the first one's memory; the others go before that sum is folded
-    (the fold rounds the parameter in each format: a head's worth of temporaries), so no probe
-    difference but the sum is alive inside the fold."""
+    """A parameter's probe gradient differences are squared and summed in the first one's
+    memory; the others go before that sum is folded (the fold rounds the parameter in each
+    format: a head's worth of temporaries), so no probe difference but the sum is alive
+    inside the fold."""
     import gc
     import weakref
 
@@ -302,24 +302,175 @@ def test_the_fold_holds_no_probe_difference_but_the_sum(monkeypatch):
     torch.manual_seed(0)
     model = make_model(n_layer=1, hidden=64, intermediate=172, heads=4, kv_heads=2, seq_len=8)
     alive, folds = {}, []
-    param_grad, fold = estimate._Estimator._param_grad, estimate._Estimator._fold
+    curvature, fold = estimate._Estimator._curvature, estimate._Estimator._fold
 
-    def arriving(self, i, g):
-        alive[i] = [weakref.ref(d) for d in self.delta.get(i) or () if d is not None]
-        return param_grad(self, i, g)
+    def squaring(self, i, deltas):
+        alive[i] = [weakref.ref(d) for d in deltas]
+        return curvature(self, i, deltas)
 
     def folding(self, i, t2):
         gc.collect()
         folds.append([r() is not None and r() is not t2 for r in alive.pop(i, ())])
         return fold(self, i, t2)
 
-    monkeypatch.setattr(estimate._Estimator, "_param_grad", arriving)
+    monkeypatch.setattr(estimate._Estimator, "_curvature", squaring)
     monkeypatch.setattr(estimate._Estimator, "_fold", folding)
     out = measure_sensitivity(model, matmul_layers(model), ["fp8"],
                               batches=byte_batches(2, 1, 8, seed=3), mode="fast", in_place=True)
     assert all(math.isfinite(s.loss_rel_change) for r in out.values() for s in r.values())
     measured = [f for f in folds if len(f) > 1]  # a parameter all probes measured
     assert measured and not any(any(f) for f in measured), folds
+
+
+def _folded(model, batches, monkeypatch, *, early: bool) -> dict:
+    """Every matmul layer x format's weight term of a fast profile of an HF model, the
+    parameters whose curvature was folded before their reference gradient arrived, and how
+    often each parameter's was folded. ``early=False``: every fold waits for that gradient."""
+    from autoprec.measure import estimate
+
+    seen: dict = {"weights": {}, "before": set(), "folds": {}}
+    curvature, param_grad = estimate._Estimator._curvature, estimate._Estimator._param_grad
+    finish = estimate._Estimator.finish_weights
+
+    def squaring(self, i, deltas):
+        seen["folds"][i] = seen["folds"].get(i, 0) + 1
+        return curvature(self, i, deltas)
+
+    def arriving(self, i, g):
+        if not self.local and self.probing is None and self.delta.get(i) is estimate._FOLDED:
+            seen["before"].add(i)
+        return param_grad(self, i, g)
+
+    def finishing(self):
+        finish(self)
+        seen["weights"] = {(w.name, f): e.weight for w in self.watches.values()
+                           for f, e in w.results.items()}
+
+    monkeypatch.setattr(estimate._Estimator, "_curvature", squaring)
+    monkeypatch.setattr(estimate._Estimator, "_param_grad", arriving)
+    monkeypatch.setattr(estimate._Estimator, "finish_weights", finishing)
+    if not early:
+        monkeypatch.setattr(estimate._Estimator, "_complete", lambda *a: False)
+    measure_sensitivity(model, matmul_layers(model), ["bf16", "fp8"], batches=batches,
+                        loss_fn=lambda m, b: m(**b).loss, mode="fast", in_place=True)
+    monkeypatch.undo()
+    return seen
+
+
+def test_a_parameters_curvature_is_folded_once_its_layers_last_call_is_re_run(monkeypatch):
+    """A parameter whose one layer has had every call of the batch re-run has its probes'
+    curvature folded there, not held until the reference's gradient of it arrives (which
+    then only checks the local sum): the same weight terms, bit for bit, as folding at the
+    gradient's arrival. ALBERT calls its one shared layer twice per forward: its parameters
+    are folded once per batch, after the second call. GPT-2's head weight, tied to the
+    embedding (a use outside the layers), still waits for the reference gradient."""
+    from transformers import AlbertConfig, AlbertForMaskedLM, GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    albert = AlbertForMaskedLM(AlbertConfig(
+        vocab_size=300, embedding_size=32, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=128, max_position_embeddings=32))
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=300, n_positions=32, n_embd=64, n_layer=1,
+                                      n_head=4))
+    g = torch.Generator().manual_seed(1)
+    batches = [{"input_ids": torch.randint(0, 300, (2, 16), generator=g),
+                "labels": torch.randint(0, 300, (2, 16), generator=g)} for _ in range(2)]
+    got = {}
+    for name, model in (("albert", albert), ("gpt2", gpt2)):
+        early = got[name] = _folded(model, batches, monkeypatch, early=True)
+        late = _folded(model, batches, monkeypatch, early=False)
+        assert early["before"] and not late["before"]
+        assert early["weights"].keys() == late["weights"].keys()
+        for k, w in late["weights"].items():
+            assert early["weights"][k] == w or math.isnan(w) and math.isnan(early["weights"][k])
+        assert all(n == len(batches) for n in early["folds"].values()), early["folds"]
+
+    def index(model, p):
+        return [i for i, q in enumerate(model.parameters()) if q is p][0]
+
+    shared = albert.albert.encoder.albert_layer_groups[0].albert_layers[0].ffn.weight
+    assert index(albert, shared) in got["albert"]["before"]
+    tied = index(gpt2, gpt2.lm_head.weight)
+    assert got["gpt2"]["folds"][tied] == len(batches) and tied not in got["gpt2"]["before"]
+
+
+def test_layers_reading_one_input_share_its_probe_copy(monkeypatch):
+    """A probe pass copies each watched call's inputs (the pass's own tensors go with its
+    backward); layers that read one tensor share one copy of it: a Llama block's q, k and v
+    projections one, its gate and up projections another. A tensor changed in place between
+    two reads is copied again, with its new values."""
+    import types
+
+    from autoprec.measure import estimate
+
+    model = tiny_llama()
+    copies: dict = {}
+    take = estimate._Watch.take_probes
+
+    def taking(self, call):
+        recs = take(self, call)
+        if call.batch == 0 and recs[0] is not None:
+            copies[self.name.rsplit(".", 1)[-1]] = recs[0].xs[0]
+        return recs
+
+    monkeypatch.setattr(estimate._Watch, "take_probes", taking)
+    block = "model.layers.0"
+    names = [f"{block}.self_attn.{n}_proj" for n in "qkvo"] + \
+        [f"{block}.mlp.{n}_proj" for n in ("gate", "up", "down")]
+    g = torch.Generator().manual_seed(1)
+    batch = {"input_ids": torch.randint(0, model.config.vocab_size, (2, 16), generator=g)}
+    batch["labels"] = batch["input_ids"]
+    measure_sensitivity(model, names, ["bf16"], batches=[batch],
+                        loss_fn=lambda m, b: m(**b).loss, mode="fast", in_place=True)
+
+    def ptr(n):
+        return copies[n].untyped_storage().data_ptr()
+
+    assert ptr("q_proj") == ptr("k_proj") == ptr("v_proj") != ptr("o_proj")
+    assert ptr("gate_proj") == ptr("up_proj") != ptr("down_proj")
+    assert ptr("q_proj") != ptr("gate_proj")
+
+    est = types.SimpleNamespace(copies={})
+    t = torch.arange(4.0)
+    first = estimate._Estimator.copy(est, t)
+    assert estimate._Estimator.copy(est, t) is first
+    t.add_(1)
+    again = estimate._Estimator.copy(est, t)
+    assert again is not first and torch.equal(again, t) and torch.equal(first, t - 1)
+
+
+@pytest.mark.parametrize("dim", [-1, -2])
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp8", "fp8:rowwise", "mxfp8", "nvfp4"])
+def test_a_weight_term_rounds_a_chunk_at_a_time_with_the_whole_tensors_scales(fmt, dim,
+                                                                              monkeypatch):
+    """The weight term ``sum (round(w) - w)^2 * t`` is the same, bit for bit, as from the
+    whole rounded weight, chunk by chunk (chunks that end mid-row included). Where each
+    element is rounded alone given its tensor's or row's scale (a cast; FP8 per tensor; per
+    row along the rows), it holds no rounded weight: what it allocates stays under half the
+    weight's bytes (traced allocations; the whole rounded weight is 1.25 of them)."""
+    from autoprec import memory
+    from autoprec.measure import estimate
+
+    monkeypatch.setattr(estimate, "_CHUNK", 1000)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 160, generator=g) * 10.0 ** torch.randint(-4, 2, (96, 160), generator=g)
+    t = torch.rand(96, 160, generator=g)
+    f = Format(fmt)
+    num = f.numerics
+    r = estimate._Rounding(num.autocast) if not num.is_scaled else \
+        estimate._Rounding(num.fwd.b, dim, gemm=num.fwd, operand=1)
+    rounded, x, tf = r.apply(w).reshape(-1), w.reshape(-1), t.reshape(-1)
+    want = 0.0
+    for start in range(0, x.numel(), 1000):
+        part = slice(start, start + 1000)
+        want += float(((rounded[part] - x[part]).square() * tf[part]).sum(dtype=torch.float64))
+    got = []
+    peak = memory._peak_above(lambda: got.append(r.weighed_error_sq(w, t)), torch.device("cpu"))
+    assert got[0] == want and want > 0
+    chunked = not num.is_scaled or fmt == "fp8" or (fmt == "fp8:rowwise" and dim == -1)
+    assert (r._rows(w) is not None) == chunked
+    if chunked:
+        assert peak < w.nbytes / 2, (peak, w.nbytes)
 
 
 def test_a_transposed_gradient_is_squared_a_chunk_at_a_time():
@@ -391,7 +542,13 @@ def test_a_heads_local_re_runs_hold_a_few_of_its_weights_at_most(monkeypatch):
     reference gradient throughout, one format's gradient until it is compared, a rounded
     weight, the probes' differences. Each format's gradient goes before its weights-only run,
     a probe of a linear layer needs no moved weight, and nothing copies a gradient whole (the
-    session before these read 4.9)."""
+    session before these read 4.9). Its probes' curvature is folded before they end, so what
+    they leave waiting for the reference's gradient of the weight is that gradient's local
+    sum alone, one weight (it was three: each probe's difference too). The estimate's chunks
+    are made small here, as they are beside a head of a real model's size."""
+    import itertools
+
+    from torch.profiler import ProfilerActivity, profile
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from autoprec import memory
@@ -405,17 +562,24 @@ def test_a_heads_local_re_runs_hold_a_few_of_its_weights_at_most(monkeypatch):
     batches = [{"input_ids": torch.randint(0, 32000, (1, 32), generator=g),
                 "labels": torch.randint(0, 32000, (1, 32), generator=g)} for _ in range(2)]
     weight = model.lm_head.weight.nbytes
-    peaks = []
+    peaks, kept = [], []
     process = estimate._Estimator._process
 
     def traced(self, watch, call):
         if watch.name != "lm_head":
             return process(self, watch, call)
-        peaks.append(memory._peak_above(lambda: process(self, watch, call), torch.device("cpu")))
+        with memory._quiet_kineto(), profile(activities=[ProfilerActivity.CPU],
+                                             profile_memory=True) as prof:
+            process(self, watch, call)
+        steps = [n for _, n in memory._allocations(prof.profiler.kineto_results.events())]
+        peaks.append(max(itertools.accumulate(steps)))
+        kept.append(sum(steps))
 
+    monkeypatch.setattr(estimate, "_CHUNK", 1 << 16)
     monkeypatch.setattr(estimate._Estimator, "_process", traced)
     out = measure_sensitivity(model, ["lm_head", "model.layers.0.mlp.down_proj"],
                               ["bf16", "fp8"], batches=batches,
                               loss_fn=lambda m, b: m(**b).loss, mode="fast", in_place=True)
     assert all(math.isfinite(s.loss_rel_change) for r in out.values() for s in r.values())
     assert len(peaks) == 2 and max(peaks) < 3.5 * weight, [p / weight for p in peaks]
+    assert max(kept) < 1.1 * weight, [k / weight for k in kept]

@@ -73,10 +73,12 @@ outside the device's memory meanwhile (a temporary file on CPU, host memory besi
 each read back as it is moved: no copy of the parameters is held. No probe keeps a parameter
 gradient: each layer recomputes its own parameters' gradients at each probe point (on the
 probe's recorded inputs and output gradients, its parameters moved by the same draw, drawn
-again from the generator state the probe saved) and at the reference, and the difference,
-summed over the layer's calls, waits only until the parameter's reference gradient arrives.
-There it is checked (the local sum of the reference gradient must be the whole one) and its
-curvature folded into one number per layer and format. A parameter also used outside the
+again from the generator state the probe saved) and at the reference. Once the layer's last
+call of the batch is re-run, the differences, summed over its calls, are squared and folded
+into one number per layer and format; only the local sum of the reference gradient waits for
+the parameter's reference gradient, which checks it (it must be the whole one; if not, the
+parameter is doubtful and the fold is void). Probe passes copy a tensor several layers read
+once. A parameter also used outside the
 layers that hold it (a weight tied to a layer not listed: GPT-2's embedding and head), seen by
 the first probe pass of each batch, has its probe gradients taken whole from the probe's
 backward instead; a use that pass misses fails the check, and the layers that round the
@@ -110,7 +112,7 @@ from autoprec.measure.deviation import DeviationMeter, all_finite, writable
 from autoprec.policy import Budget, LossScaling, Policy
 from autoprec.runtime import calls, rewrite
 from autoprec.runtime.fp8 import emulating, round_operand
-from autoprec.scaling import shape_multiple
+from autoprec.scaling import dequantize, quantize, shape_multiple
 
 __all__ = ["Estimate", "estimate_during_reference", "needs_exact"]
 
@@ -133,6 +135,10 @@ _CHUNK = 1 << 20
 # the parameters as they are, the same bits as at the moved ones. Exactly these classes, or
 # FSDP2's of them (a subclass, e.g. a parametrized one, may compute anything).
 _LINEAR_IN_PARAMS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+# In ``_Estimator.delta``: a parameter's probe differences already folded (its only layer's
+# calls of the batch were all re-run before its reference gradient arrived)
+_FOLDED: Any = object()
 
 
 @dataclass
@@ -211,20 +217,52 @@ class _Rounding:
         rounded = round_operand(x.movedim(self.dim, -1), self.gemm, self.operand)
         return rounded.movedim(-1, self.dim)
 
-    def error_sq(self, w: torch.Tensor) -> torch.Tensor:
-        return (self.apply(w) - w.detach().to(torch.float32)).square()
-
     def weighed_error_sq(self, w: torch.Tensor, weight: torch.Tensor) -> float:
-        """``sum(error_sq(w) * weight)`` summed in float64, holding the rounded ``w`` and a
-        chunk of the rest (not three more tensors of ``w``'s size)."""
-        rounded = self.apply(w).reshape(-1)
+        """``sum((apply(w) - w)^2 * weight)`` summed in float64, a chunk at a time: where each
+        element is rounded alone given its tensor's or row's scale (a cast, FP8 per tensor or
+        per row), the chunk's rows are rounded with the whole's scales, the same values as
+        :meth:`apply`'s; otherwise (blocks, NVFP4's tensor scale) the rounded ``w`` is held."""
         x, t = w.detach().reshape(-1), weight.reshape(-1)
+        rows = self._rows(w)
+        rounded = self.apply(w).reshape(-1) if rows is None else None
+        cols = w.shape[-1] if w.dim() else 1
         total = 0.0
-        for start in range(0, rounded.numel(), _CHUNK):
-            part = slice(start, start + _CHUNK)
-            e = (rounded[part] - x[part].to(torch.float32)).square_()
-            total += float((e * t[part]).sum(dtype=torch.float64))
+        for start in range(0, x.numel(), _CHUNK):
+            end = min(start + _CHUNK, x.numel())
+            xs = x[start:end].to(torch.float32)
+            if rounded is not None:
+                r = rounded[start:end]
+            else:  # the rows the chunk lies in, rounded, then the chunk of them
+                first = start // cols
+                r = rows(first, -(-end // cols)).reshape(-1)[start - first * cols:
+                                                             end - first * cols]
+            e = (r - xs).square_()
+            total += float((e * t[start:end]).sum(dtype=torch.float64))
         return total
+
+    def _rows(self, w: torch.Tensor) -> Callable[[int, int], torch.Tensor] | None:
+        """``rows(a, b)``: rows ``a:b`` of ``w`` (as ``[-1, w.shape[-1]]``) rounded as
+        :meth:`apply` rounds them, where each element's rounding needs only its tensor's or
+        its row's scale (the contraction along ``w``'s last dimension, or one scale for the
+        tensor); None where it needs more of the tensor."""
+        x = w.detach().to(torch.float32)
+        flat = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+        if self.gemm is None:
+            return lambda a, b: flat[a:b].to(self.dtype).to(torch.float32)
+        scaling = self.gemm.scaling
+        along_rows = self.dim in (-1, x.dim() - 1)
+        if not scaling.rounds_by_scale or not (along_rows or scaling.one_scale):
+            return None
+        dtype = self.gemm.a if self.operand == 0 else self.gemm.b
+        s = scaling.scale(flat if along_rows else x, dtype, -1)
+        if s.numel() > 1:
+            s = s.reshape(-1, 1)
+
+        def rows(a: int, b: int) -> torch.Tensor:
+            part = s if s.numel() == 1 else s[a:b]
+            return dequantize(quantize(flat[a:b], part, dtype), part)
+
+        return rows
 
 
 def _rounding_of(fmt: Format, call: calls.Call, args: tuple, kwargs: dict,
@@ -382,7 +420,7 @@ class _Watch:
             self.active += 1
             if not self.mine:
                 return
-            xs = [t.detach().clone() for t in _grad_inputs(args, kwargs)]
+            xs = [est.copy(t) for t in _grad_inputs(args, kwargs)]
             self.probed.setdefault((est.batch, est.probing), []).append(_ProbeCall(xs))
         elif est.capturing and self.mine:
             index = sum(1 for c in self.calls if c.batch == est.batch)
@@ -453,6 +491,7 @@ class _Estimator:
         self.progress = progress
         self.n_probes = n_probes
         self.capturing = False
+        self.backward = False  # the reference's backward of a batch may be running
         self.probing: int | None = None  # the probe pass running, if any
         self.local = False  # a layer's local re-runs are running
         self.batch = 0
@@ -469,13 +508,16 @@ class _Estimator:
         # drawn from (a few KB each): its moved value is drawn again where a layer needs it
         self.z_states: list[list] = []
         self.reached: list[torch.Tensor] = []  # a probe pass's watched outputs
+        # a probe pass's copies of the watched calls' inputs, by the tensor and its version:
+        # layers that read one input (q, k and v; gate and up) share one copy of it
+        self.copies: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         # per parameter, until the reference's gradient of it arrives: per probe, the change
         # of its gradient between the probe point and here, and the reference gradient, each
         # summed over its calls in the layers that hold it (recomputed there, locally)
         self.owners: dict[int, list[_Watch]] = {}
         # the same over every rank's layers (their calls decide what counts as outside)
         self.all_owners: dict[int, list[_Watch]] = {}
-        self.delta: dict[int, list[torch.Tensor | None]] = {}
+        self.delta: dict[int, Any] = {}  # a list per parameter, or _FOLDED
         self.local_ref: dict[int, torch.Tensor] = {}
         self.doubtful: set[int] = set()  # parameters whose local gradients missed some use
         # parameters also used outside those layers (a weight tied to one not watched): their
@@ -522,12 +564,13 @@ class _Estimator:
                 z = shards.local(shards.like(_direction(p, gen), p))
                 # w + step * z, in place: the same values as _moved's, one temporary
                 shards.local(p).copy_(keep[i]).add_(z.mul_(self.step))
-        self.probing, self.batch, self.reached = k, b, []
+        self.probing, self.batch, self.reached, self.copies = k, b, [], {}
         self.plus.append({})
         try:
             torch.manual_seed(meter.seed + b)
             with _Uses(self) if k == 0 else contextlib.nullcontext():
                 loss = meter.loss_fn(meter.model, meter.batches[b])
+            self.copies = {}  # the forward's inputs are the backward's to free
             if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
                 return states  # the reference's forward says what is wrong with it
             # only as far as the watched layers' outputs (their hooks keep the gradients) and
@@ -536,7 +579,7 @@ class _Estimator:
             wrt = [*self.reached, *(params[i] for i in whole)]
             grads = torch.autograd.grad(loss.reshape(()), wrt, allow_unused=True) if wrt else ()
         finally:
-            self.probing, self.reached = None, []
+            self.probing, self.reached, self.copies = None, [], {}
         self.probes_finite = self.probes_finite and math.isfinite(float(loss.detach())) \
             and all_finite([g for g in grads if g is not None])
         # kept for the parameters a layer of this rank holds (the others' ranks keep theirs)
@@ -546,6 +589,14 @@ class _Estimator:
                         for i, g in held])
         self.plus[k] = dict(zip((i for i, _ in held), own))
         return states
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        """A probe pass's copy of a watched call's input ``t``: one per tensor and version
+        (a change in place in between makes another)."""
+        key = (id(t), t._version)
+        if key not in self.copies:
+            self.copies[key] = (t, t.detach().clone())
+        return self.copies[key][1]
 
     def _moved(self, p: torch.Tensor, k: int) -> torch.Tensor:
         """Parameter ``p`` where probe ``k`` of this batch moved it: the same values."""
@@ -578,8 +629,10 @@ class _Estimator:
     def _param_grad(self, i: int, g: torch.Tensor) -> None:
         """A reference parameter gradient (all its uses summed): the probes' finite
         differences, which the layers holding it recomputed, folded into the weight terms of
-        the layers that round it; first checked against this gradient, whose local sum must
-        be it (a use outside those layers would leave part of the curvature out)."""
+        the layers that round it (:meth:`_curvature`; already there for a parameter whose
+        layer's last call came before); first checked against this gradient, whose local sum
+        must be it (a use outside those layers would leave part of the curvature out: the
+        parameter is then doubtful, and its layers' weight terms nan, folded or not)."""
         if self.local or self.probing is not None:
             return
         deltas, local = self.delta.pop(i, None), self.local_ref.pop(i, None)
@@ -589,13 +642,20 @@ class _Estimator:
         if i in self.outside:  # the whole probe gradients, in place (owned: _probe_pass)
             deltas, local = [plus.pop(i, None) for plus in self.plus], g
             deltas = [None if d is None else d.sub_(g) for d in deltas]
-        if deltas is None or local is None or any(d is None for d in deltas) \
-                or not _close(local, g):
+        if local is None or (deltas is not _FOLDED and (
+                deltas is None or any(d is None for d in deltas))) or not _close(local, g):
             self.doubtful.add(i)
             return
         del local
+        if deltas is not _FOLDED:
+            self._curvature(i, deltas)
+
+    def _curvature(self, i: int, deltas: list[torch.Tensor]) -> None:
+        """Parameter ``i``'s probe differences (each summed over its calls, owned) squared and
+        averaged in the first one's memory, then folded into its layers' weight terms (or
+        waiting in ``pending`` until their roundings are known)."""
         t2 = None
-        for d in deltas:  # in place in the sums (owned: _probe_grads)
+        for d in deltas:
             d.div_(self.step).square_().div_(self.n_probes)
             t2 = d if t2 is None else t2.add_(d)
         deltas.clear()
@@ -717,6 +777,24 @@ class _Estimator:
         for j, i in mine:  # added out of place: ref_gp may be a view autograd shares
             g = ref_gp[j]
             self.local_ref[i] = g if i not in self.local_ref else self.local_ref[i] + g
+            if self._complete(watch, call, i):
+                # folded now, not held until the reference gradient arrives (only the check
+                # waits for it): a head's probe differences are the backward's largest tensors
+                deltas = self.delta[i]
+                self.delta[i] = _FOLDED
+                if any(d is None for d in deltas):
+                    self.doubtful.add(i)
+                else:
+                    self._curvature(i, deltas)
+
+    def _complete(self, watch: _Watch, call: _Call, i: int) -> bool:
+        """Whether parameter ``i``'s probe differences of this batch are whole once ``call``
+        is: ``watch`` is its only layer (on any rank; not a use outside them) and every call of
+        the batch has had its re-runs, during the reference's backward (whose gradient of it
+        is still to come and checks them)."""
+        return self.backward and i not in self.outside \
+            and self.all_owners.get(i) == [watch] \
+            and all(c.done for c in watch.calls if c.batch == call.batch)
 
     def _at_probe(self, watch: _Watch, call: _Call, rec: _ProbeCall,
                   k: int) -> list[torch.Tensor]:
@@ -931,14 +1009,15 @@ def estimate_during_reference(meter: DeviationMeter, names: Sequence[str],
     def around(b: int):
         est.probe(b)
         est.batch = b
-        est.capturing = True
+        est.capturing, est.backward = True, False
         try:
             yield
         finally:
-            est.capturing = False
+            est.capturing, est.backward = False, True
 
     def results():
         # calls whose outputs got no gradient for some output (unused): finish them with zeros
+        est.backward = False
         for watch in est.watches.values():
             for call in watch.calls:
                 if not call.done and call.args is not None:
