@@ -75,7 +75,8 @@ def _cmd_profile(args) -> int:
         _writable_output(args.output)
     task = _load_task(args.task)
     prof = profile(task, formats=args.formats, target=args.target, n_batches=args.batches,
-                   sensitivity=args.sensitivity, only_winnable=args.only_winnable)
+                   sensitivity=args.sensitivity, only_winnable=args.only_winnable,
+                   reference_gradients=args.reference_gradients)
     print(profile_view.table(prof))
     print(f"\nprofiled {len(prof.layers)} layers in {prof.elapsed:.1f} s "
           f"(capture: {prof.capture_method})")
@@ -546,6 +547,8 @@ def _common_options() -> dict[str, dict]:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from autoprec.measure.deviation import REFERENCE_GRADIENTS
+
     ap = argparse.ArgumentParser(prog="autoprec", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -558,6 +561,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", type=_positive_int, default=2,
                    help="calibration batches (default 2)")
     p.add_argument("--sensitivity", **common["sensitivity"])
+    p.add_argument("--reference-gradients", choices=list(REFERENCE_GRADIENTS), default="auto",
+                   help="how exact comparisons get the FP32 reference's gradients: kept, "
+                        "recomputed per comparison, spilled to a temporary file (host memory "
+                        "beside a GPU), or auto (default: kept unless they would take over a "
+                        "quarter of the free memory); the same numbers every way")
     p.add_argument("--only-winnable", action="store_true",
                    help="measure the numerics only of the formats that can win on the device "
                         "(as the tune does); by default every requested format is measured")

@@ -46,6 +46,7 @@ from autoprec.formats import Format, Support, expand_formats
 from autoprec.host import device_name, supported_formats
 from autoprec.measure import shards
 from autoprec.measure.capture import Layer, LayerGraph, capture
+from autoprec.measure.deviation import check_reference_gradients
 from autoprec.measure.options import SensitivityOptions, TimingOptions, with_keywords
 from autoprec.measure.sensitivity import (
     LayerSensitivity,
@@ -396,6 +397,9 @@ class ProfileOptions:
     # measure the numerics only of the formats that can win on the device (the tune's
     # economy); off, every requested format is measured on every layer it runs
     only_winnable: bool = False
+    # how the exact comparisons get the FP32 reference's gradients: "auto", "kept",
+    # "recomputed" or "spilled" (see measure_sensitivity)
+    reference_gradients: str = "auto"
     # a build of the task's model to measure on instead of building one (the tune's own):
     # captured, timed and measured in place, and left as it was (no weight moves; its mode,
     # dropout and BatchNorm momenta are put back)
@@ -416,6 +420,7 @@ class ProfileOptions:
                 raise ValueError(f"profile({name}=...) must be a positive integer, got "
                                  f"{value!r}.")
         check_sensitivity_mode(opts.sensitivity)  # before any model is built
+        check_reference_gradients(opts.reference_gradients)
         return opts
 
 
@@ -445,6 +450,10 @@ def profile(task, formats: Sequence[Format | str] = ("fp32", "bf16", "fp16", "fp
             doubtful and those near the error budget ``budget`` measured exactly), "fast"
             (estimates only) or "exact" (every pair measured; see
             :func:`autoprec.measure.sensitivity.measure_sensitivity`);
+            ``reference_gradients``: how the exact comparisons get the FP32 reference's
+            gradients, "kept", "recomputed" per comparison, "spilled" outside the device's
+            memory, or "auto" (default: kept unless they would take over a quarter of the
+            free memory; the same numbers every way);
             ``model=`` a model FSDP2 shards (``fully_shard``, every rank of a ``torchrun``
             calling ``profile`` alike, on the same batches): each forward and backward is an
             FSDP2 pass, each rank re-runs its share of the layers in the first-order estimate,
@@ -583,7 +592,8 @@ def _profile_unit(ctx: _Context, opts: ProfileOptions, fqns: list[str]) -> list[
                                      options=SensitivityOptions(
                                          progress=ctx.reporter.bar("sensitivity"), only=only,
                                          mode=opts.sensitivity, budget=opts.budget or Budget(),
-                                         seed=ctx.task.seed, in_place=True))
+                                         seed=ctx.task.seed, in_place=True,
+                                         reference_gradients=opts.reference_gradients))
         # The unit's measurement (its model copy, FP32 reference gradients per batch: 5 model
         # sizes) sits in reference cycles that outlive it until a full collection, which
         # Python runs by object counts, not bytes: at Llama-3-8B width the next unit's reference

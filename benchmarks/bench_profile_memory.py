@@ -18,7 +18,12 @@ same process (what ``predict_scale.py`` turns into a predicted tune time).
   timed tune's bf16 trials run;
 - ``fast`` / ``exact``: ``autoprec.profile(task, target="h100", sensitivity=...)`` with the
   formats fp32, bf16, fp8 (priced by the cost model: no timing, only the numerics);
-- ``step@2`` / ``fast@2`` / ``exact@2`` / ``tune@2`` / ``tune-lean@2``: the same under
+- ``exact-spilled``: the exact profile with ``reference_gradients="spilled"``: the FP32
+  reference's gradients of both calibration batches kept in a temporary file, each read back
+  as a comparison's gradient of the same parameter arrives (``exact`` keeps them in memory
+  wherever they take under a quarter of the free memory, as here);
+- ``step@2`` / ``fast@2`` / ``exact@2`` / ``exact-spilled@2`` / ``tune@2`` / ``tune-lean@2``:
+  the same under
   ``torchrun`` on 2 gloo ranks, the model
   built on the meta device and sharded by FSDP2 (the embedding, each block, the head, the
   root) before it gets memory; the figure is the rank with the highest peak;
@@ -128,15 +133,12 @@ def child(part: str, size: str) -> None:
             opt.zero_grad(set_to_none=True)
         params = sum(p.numel() * p.element_size() for p in model.parameters()) \
             if part == "step" else None
-    elif part in ("fast", "exact"):
+    elif part.split("@")[0] in ("fast", "exact", "exact-spilled"):
+        mode, _, ways = part.split("@")[0].partition("-")
+        sharded = {"model": _sharded(hidden, layers)} if part.endswith("@2") else {}
         prof = autoprec.profile(task, ("fp32", "bf16", "fp8"), target="h100",
-                                sensitivity=part, n_batches=2, progress=False)
-        assert prof.layers
-        params = None
-    elif part in ("fast@2", "exact@2"):
-        prof = autoprec.profile(task, ("fp32", "bf16", "fp8"), target="h100",
-                                sensitivity=part[:-2], n_batches=2, progress=False,
-                                model=_sharded(hidden, layers))
+                                sensitivity=mode, n_batches=2, progress=False,
+                                reference_gradients=ways or "auto", **sharded)
         assert prof.layers
         params = None
     elif part in ("tune-timed", "tune-timed-lean"):
@@ -213,10 +215,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", nargs="+", default=["512x4", "512x8", "1024x4"])
     ap.add_argument("--parts", nargs="+", default=["step", "fast", "exact", "tune"],
-                    choices=["step", "step-bf16", "fast", "exact", "tune", "tune-lean",
-                             "tune-spilled", "tune-timed", "tune-timed-lean",
-                             "step@2", "fast@2", "exact@2", "tune@2", "tune-lean@2",
-                             "tune-spilled@2"])
+                    choices=["step", "step-bf16", "fast", "exact", "exact-spilled", "tune",
+                             "tune-lean", "tune-spilled", "tune-timed", "tune-timed-lean",
+                             "step@2", "fast@2", "exact@2", "exact-spilled@2", "tune@2",
+                             "tune-lean@2", "tune-spilled@2"])
     ap.add_argument("--child", nargs=2, metavar=("PART", "SIZE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

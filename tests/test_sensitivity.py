@@ -143,6 +143,61 @@ def test_in_place_measures_what_a_copy_measures_and_puts_the_model_back(gpt2_bat
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_reference_gradients_kept_recomputed_or_spilled_give_the_same_numbers(monkeypatch,
+                                                                             capsys):
+    """The exact comparisons get the FP32 reference's gradients kept, recomputed beside each
+    comparison or spilled outside memory (a temporary file on CPU): the same numbers, bit for
+    bit, on an HF Llama (fp16's loss-scaled reading included), in "exact" and in "auto" (its
+    budget set where one pair's estimate is near it, so that pair is measured). "auto"
+    recomputes them where keeping them would take over a quarter of the free memory (1 KiB
+    here). A way that is none of these is a one-line error naming them, in the profile and
+    the CLI too."""
+    from conftest import tiny_llama
+
+    import autoprec
+    from autoprec import cli
+    from autoprec.measure import deviation
+    from examples.data import byte_batches
+
+    model = tiny_llama()
+    layers = ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj", "lm_head"]
+    fmts = ["bf16", "fp16", "fp8"]
+    dump = lambda r: {k: {str(f): e.to_dict() for f, e in v.items()} for k, v in r.items()}  # noqa: E731
+    batches = byte_batches(2, 2, 16, seed=4)
+    fast = measure_sensitivity(model, layers, fmts, batches=batches, mode="fast", in_place=True)
+    near = abs(fast["lm_head"][Format.BF16].loss_rel_change)
+    meters = []
+    init = deviation.DeviationMeter.__init__
+
+    def noting(self, *a, **k):
+        init(self, *a, **k)
+        meters.append((self.per_batch, self.spill))
+
+    monkeypatch.setattr(deviation.DeviationMeter, "__init__", noting)
+    for mode in ("exact", "auto"):
+        kw = dict(batches=batches, mode=mode, in_place=True,
+                  budget=autoprec.Budget(max_loss_increase=near, max_grad_error=1e9))
+        meters.clear()
+        got = {how: measure_sensitivity(model, layers, fmts, reference_gradients=how, **kw)
+               for how in ("kept", "recomputed", "spilled")}
+        assert meters == [(False, False), (True, False), (False, True)]
+        assert dump(got["recomputed"]) == dump(got["kept"]) == dump(got["spilled"])
+        assert got["kept"]["lm_head"][Format.BF16].source == "measured"
+        monkeypatch.setattr(deviation, "free_memory", lambda device: 1024)
+        assert dump(measure_sensitivity(model, layers, fmts, **kw)) == dump(got["kept"])
+        assert meters[-1] == (True, False)
+        monkeypatch.undo()
+        monkeypatch.setattr(deviation.DeviationMeter, "__init__", noting)
+    with pytest.raises(ValueError, match=r"^reference_gradients must be one of auto, kept, "
+                                         r"recomputed, spilled; got 'some'\.$"):
+        measure_sensitivity(model, layers, ["bf16"], batches=batches, reference_gradients="some")
+    with pytest.raises(ValueError, match="reference_gradients must be one of"):
+        autoprec.profile(None, reference_gradients="kep")
+    with pytest.raises(SystemExit):
+        cli.main(["profile", "x.py:task", "--reference-gradients", "some"])
+    assert "invalid choice: 'some'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("mode", ["exact", "auto", "fast"])
 def test_a_layer_left_no_format_is_watched_but_not_measured(gpt2, gpt2_batch, mode):
     # the profile's only_winnable can leave a layer no format to measure (on a Zen 4, tiny

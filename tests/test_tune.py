@@ -104,12 +104,12 @@ def test_held_out_gradients_recomputed_per_trial_give_the_same_trials(tmp_path, 
     # "auto" recomputes the reference's held-out gradients beside each trial when keeping them
     # would take over a quarter of the free memory (here: a machine with 1 KiB free); every
     # trial's numbers are those of a tune that kept them, bitwise
-    tune_module = sys.modules["autoprec.tuning.tune"]
+    deviation = sys.modules["autoprec.measure.deviation"]
     kw = dict(target="cpu-amx", n_trials=6, seed=3, prof=small_profile,
               formats=("fp32", "bf16", "fp16", "fp8"))
     kept = tune(small_gpt2_task(), holdout_gradients="kept", output=str(tmp_path / "k.yaml"),
                 progress=False, **kw)
-    monkeypatch.setattr(tune_module, "free_memory", lambda device: 1024)
+    monkeypatch.setattr(deviation, "free_memory", lambda device: 1024)
     lean = tune(small_gpt2_task(), output=str(tmp_path / "r.yaml"), **kw)
     assert "each trial computes each batch's again" in capsys.readouterr().err
     numbers = lambda r: [(t.assignment, t.loss_increase, t.grad_error, t.grad_bias)  # noqa: E731

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec._util import Spilled, spilled
+from autoprec._util import Spilled, free_memory, quoted, spilled
 from autoprec.formats import Format
 from autoprec.host import slow_16bit_dtypes
 from autoprec.measure import shards
@@ -44,7 +44,46 @@ from autoprec.runtime import rewrite
 from autoprec.runtime.fp8 import emulating
 
 __all__ = ["Reference", "Deviation", "DeviationMeter", "prepare_for_measurement", "prepared",
-           "writable"]
+           "writable", "REFERENCE_GRADIENTS", "check_reference_gradients", "reference_gradients",
+           "reference_keywords"]
+
+# How a meter's comparisons get the FP32 reference's gradients (a tune's held-out batches', a
+# profile's calibration batches'): see reference_gradients
+REFERENCE_GRADIENTS = ("auto", "kept", "recomputed", "spilled")
+
+
+def check_reference_gradients(choice: str, name: str = "reference_gradients") -> None:
+    """A way not in :data:`REFERENCE_GRADIENTS` is a ValueError that lists them."""
+    if choice not in REFERENCE_GRADIENTS:
+        raise ValueError(f"{name} must be one of {', '.join(REFERENCE_GRADIENTS)}; got "
+                         f"{quoted(str(choice))}.")
+
+
+def reference_gradients(choice: str, model: nn.Module, n_batches: int,
+                        device: torch.device | str) -> tuple[str, tuple[int, int] | None]:
+    """How the comparisons get the FP32 reference's gradients: ``choice`` ("kept": computed
+    once, every batch's held, ``n_batches`` x the parameters' bytes; "recomputed": each batch's
+    computed again beside each comparison's and dropped, one more FP32 forward and backward per
+    batch per comparison; "spilled": computed once and held outside the device's memory, read
+    back as the comparison's gradients arrive), or for "auto", "kept" unless holding them would
+    take over a quarter of the memory free on ``device`` now, then "recomputed". Returns the
+    way, and when "auto" chose to recompute, the bytes they would take and the bytes free."""
+    check_reference_gradients(choice)
+    if choice != "auto":
+        return choice, None
+    kept = n_batches * sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    free = free_memory(device)
+    if free is None or kept <= free / 4:
+        return "kept", None
+    return "recomputed", (kept, free)
+
+
+def reference_keywords(how: str, *, keep: bool = True) -> dict[str, bool]:
+    """The :class:`DeviationMeter` keywords for a way :func:`reference_gradients` gave
+    (``keep``: whether "kept" holds them from the first reference pass, or computes them
+    again on the first comparison)."""
+    return {"kept": {"keep_grads": keep}, "recomputed": {"per_batch": True},
+            "spilled": {"spill": True}}[how]
 
 
 def prepare_for_measurement(model: nn.Module) -> nn.Module:

@@ -65,6 +65,9 @@ class SensitivityOptions:
     # measure a model given as such on itself, not on a copy: its dropout, BatchNorm momentum
     # and train/eval mode are put back afterwards (measurements move no weight)
     in_place: bool = False
+    # how the exact comparisons get the FP32 reference's gradients: "kept", "recomputed",
+    # "spilled" or "auto" (autoprec.measure.deviation.reference_gradients; "fast" has none)
+    reference_gradients: str = "auto"
 
 
 def with_keywords(options: _T | None, cls: type[_T], keywords: Mapping[str, Any],

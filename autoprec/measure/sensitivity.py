@@ -62,7 +62,15 @@ from torch.overrides import TorchFunctionMode
 
 from autoprec._util import check_keys, decode_float, encode_float, floating, move_to
 from autoprec.formats import FP8_E4M3, FP8_E5M2, Format
-from autoprec.measure.deviation import Deviation, DeviationMeter, prepare_for_measurement, prepared
+from autoprec.measure.deviation import (
+    Deviation,
+    DeviationMeter,
+    check_reference_gradients,
+    prepare_for_measurement,
+    prepared,
+    reference_gradients,
+    reference_keywords,
+)
 from autoprec.measure.estimate import estimate_during_reference, needs_exact
 from autoprec.measure.options import SensitivityOptions, with_keywords
 from autoprec.policy import DEFAULT_MAX_LOSS_INCREASE, Budget, LossScaling, Policy
@@ -357,15 +365,17 @@ class _RoundedCallCounter(TorchFunctionMode):
 
 
 class _OutputProbe:
-    """Hook on the switched layer: its outputs in the current batch."""
+    """Hook on the switched layer: its outputs in the current batch under ``policy`` (not in
+    the FP32 reference a meter computes again per batch, beside it)."""
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, model: nn.Module, policy: Policy):
         self.outputs: list[torch.Tensor] = []
+        self.model, self.policy = model, policy
         self.handle = module.register_forward_hook(self._hook)
 
     def _hook(self, module, args, output):
         flat = _flat_output(output)
-        if flat is not None:
+        if flat is not None and rewrite.applied_policy(self.model) == self.policy:
             self.outputs.append(flat)
 
     def take(self) -> torch.Tensor | None:
@@ -411,10 +421,17 @@ def measure_sensitivity(
     the reference pass and two curvature probes per batch (:mod:`autoprec.measure.estimate`,
     cost per layer flat in depth; ``seed`` also picks the probes' directions); ``"auto"``
     also measures exactly those whose estimate is doubtful or near ``budget``; ``exact_why``
-    says why, and the estimate replaced. Each result's ``source`` says which it is.
+    says why, and the estimate replaced. Each result's ``source`` says which it is. The exact
+    comparisons need the FP32 reference's gradients of every batch: ``reference_gradients``
+    "kept" holds them (the batches x the parameters' bytes), "recomputed" computes each
+    batch's again beside each comparison's, "spilled" holds them outside the device's memory
+    (a temporary file beside a CPU model, host memory beside an accelerator's), each read back
+    as the comparison's gradient of the same parameter arrives; "auto" (default) keeps them
+    unless that would take over a quarter of the free memory, then recomputes them. The same
+    numbers every way.
 
     The settings (``n_batches``, ``loss_scale``, ``include_children``, ``seed``, ``progress``,
-    ``only``, ``mode``, ``budget``) are the fields of ``options``, a
+    ``only``, ``mode``, ``budget``, ``reference_gradients``) are the fields of ``options``, a
     :class:`~autoprec.measure.options.SensitivityOptions`, or keywords of their own (a keyword
     overrides the field). ``exact_why=`` (a dict) is still filled as before, for callers
     that pass one; the reasons are also the result's ``exact_why``.
@@ -479,6 +496,7 @@ class _Plan:
 def _run(task_or_model, layers, formats, batches, loss_fn,
          opts: SensitivityOptions) -> SensitivityResults:
     fmts = _check_options(formats, opts.loss_scale, opts.mode)
+    check_reference_gradients(opts.reference_gradients)
     in_place = opts.in_place and isinstance(task_or_model, nn.Module)
     model, calib, fn, base_seed = _setup(task_or_model, batches, loss_fn, opts.n_batches,
                                          copy_model=not in_place)
@@ -490,8 +508,13 @@ def _run(task_or_model, layers, formats, batches, loss_fn,
 def _measure_all(model, layers, fmts, calib, fn, seed: int,
                  opts: SensitivityOptions) -> SensitivityResults:
     # the estimates need the reference's gradient norms only; the exact comparisons (all of
-    # them in "exact", those near the budget in "auto") run it again with its gradients
-    meter = DeviationMeter(model, calib, fn, seed=seed, keep_grads=opts.mode == "exact")
+    # them in "exact", those near the budget in "auto") need its gradients: kept (in "auto"
+    # computed again on the first), recomputed per comparison or spilled
+    how = "kept" if opts.mode == "fast" else reference_gradients(
+        opts.reference_gradients, model, len(calib),
+        next((p.device for p in model.parameters()), "cpu"))[0]
+    meter = DeviationMeter(model, calib, fn, seed=seed,
+                           **reference_keywords(how, keep=opts.mode == "exact"))
     plan = _Plan.build(meter, model, _check_layers(model, layers), fmts, opts)
     results: dict[str, dict[Format, LayerSensitivity]] = {name: {} for name in plan.names}
     exact_why: dict[str, dict[Format, tuple[str, float]]] = {}
@@ -726,7 +749,7 @@ def _measure(plan: _Plan, name: str, fmt: Format, ref_outputs: list | None,
         sqnr_finite = sqnr_db is None or not math.isnan(sqnr_db)
         db = math.nan if sqnr_db is None else sqnr_db
     else:
-        probe = _OutputProbe(meter.model.get_submodule(name))
+        probe = _OutputProbe(meter.model.get_submodule(name), meter.model, policy)
         sqnr = _SQNR(name, fmt, ref_outputs)
         try:
             dev = meter.compare(policy, after_forward=lambda b: sqnr.add(b, probe.take()))

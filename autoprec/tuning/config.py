@@ -14,17 +14,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from autoprec._util import quoted
 from autoprec.formats import FORMAT_ORDER, Format, Support, expand_formats, per_gemm
+from autoprec.measure.deviation import check_reference_gradients
 from autoprec.measure.sensitivity import check_sensitivity_mode
 from autoprec.policy import DEFAULT_BIAS_BUDGET, Budget
 from autoprec.pricing import CostSource
 
 __all__ = ["TuneConfig", "SearchConfig", "StudyConfig", "TimingConfig", "Grouping", "TunePaths",
            "per_gemm_candidates"]
-
-# SearchConfig.holdout_gradients's choices
-HOLDOUT_GRADIENTS = ("auto", "kept", "recomputed", "spilled")
 
 
 class Grouping(str, enum.Enum):
@@ -167,9 +164,7 @@ class SearchConfig:
         if self.max_memory is not None:
             _positive_int("max_memory (bytes)", self.max_memory)
         _positive_int("n_holdout", self.n_holdout)
-        if self.holdout_gradients not in HOLDOUT_GRADIENTS:
-            raise ValueError(f"holdout_gradients must be one of {', '.join(HOLDOUT_GRADIENTS)}; "
-                             f"got {quoted(self.holdout_gradients)}.")
+        check_reference_gradients(self.holdout_gradients, "holdout_gradients")
         if self.budget_at is not None:
             _positive_int("budget_at (steps)", self.budget_at)
             budget = Budget.trained() if self.budget == Budget() else self.budget

@@ -18,7 +18,7 @@ from torch import nn
 from autoprec._util import class_name, model_state, move_to
 from autoprec.fingerprint import model_fingerprint
 from autoprec.formats import Format
-from autoprec.measure.deviation import Deviation, DeviationMeter, prepare_for_measurement
+from autoprec.measure.deviation import Deviation, DeviationMeter, prepare_for_measurement, reference_keywords
 from autoprec.measure.timer import Comparison, StepTimer, noise_of, quantile
 from autoprec.policy import Interval, Policy
 from autoprec.pricing import CostSource
@@ -78,8 +78,7 @@ class Evaluator:
         self.model_name = class_name(model)
         self.meter = DeviationMeter(model, [move_to(b, task.device) for b in holdout],
                                  task.loss_fn or default_loss, seed=task.seed,
-                                 per_batch=holdout_gradients == "recomputed",
-                                 spill=holdout_gradients == "spilled")
+                                 **reference_keywords(holdout_gradients))
         self.steps: StepTimer | None = None
         self.aa: Interval | None = None
         # each trial's fp32 step time / the calibrated one: the machine's noise during the

@@ -37,11 +37,12 @@ import optuna
 from torch import nn
 
 from autoprec import profile_view
-from autoprec._util import free_memory, shown, tensors, worker_id
+from autoprec._util import shown, tensors, worker_id
 from autoprec.fingerprint import model_fingerprint
 from autoprec.formats import Format, Support
 from autoprec.host import supported_formats
 from autoprec.measure import shards
+from autoprec.measure.deviation import reference_gradients
 from autoprec.memory import format_size, memory_model
 from autoprec.policy import Interval, Policy
 from autoprec.pricing import CostSource
@@ -186,17 +187,13 @@ def _holdout_gradients(config: TuneConfig, model: nn.Module, n_batches: int,
     """How the trials get the FP32 reference's held-out gradients (SearchConfig.
     holdout_gradients): "kept", "recomputed" beside their own, or "spilled"; "auto" keeps
     them or recomputes them by the memory free on ``device`` now."""
-    if config.holdout_gradients != "auto":
-        return config.holdout_gradients
-    kept = n_batches * sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
-    free = free_memory(device)
-    if free is None or kept <= free / 4:
-        return "kept"
-    log(f"the FP32 gradients of {n_batches} held-out batch(es) would take {format_size(kept)} of "
-        f"the {format_size(free)} free: each trial computes each batch's again beside its own "
-        "(one more FP32 forward and backward per batch; holdout_gradients='kept' keeps them, "
-        "'spilled' keeps them outside memory)")
-    return "recomputed"
+    how, sizes = reference_gradients(config.holdout_gradients, model, n_batches, device)
+    if sizes:
+        log(f"the FP32 gradients of {n_batches} held-out batch(es) would take "
+            f"{format_size(sizes[0])} of the {format_size(sizes[1])} free: each trial computes "
+            "each batch's again beside its own (one more FP32 forward and backward per batch; "
+            "holdout_gradients='kept' keeps them, 'spilled' keeps them outside memory)")
+    return how
 
 
 def _note_emulated(task: Task, config: TuneConfig, log: Reporter) -> None:
