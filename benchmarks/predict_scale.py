@@ -19,21 +19,24 @@ BENCHMARKS.md), and the floor scaled by that check's measured / predicted is pri
 a scale fitted on one run of one model. On the CPU the FP8 trials are emulated, slower than an
 FP32 pass, where a GPU runs them faster, so that count is high for a GPU.
 
-Sharded (issue 38, item 4): where the log has a part both in one process (``tune-lean``) and
-on 2 ranks (``tune-lean@2``) at one size, the per-rank peak is split into what the ranks
-share (``S``: it halves on 2 ranks, so ``S = 2 (one process - per rank)``) and what each rank
-holds whole (``R = one process - S``). ``S`` is taken to grow with P and shrink with the GPUs
-(``S/P x P / n``); ``R`` -- at the bench's sizes the gathered unit (the head) with FSDP2's
-gather buffers, the head's local re-runs, one batch's activations and the fixed cost of the
-machinery -- to grow with the head, the largest unit (vocabulary x hidden x 4 bytes). The
-prediction uses the largest size measured on 2 ranks; where the log has two or more, the
-smallest's split predicts the largest's peaks and the check prints both (the assumptions
-tested between those sizes, not at 8B or 70B): a prediction to check on GPUs.
+Sharded (issue 38, item 4): where the log has a part both in one process (``fast``) and on 2
+ranks (``fast@2``) at one size, the peak is split into what the ranks share (``S``: it halves
+on 2 ranks, so ``S = 2 (one process - per rank)``) and what each rank holds whole (``R = one
+process - S``). ``S`` is taken to grow with P and shrink with the GPUs (``S/P x P / n``). ``R``
+is fitted (least squares, no constant) as ``h x head + a x activations`` over the sizes: the
+head (vocabulary x hidden x 4 bytes, the largest unit: FSDP2's gather of it and its local
+re-runs, on the rank that estimates it) and one calibration batch's activations, which every
+rank holds whole (blocks x tokens x (hidden + intermediate) x 4 bytes: one FP32 vector of each
+width per block and token, the unit ``a`` counts). The check leaves each size out in turn,
+fits the others and predicts its per-rank and one-process peaks (a size whose others do not
+tell the two terms apart, all of one block count, is not checked): the assumptions tested
+between the bench's sizes, not at 8B or 70B; a prediction to check on GPUs.
 
 What it cannot say: GPU memory (the bench reads host RSS; on the H200 a 3.2B Llama's fast
 profile was 1.04x its step, see BENCHMARKS.md).
 
-    python benchmarks/bench_profile_memory.py --sizes 512x4 1024x4 1024x8 | tee mem.log
+    python benchmarks/bench_profile_memory.py --sizes 512x16 1024x4 1024x16 \\
+        --parts step fast fast@2 tune-spilled tune-spilled@2 | tee mem.log
     python benchmarks/predict_scale.py mem.log
 """
 
@@ -175,10 +178,52 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     return a, my - a * mx
 
 
-# the bench's vocabulary, and the two models' (Llama 3's tokenizer) with their hidden widths
+# the bench's vocabulary and SwiGLU width, and the two models' (Llama 3's tokenizer): their
+# heads (vocabulary x hidden x 4 bytes) and (blocks, hidden, intermediate)
 BENCH_VOCAB = 32_000
 HEADS = {"Llama-3-8B": 128_256 * 4096 * 4, "Llama-3-70B": 128_256 * 8192 * 4}
+BLOCKS = {"Llama-3-8B": (32, 4096, 14336), "Llama-3-70B": (80, 8192, 28672)}
 GPUS = 8
+
+
+def bench_shape(size: str) -> tuple[float, float]:
+    """``(head, activations)`` bytes of a bench size ``HIDDENxLAYERS`` (its model's widths:
+    bench_profile_memory's config, intermediate = hidden x 43 / 16)."""
+    hidden, layers = (int(x) for x in size.split("x"))
+    return BENCH_VOCAB * hidden * 4, activations(layers, hidden, hidden * 43 // 16)
+
+
+def activations(blocks: int, hidden: int, intermediate: int) -> float:
+    """One calibration batch's activations in the unit the fit counts: an FP32 vector of the
+    hidden and of the intermediate width per block and token."""
+    return blocks * TOKENS * (hidden + intermediate) * 4
+
+
+def fit_whole(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:
+    """Least squares ``R = h x head + a x activations`` over ``(head, activations, R)``;
+    None where the points do not tell the two apart (one direction only)."""
+    shh = sum(x * x for x, _, _ in points)
+    saa = sum(y * y for _, y, _ in points)
+    sha = sum(x * y for x, y, _ in points)
+    shr = sum(x * r for x, _, r in points)
+    sar = sum(y * r for _, y, r in points)
+    det = shh * saa - sha * sha
+    if det <= 1e-9 * shh * saa:
+        return None
+    return (shr * saa - sar * sha) / det, (sar * shh - shr * sha) / det
+
+
+def _fitted(pair: list[tuple[str, float, float, float]]):
+    """``(s, (h, a))`` fitted over ``(size, P, one process, per rank)`` rows: ``S / P`` the
+    mean over them, ``(h, a)`` by :func:`fit_whole` (None where they cannot be told apart)."""
+    split = [(size, P, *_split(one, two)) for size, P, one, two in pair]
+    s = sum(shared / P for _, P, shared, _ in split) / len(split)
+    return s, fit_whole([(*bench_shape(size), whole) for size, _, _, whole in split])
+
+
+def _pairs(p: str, rows: dict, sizes: list[str]) -> list[tuple[str, float, float, float]]:
+    return [(size, P, one, two) for size, (P, one), (_, two)
+            in zip(sizes, rows[p], rows[f"{p}@2"])]
 
 
 def predict_sharded(parts: list[str], rows: dict, sizes: list[str]) -> None:
@@ -189,21 +234,22 @@ def predict_sharded(parts: list[str], rows: dict, sizes: list[str]) -> None:
         return
     check_split(pairs, rows, sizes)
     print(f"\nPREDICTION per GPU of a sharded run on {GPUS} GPUs (S: shared by the ranks, "
-          "scales with P / GPUs; R: held whole by each, scales with the head; from the "
-          "largest size measured on 2 ranks):")
-    print("| part | size | S | R | " + " | ".join(f"{m} on {GPUS}" for m in MODELS) + " |")
+          "scales with P / GPUs; R = h x head + a x activations, held whole by each; fitted "
+          "over every size):")
+    print("| part | S | h | a | " + " | ".join(f"{m} on {GPUS}" for m in MODELS) + " |")
     print("|---|---|---|---|" + "---|" * len(MODELS))
     for p in pairs:
-        (P, one), (_, two) = rows[p][-1], rows[f"{p}@2"][-1]
-        hidden = int(sizes[-1].split("x")[0])
-        head = BENCH_VOCAB * hidden * 4
-        shared, whole = _split(one, two)
+        s, whole = _fitted(_pairs(p, rows, sizes))
+        if whole is None:
+            print(f"| {p} | {s:.2f} P | (every size has one block count: the head and the "
+                  "activations cannot be told apart) |")
+            continue
+        h, a = whole
         cells = []
         for name, params in MODELS.items():
-            peak = shared / P * params / GPUS + whole / head * HEADS[name]
+            peak = s * params / GPUS + h * HEADS[name] + a * activations(*BLOCKS[name])
             cells.append(f"{peak / 1e9:.0f} GB ({peak / H200:.2f} H200)")
-        print(f"| {p} | {sizes[-1]} | {shared / P:.2f} P | {whole / head:.1f} x head "
-              f"({whole / P:.2f} P) | " + " | ".join(cells) + " |")
+        print(f"| {p} | {s:.2f} P | {h:.2f} x head | {a:.1f} | " + " | ".join(cells) + " |")
 
 
 def _split(one: float, two: float) -> tuple[float, float]:
@@ -213,27 +259,31 @@ def _split(one: float, two: float) -> tuple[float, float]:
 
 
 def check_split(pairs: list[str], rows: dict, sizes: list[str]) -> dict:
-    """The split's assumptions checked where the log has two or more sizes on 2 ranks: the
-    smallest size's ``S`` (scaled with P) and ``R`` (scaled with the head) predict the largest
-    size's per-rank and one-process peaks, printed beside what was measured there. Returns
-    ``{part: (per rank, one process)}``, each measured / predicted."""
-    if len(sizes) < 2:
-        print("\n(one size on 2 ranks: the split's assumptions are not checked)")
+    """The split's assumptions checked by leaving each size out: the others' fit predicts its
+    per-rank and one-process peaks, printed beside what was measured. Returns ``{part: {size:
+    (per rank, one process)}}``, each measured / predicted, for the sizes it could check."""
+    if len(sizes) < 3:
+        print("\n(fewer than 3 sizes on 2 ranks: the split's assumptions are not checked)")
         return {}
-    out = {}
-    print(f"\nCHECK of the split: {sizes[0]}'s S and R predict {sizes[-1]} "
-          "(per rank on 2, one process):")
-    hidden = [int(x.split("x")[0]) for x in (sizes[0], sizes[-1])]
+    out: dict = {}
+    print("\nCHECK of the split, each size predicted from the others' fit (per rank on 2, one "
+          "process):")
     for p in pairs:
-        (P0, one0), (_, two0) = rows[p][0], rows[f"{p}@2"][0]
-        (P1, one1), (_, two1) = rows[p][-1], rows[f"{p}@2"][-1]
-        shared, whole = _split(one0, two0)
-        whole1 = whole * hidden[1] / hidden[0]  # the head grows with the width
-        rank, alone = shared / P0 * P1 / 2 + whole1, shared / P0 * P1 + whole1
-        out[p] = (two1 / rank, one1 / alone)
-        print(f"  {p}: per rank predicted {rank / 2**20:.0f} MiB, measured {two1 / 2**20:.0f} "
-              f"(measured / predicted {two1 / rank:.2f}); one process predicted "
-              f"{alone / 2**20:.0f}, measured {one1 / 2**20:.0f} ({one1 / alone:.2f})")
+        rows_p = _pairs(p, rows, sizes)
+        out[p] = {}
+        for i, (size, P, one, two) in enumerate(rows_p):
+            s, whole = _fitted(rows_p[:i] + rows_p[i + 1:])
+            if whole is None:
+                print(f"  {p} {size}: not checked (the other sizes have one block count)")
+                continue
+            head, act = bench_shape(size)
+            held = whole[0] * head + whole[1] * act
+            rank, alone = s * P / 2 + held, s * P + held
+            out[p][size] = (two / rank, one / alone)
+            print(f"  {p} {size}: per rank predicted {rank / 2**20:.0f} MiB, measured "
+                  f"{two / 2**20:.0f} (measured / predicted {two / rank:.2f}); one process "
+                  f"predicted {alone / 2**20:.0f}, measured {one / 2**20:.0f} "
+                  f"({one / alone:.2f})")
     return out
 
 
