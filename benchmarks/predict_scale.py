@@ -19,23 +19,21 @@ BENCHMARKS.md), and the floor scaled by that check's measured / predicted is pri
 a scale fitted on one run of one model. On the CPU the FP8 trials are emulated, slower than an
 FP32 pass, where a GPU runs them faster, so that count is high for a GPU.
 
-Sharded (issue 38, item 4): where the log has a part both in one process (``fast``) and on 2
-ranks (``fast@2``) at one size, the peak is split into what the ranks share (``S``: it halves
-on 2 ranks, so ``S = 2 (one process - per rank)``) and what each rank holds whole (``R = one
-process - S``). ``S`` is taken to grow with P and shrink with the GPUs (``S/P x P / n``). ``R``
-is fitted (least squares, no constant) as ``h x head + a x activations`` over the sizes: the
-head (vocabulary x hidden x 4 bytes, the largest unit: FSDP2's gather of it and its local
-re-runs, on the rank that estimates it) and one calibration batch's activations, which every
-rank holds whole (blocks x tokens x (hidden + intermediate) x 4 bytes: one FP32 vector of each
-width per block and token, the unit ``a`` counts). The check leaves each size out in turn,
-fits the others and predicts its per-rank and one-process peaks (a size whose others do not
-tell the two terms apart, all of one block count, is not checked): the assumptions tested
-between the bench's sizes, not at 8B or 70B; a prediction to check on GPUs.
+Sharded (issue 38, item 4): where the log has a part on 2 ranks (``fast@2``), each rank's
+peak is taken as its shards (``P / n``) plus what it holds whole, ``R = peak - P / 2``, fitted
+by least squares as ``h x head + a x activations + c`` over the sizes: the head (vocabulary x
+hidden x 4 bytes, the largest unit: FSDP2's gather of it and its local re-runs, on the rank
+that estimates it), one calibration batch's activations, which every rank holds whole (blocks
+x tokens x (hidden + intermediate) x 4 bytes: one FP32 vector of each width per block and
+token, the unit ``a`` counts) and a fixed cost (the machinery's). One process is fitted the
+same way (``R = peak - P``). The check leaves each size out in turn, fits the others and
+predicts its peaks: the assumptions tested between the bench's sizes (four, two widths and
+two depths, for a check of each), not at 8B or 70B; a prediction to check on GPUs.
 
 What it cannot say: GPU memory (the bench reads host RSS; on the H200 a 3.2B Llama's fast
 profile was 1.04x its step, see BENCHMARKS.md).
 
-    python benchmarks/bench_profile_memory.py --sizes 512x16 1024x4 1024x16 \\
+    python benchmarks/bench_profile_memory.py --sizes 512x4 512x16 1024x4 1024x16 \\
         --parts step fast fast@2 tune-spilled tune-spilled@2 | tee mem.log
     python benchmarks/predict_scale.py mem.log
 """
@@ -199,91 +197,83 @@ def activations(blocks: int, hidden: int, intermediate: int) -> float:
     return blocks * TOKENS * (hidden + intermediate) * 4
 
 
-def fit_whole(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:
-    """Least squares ``R = h x head + a x activations`` over ``(head, activations, R)``;
-    None where the points do not tell the two apart (one direction only)."""
-    shh = sum(x * x for x, _, _ in points)
-    saa = sum(y * y for _, y, _ in points)
-    sha = sum(x * y for x, y, _ in points)
-    shr = sum(x * r for x, _, r in points)
-    sar = sum(y * r for _, y, r in points)
-    det = shh * saa - sha * sha
-    if det <= 1e-9 * shh * saa:
+def fit_whole(points: list[tuple[float, float, float]]) -> tuple[float, float, float] | None:
+    """Least squares ``R = h x head + a x activations + c`` over ``(head, activations, R)``
+    points: ``(h, a, c)``, or None where the points do not tell the three apart (fewer than
+    three, or all of them on one line)."""
+    import numpy as np
+
+    x = np.array([[head, act, 1.0] for head, act, _ in points])
+    if len(points) < 3 or np.linalg.matrix_rank(x / x.max(axis=0)) < 3:
         return None
-    return (shr * saa - sar * sha) / det, (sar * shh - shr * sha) / det
+    sol = np.linalg.lstsq(x, np.array([r for _, _, r in points]), rcond=None)[0]
+    return float(sol[0]), float(sol[1]), float(sol[2])
 
 
-def _fitted(pair: list[tuple[str, float, float, float]]):
-    """``(s, (h, a))`` fitted over ``(size, P, one process, per rank)`` rows: ``S / P`` the
-    mean over them, ``(h, a)`` by :func:`fit_whole` (None where they cannot be told apart)."""
-    split = [(size, P, *_split(one, two)) for size, P, one, two in pair]
-    s = sum(shared / P for _, P, shared, _ in split) / len(split)
-    return s, fit_whole([(*bench_shape(size), whole) for size, _, _, whole in split])
+def held(whole: tuple[float, float, float], head: float, act: float) -> float:
+    """What a fit ``(h, a, c)`` says a process holds whole beside its parameters."""
+    return whole[0] * head + whole[1] * act + whole[2]
 
 
-def _pairs(p: str, rows: dict, sizes: list[str]) -> list[tuple[str, float, float, float]]:
-    return [(size, P, one, two) for size, (P, one), (_, two)
-            in zip(sizes, rows[p], rows[f"{p}@2"])]
+def _rows(p: str, rows: dict, sizes: list[str], ranks: int) -> list[tuple[str, float, float]]:
+    """``(size, P, peak)`` of part ``p`` on ``ranks`` ranks (1: the part itself, 2: ``p@2``)."""
+    key = p if ranks == 1 else f"{p}@{ranks}"
+    return [(size, P, peak) for size, (P, peak) in zip(sizes, rows[key])]
+
+
+def _fitted(points: list[tuple[str, float, float]], ranks: int):
+    """:func:`fit_whole` of each size's peak less its shards (``P / ranks``)."""
+    return fit_whole([(*bench_shape(size), peak - P / ranks) for size, P, peak in points])
 
 
 def predict_sharded(parts: list[str], rows: dict, sizes: list[str]) -> None:
     """Per-GPU peaks of a sharded tune or profile on ``GPUS`` GPUs (see the module docstring)."""
     pairs = [p for p in parts if f"{p}@2" in rows]
     if not pairs:
-        print("\n(no part measured both in one process and on 2 ranks: no sharded prediction)")
+        print("\n(no part measured on 2 ranks: no sharded prediction)")
         return
     check_split(pairs, rows, sizes)
-    print(f"\nPREDICTION per GPU of a sharded run on {GPUS} GPUs (S: shared by the ranks, "
-          "scales with P / GPUs; R = h x head + a x activations, held whole by each; fitted "
-          "over every size):")
-    print("| part | S | h | a | " + " | ".join(f"{m} on {GPUS}" for m in MODELS) + " |")
+    print(f"\nPREDICTION per GPU of a sharded run on {GPUS} GPUs (P / GPUs of shards, and "
+          "h x head + a x activations + c held whole by each, fitted on 2 ranks over every "
+          "size):")
+    print("| part | h | a | c | " + " | ".join(f"{m} on {GPUS}" for m in MODELS) + " |")
     print("|---|---|---|---|" + "---|" * len(MODELS))
     for p in pairs:
-        s, whole = _fitted(_pairs(p, rows, sizes))
+        whole = _fitted(_rows(p, rows, sizes, 2), 2)
         if whole is None:
-            print(f"| {p} | {s:.2f} P | (every size has one block count: the head and the "
-                  "activations cannot be told apart) |")
+            print(f"| {p} | (fewer than three sizes, or all of one shape: nothing fitted) |")
             continue
-        h, a = whole
         cells = []
         for name, params in MODELS.items():
-            peak = s * params / GPUS + h * HEADS[name] + a * activations(*BLOCKS[name])
+            peak = params / GPUS + held(whole, HEADS[name], activations(*BLOCKS[name]))
             cells.append(f"{peak / 1e9:.0f} GB ({peak / H200:.2f} H200)")
-        print(f"| {p} | {s:.2f} P | {h:.2f} x head | {a:.1f} | " + " | ".join(cells) + " |")
-
-
-def _split(one: float, two: float) -> tuple[float, float]:
-    """``(S, R)`` of a part measured in one process (``one``) and per rank on 2 (``two``)."""
-    shared = 2 * (one - two)
-    return shared, one - shared
+        h, a, c = whole
+        print(f"| {p} | {h:.2f} x head | {a:.1f} | {c / 2**20:.0f} MiB | " + " | ".join(cells)
+              + " |")
 
 
 def check_split(pairs: list[str], rows: dict, sizes: list[str]) -> dict:
-    """The split's assumptions checked by leaving each size out: the others' fit predicts its
+    """The fit's assumptions checked by leaving each size out: the others' fit predicts its
     per-rank and one-process peaks, printed beside what was measured. Returns ``{part: {size:
     (per rank, one process)}}``, each measured / predicted, for the sizes it could check."""
-    if len(sizes) < 3:
-        print("\n(fewer than 3 sizes on 2 ranks: the split's assumptions are not checked)")
-        return {}
     out: dict = {}
-    print("\nCHECK of the split, each size predicted from the others' fit (per rank on 2, one "
+    print("\nCHECK of the fit, each size predicted from the others' (per rank on 2, one "
           "process):")
     for p in pairs:
-        rows_p = _pairs(p, rows, sizes)
         out[p] = {}
-        for i, (size, P, one, two) in enumerate(rows_p):
-            s, whole = _fitted(rows_p[:i] + rows_p[i + 1:])
-            if whole is None:
-                print(f"  {p} {size}: not checked (the other sizes have one block count)")
+        two, one = _rows(p, rows, sizes, 2), _rows(p, rows, sizes, 1)
+        for i, (size, P, peak2) in enumerate(two):
+            fits = [_fitted(r[:i] + r[i + 1:], n) for r, n in ((two, 2), (one, 1))]
+            if None in fits:
+                print(f"  {p} {size}: not checked (the other sizes cannot fit three terms)")
                 continue
-            head, act = bench_shape(size)
-            held = whole[0] * head + whole[1] * act
-            rank, alone = s * P / 2 + held, s * P + held
-            out[p][size] = (two / rank, one / alone)
+            shape = bench_shape(size)
+            rank, alone = P / 2 + held(fits[0], *shape), P + held(fits[1], *shape)
+            out[p][size] = (peak2 / rank, one[i][2] / alone)
             print(f"  {p} {size}: per rank predicted {rank / 2**20:.0f} MiB, measured "
-                  f"{two / 2**20:.0f} (measured / predicted {two / rank:.2f}); one process "
-                  f"predicted {alone / 2**20:.0f}, measured {one / 2**20:.0f} "
-                  f"({one / alone:.2f})")
+                  f"{peak2 / 2**20:.0f} (measured / predicted {peak2 / rank:.2f}); one "
+                  f"process predicted {alone / 2**20:.0f}, measured {one[i][2] / 2**20:.0f} "
+                  f"({one[i][2] / alone:.2f})")
     return out
 
 
