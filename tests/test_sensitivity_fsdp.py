@@ -167,3 +167,74 @@ def test_a_sharded_models_sensitivity_is_the_one_process_numbers_and_each_rank_e
     for got in ranks:
         assert "all-gathers `" in got["refused"] and "torch.bfloat16" in got["refused"] \
             and "\n" not in got["refused"], got["refused"]
+
+
+def _reading_worker(rank: int, world: int, port: int, out_dir: str, cases: list) -> None:
+    """A spilled comparison with its bias sum on a sharded Llama, one process and sharded:
+    the results of each, and per batch what reading the largest parameter's gradient
+    allocated at most, in that parameter's whole bytes (traced allocations)."""
+    import itertools
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from autoprec import Format, Policy, memory
+    from autoprec.measure import deviation
+
+    _init(rank, world, port)
+    read = deviation._Reading.read
+    peaks: list = []
+
+    def compared(model, big: str | None = None):
+        meter = deviation.DeviationMeter(model, byte_batches(2, 2, 32, seed=3),
+                                         lambda m, b: m(**b).loss, spill=True)
+        meter.reference()
+        index = dict(zip((n for n, p in model.named_parameters() if p.requires_grad),
+                         range(len(meter.params))))
+
+        def traced(self, i, g):
+            if big is None or i != index[big] or self.ref is None:
+                return read(self, i, g)
+            with memory._quiet_kineto(), profile(activities=[ProfilerActivity.CPU],
+                                                 profile_memory=True) as prof:
+                read(self, i, g)
+            steps = [n for _, n in memory._allocations(prof.profiler.kineto_results.events())]
+            peaks.append(max(itertools.accumulate(steps)) / g.nbytes)
+
+        deviation._Reading.read = traced
+        try:
+            dev = meter.compare(Policy(default=Format.BF16), bias=True)
+        finally:
+            deviation._Reading.read = read
+        return (dev.loss_rel_change, dev.grad_rel_error, dev.grad_bias)
+
+    def model():
+        from examples import llama_bytes
+
+        torch.manual_seed(0)
+        return llama_bytes.make_model(1, 256, 688, 4, 2, seq_len=128)
+
+    alone = compared(model())
+    big = max(((n, p.numel()) for n, p in model().named_parameters()), key=lambda x: x[1])[0]
+    sharded = compared(_shard(model(), "llama"), big)
+    _save_results({"alone": alone, "sharded": sharded, "peaks": peaks, "big": big},
+                  out_dir, rank)
+    _teardown(rank)
+
+
+@pytest.mark.slow
+def test_a_sharded_comparison_reads_its_part_of_a_gradient_in_the_whole_ones_memory(tmp_path):
+    """Each rank's part of a candidate's gradient is read, differenced and written into the
+    spilled bias sum in the memory of the gradient autograd handed over (half of it here):
+    what the read allocates is the reference's part read back, then the sum's (half the
+    parameter each), not a copy of the part besides (the read peaked at the whole parameter
+    before). The numbers are one process's: the loss change bit for bit, the gradient error
+    and bias to the rounding of norms over halves."""
+    ranks = run_ranks(tmp_path, [], timeout=600.0, worker=_reading_worker)
+    for rank, got in enumerate(ranks):
+        assert ".mlp." in got["big"], got["big"]  # a block's weight, larger than the head
+        assert len(got["peaks"]) == 2, got["peaks"]  # one read per calibration batch
+        assert max(got["peaks"]) < 0.75, (rank, got["peaks"])
+        (loss, err, bias), alone = got["sharded"], got["alone"]
+        assert loss == alone[0] and err > 0 and bias > 0, (got["sharded"], alone)
+        assert err == pytest.approx(alone[1], rel=1e-3)
+        assert bias == pytest.approx(alone[2], rel=1e-3)

@@ -508,8 +508,9 @@ def _differences(loss: torch.Tensor, params: list[torch.Tensor],
     rank's part of each difference (:func:`autoprec.measure.shards.part`), and ``ref`` is this
     rank's part of the reference's gradients, so the differences and their norms are of this
     rank's parts (the caller sums the squares over the ranks). ``keep(i, g)``: with no ``ref``
-    (a reference's own backward), each gradient as it is read (this rank's part of it), before
-    the sum adds to it; the scale is 1 there, so each is read once."""
+    (a reference's own backward), each gradient as it is read (this rank's part of it, in the
+    whole gradient's memory: to write out, not to hold), before the sum adds to it; the scale
+    is 1 there, so each is read once."""
     if scale != 1.0 and not bool(torch.isfinite(loss.detach())):
         scale = 1.0
     while True:
@@ -564,25 +565,32 @@ class _Reading:
         if self.scale != 1.0:
             g = g.div_(self.scale)  # the parameter's own .grad: in place (it obeys its layout)
         if self.parts is not None and self.ref is not None:
-            g = shards.part(g, self.parts[i])
+            # in the whole gradient's memory (ours to change): copied where it is kept
+            g = shards.part_view(g, self.parts[i])
         d = g if self.ref is None else g.sub_(self.ref[i])
         self.norms[i] = torch._foreach_norm([d])[0]
         if self.keep is not None:
-            self.keep(i, d if self.parts is None else shards.part(d, self.parts[i]))
+            self.keep(i, d if self.parts is None else shards.part_view(d, self.parts[i]))
         if self.summed is None:
             return
         if self.parts is not None and self.ref is None:
-            d = shards.part(d, self.parts[i])
+            d = shards.part_view(d, self.parts[i])
         if self.held:
-            self.waiting[i] = d
+            self.waiting[i] = self._own(d)
         else:
             self._add(i, d)
+
+    def _own(self, d: torch.Tensor) -> torch.Tensor:
+        """``d`` to keep: a sharded model's part copied out of the whole gradient's memory,
+        which would otherwise stay with it (a sum written out as it comes needs no copy)."""
+        whole = d.untyped_storage().nbytes() == d.numel() * d.element_size()
+        return d if self.parts is None or whole else d.clone()
 
     def _add(self, i: int, d: torch.Tensor) -> None:
         if isinstance(self.summed, Spilled):
             self.summed.add(i, d)
         elif self.summed[i] is None:
-            self.summed[i] = d
+            self.summed[i] = self._own(d)
         else:
             self.summed[i].add_(d)
 

@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 __all__ = ["is_sharded", "unsharded", "local", "like", "ranks", "divide", "gathered",
-           "broadcast", "part", "summed_each"]
+           "broadcast", "part", "part_view", "summed_each"]
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -84,6 +84,23 @@ def part(full: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
     if mine.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
         mine = mine.clone()
     return mine
+
+
+def part_view(full: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``full`` in ``full``'s own memory where its placement allows (one
+    mesh dimension, sharded along a dim: FSDP2's), as ``torch.chunk`` cuts it, which is how a
+    ``Shard`` placement cuts: to read, change in place or write out at once without a copy
+    (``distribute_tensor`` copies it). What is kept takes :func:`part`, or it keeps all of
+    ``full``. Any other placement: :func:`part`'s copy."""
+    if not isinstance(shard, DTensor):
+        return full
+    mesh, placements, mine = shard.device_mesh, shard.placements, shard.to_local()
+    if mesh.ndim == 1 and len(placements) == 1 and isinstance(placements[0], Shard):
+        pieces = torch.chunk(full, mesh.size(), dim=placements[0].dim)
+        rank = mesh.get_local_rank()
+        if rank < len(pieces) and pieces[rank].shape == mine.shape:
+            return pieces[rank]
+    return part(full, shard)
 
 
 def like(full: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
