@@ -232,7 +232,7 @@ def predict_sharded(parts: list[str], rows: dict, sizes: list[str]) -> None:
     if not pairs:
         print("\n(no part measured on 2 ranks: no sharded prediction)")
         return
-    check_split(pairs, rows, sizes)
+    check_fit(pairs, rows, sizes)
     print(f"\nPREDICTION per GPU of a sharded run on {GPUS} GPUs (P / GPUs of shards, and "
           "h x head + a x activations + c held whole by each, fitted on 2 ranks over every "
           "size):")
@@ -252,7 +252,7 @@ def predict_sharded(parts: list[str], rows: dict, sizes: list[str]) -> None:
               + " |")
 
 
-def check_split(pairs: list[str], rows: dict, sizes: list[str]) -> dict:
+def check_fit(pairs: list[str], rows: dict, sizes: list[str]) -> dict:
     """The fit's assumptions checked by leaving each size out: the others' fit predicts its
     per-rank and one-process peaks, printed beside what was measured. Returns ``{part: {size:
     (per rank, one process)}}``, each measured / predicted, for the sizes it could check."""

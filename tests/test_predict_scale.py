@@ -38,7 +38,7 @@ def _row(size: str, h: float, a: float, c: float) -> tuple[str, float, float, fl
 
 def _checked(rows) -> dict:
     parts, table, sizes = predict_scale.read_table(_log(rows))
-    return predict_scale.check_split(["fast"], table, sizes)["fast"]
+    return predict_scale.check_fit(["fast"], table, sizes)["fast"]
 
 
 def test_peaks_that_follow_the_fit_read_one_at_every_size_left_out():
@@ -70,7 +70,7 @@ def test_the_fit_recovers_the_terms_and_refuses_what_cannot_tell_them_apart():
 def test_three_sizes_are_fitted_but_not_checked(capsys):
     rows = [_row(size, 3.0, 20.0, 100.0) for size in ("512x4", "1024x4", "1024x16")]
     parts, table, sizes = predict_scale.read_table(_log(rows))
-    assert predict_scale.check_split(["fast"], table, sizes) == {"fast": {}}
+    assert predict_scale.check_fit(["fast"], table, sizes) == {"fast": {}}
     assert "not checked" in capsys.readouterr().out
     predict_scale.predict_sharded(parts, table, sizes)
     assert "GB" in capsys.readouterr().out

@@ -583,8 +583,7 @@ class _Reading:
     def _own(self, d: torch.Tensor) -> torch.Tensor:
         """``d`` to keep: a sharded model's part copied out of the whole gradient's memory,
         which would otherwise stay with it (a sum written out as it comes needs no copy)."""
-        whole = d.untyped_storage().nbytes() == d.numel() * d.element_size()
-        return d if self.parts is None or whole else d.clone()
+        return d if self.parts is None else shards.own(d)
 
     def _add(self, i: int, d: torch.Tensor) -> None:
         if isinstance(self.summed, Spilled):

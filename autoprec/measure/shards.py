@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 __all__ = ["is_sharded", "unsharded", "local", "like", "ranks", "divide", "gathered",
-           "broadcast", "part", "part_view", "summed_each"]
+           "broadcast", "part", "part_view", "own", "summed_each"]
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -80,18 +80,15 @@ def part(full: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
     something every rank computed whole (``full`` itself for a plain tensor)."""
     if not isinstance(shard, DTensor):
         return full
-    mine = local(like(full, shard))
-    if mine.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
-        mine = mine.clone()
-    return mine
+    return own(part_view(full, shard))
 
 
 def part_view(full: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``full`` in ``full``'s own memory where its placement allows (one
     mesh dimension, sharded along a dim: FSDP2's), as ``torch.chunk`` cuts it, which is how a
     ``Shard`` placement cuts: to read, change in place or write out at once without a copy
-    (``distribute_tensor`` copies it). What is kept takes :func:`part`, or it keeps all of
-    ``full``. Any other placement: :func:`part`'s copy."""
+    (``distribute_tensor`` copies it). What is kept takes :func:`own` (or :func:`part`), or it
+    keeps all of ``full``. Any other placement: ``distribute_tensor``'s copy."""
     if not isinstance(shard, DTensor):
         return full
     mesh, placements, mine = shard.device_mesh, shard.placements, shard.to_local()
@@ -100,7 +97,14 @@ def part_view(full: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
         rank = mesh.get_local_rank()
         if rank < len(pieces) and pieces[rank].shape == mine.shape:
             return pieces[rank]
-    return part(full, shard)
+    return local(like(full, shard))
+
+
+def own(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in memory of its own: copied where it is a view of a larger tensor (a part of a
+    whole gradient), which keeping it would keep whole."""
+    whole = t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t if whole else t.clone()
 
 
 def like(full: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
