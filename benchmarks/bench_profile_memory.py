@@ -39,14 +39,19 @@ same process (what ``predict_scale.py`` turns into a predicted tune time).
 - ``tune-timed``: the tune the README's main job runs, its steps timed here (no ``target``):
   the step timer trains the same model with an AdamW at learning rate 0 (formats fp32 and
   bf16, 2 trials, a short re-timing: the memory, not the verdict, is what is read);
-- ``tune-timed-lean``: the same with ``holdout_gradients="recomputed"``.
+- ``tune-timed-lean``: the same with ``holdout_gradients="recomputed"``;
+- ``step-ac`` / ``fast-ac`` / ``exact-ac``: ``step``, ``fast`` and ``exact`` on the same model
+  trained with activation checkpointing (HF's ``gradient_checkpointing_enable``,
+  non-reentrant: each decoder block's activations computed again in the backward), with the
+  ``step`` of the model without it as the anchor as everywhere. Checkpointing matters where
+  activations do: ``--seq`` sets the calibration's sequence length (64 by default).
 
 Each figure is printed in bytes, as a multiple of P (the model's FP32 parameter bytes) and as
 a multiple of ``step``. One process per figure: its spread is the allocator's, a few MB;
 rerun to see it.
 
     python benchmarks/bench_profile_memory.py [--sizes 512x4 512x8 1024x4]
-                                              [--parts step fast exact tune]
+                                              [--parts step fast exact tune] [--seq 64]
 """
 
 from __future__ import annotations
@@ -72,19 +77,21 @@ def _rss() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-def _config(hidden: int, layers: int):
+def _config(hidden: int, layers: int, seq: int = 64):
     from transformers import LlamaConfig
 
     return LlamaConfig(vocab_size=VOCAB, hidden_size=hidden,
                        intermediate_size=hidden * 43 // 16, num_hidden_layers=layers,
                        num_attention_heads=8, num_key_value_heads=4,
-                       max_position_embeddings=64, tie_word_embeddings=False,
+                       max_position_embeddings=seq, tie_word_embeddings=False,
                        attn_implementation="eager", use_cache=False)
 
 
-def _task(hidden: int, layers: int, device: str = "cpu"):
+def _task(hidden: int, layers: int, device: str = "cpu", seq: int = 64,
+          checkpointed: bool = False):
     """The Llama every figure measures; built directly on ``device`` (a 3B model initialised
-    on a GPU takes a second, on its host's CPU a minute)."""
+    on a GPU takes a second, on its host's CPU a minute), its blocks checkpointed if
+    ``checkpointed``."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -92,18 +99,22 @@ def _task(hidden: int, layers: int, device: str = "cpu"):
 
     def build():
         with torch.device(device):
-            return LlamaForCausalLM(_config(hidden, layers))
+            model = LlamaForCausalLM(_config(hidden, layers, seq))
+        if checkpointed:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
 
     gen = torch.Generator().manual_seed(1)
     batches = []
     for _ in range(4):
-        ids = torch.randint(0, VOCAB, (2, 64), generator=gen)
+        ids = torch.randint(0, VOCAB, (2, seq), generator=gen)
         batches.append({"input_ids": ids, "labels": ids})
     return autoprec.Task(model=build, batches=batches, name=f"llama-{hidden}x{layers}",
                          device=device)
 
 
-def child(part: str, size: str) -> None:
+def child(part: str, size: str, seq: int = 64) -> None:
     """One measurement (see the module docstring); prints one JSON line."""
     import torch
     import transformers  # noqa: F401  (imported before the baseline, as every part needs it)
@@ -113,7 +124,9 @@ def child(part: str, size: str) -> None:
 
     torch.set_num_threads(1)
     hidden, layers = (int(x) for x in size.split("x"))
-    task = _task(hidden, layers)
+    checkpointed = part.endswith("-ac")
+    part = part.removesuffix("-ac")
+    task = _task(hidden, layers, seq=seq, checkpointed=checkpointed)
     if part.endswith("@2"):
         import torch.distributed as dist
 
@@ -193,7 +206,7 @@ def _pass_seconds(task) -> float:
     return statistics.median(times[1:])
 
 
-def measure(part: str, size: str) -> dict:
+def measure(part: str, size: str, seq: int = 64) -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS="1",
                HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
                PYTHONPATH=os.pathsep.join([os.path.dirname(HERE),
@@ -203,7 +216,8 @@ def measure(part: str, size: str) -> dict:
     n = int(part.split("@")[1]) if "@" in part else 1  # ranks
     ranks = ["-m", "torch.distributed.run", "--nproc-per-node", str(n),
              "--master-port", str(free_port())] if n > 1 else []
-    out = subprocess.run([sys.executable, *ranks, __file__, "--child", part, size], env=env,
+    out = subprocess.run([sys.executable, *ranks, __file__, "--child", part, size,
+                          "--seq", str(seq)], env=env,
                          capture_output=True, text=True, check=False)
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode != 0 or len(lines) != n:
@@ -218,22 +232,26 @@ def main() -> None:
                     choices=["step", "step-bf16", "fast", "exact", "exact-spilled", "tune",
                              "tune-lean", "tune-spilled", "tune-timed", "tune-timed-lean",
                              "step@2", "fast@2", "exact@2", "exact-spilled@2", "tune@2",
-                             "tune-lean@2", "tune-spilled@2"])
+                             "tune-lean@2", "tune-spilled@2", "step-ac", "fast-ac",
+                             "exact-ac"])
+    ap.add_argument("--seq", type=int, default=64,
+                    help="the calibration batches' sequence length (2 sequences each)")
     ap.add_argument("--child", nargs=2, metavar=("PART", "SIZE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(*args.child)
+        child(*args.child, seq=args.seq)
         return
     sys.path.insert(0, HERE)
     from _common import device_line
 
     print(device_line().replace("threads 2", "threads 1 per measurement"), flush=True)
+    print(f"calibration: batches of 2 x {args.seq} tokens", flush=True)
     parts = ["step", *[p for p in args.parts if p != "step"]]
     print("| model | P (fp32 params) | " + " | ".join(f"{p} (x P, x step)" for p in parts)
           + " |\n|" + "---|" * (len(parts) + 2), flush=True)
     seconds = []
     for size in args.sizes:
-        got = {p: measure(p, size) for p in parts}
+        got = {p: measure(p, size, args.seq) for p in parts}
         P, step = got["step"]["params"], got["step"]["peak"]
         cells = [f"{got[p]['peak'] / 2**20:.0f} MiB ({got[p]['peak'] / P:.2f} P, "
                  f"{got[p]['peak'] / step:.2f}x)" for p in parts]

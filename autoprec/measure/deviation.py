@@ -39,6 +39,7 @@ from autoprec._util import Spilled, free_memory, quoted, spilled
 from autoprec.formats import Format
 from autoprec.host import slow_16bit_dtypes
 from autoprec.measure import shards
+from autoprec.measure.checkpointing import refuse_reentrant
 from autoprec.policy import Policy
 from autoprec.runtime import rewrite
 from autoprec.runtime.fp8 import emulating
@@ -464,7 +465,8 @@ def _rng_devices(model: nn.Module) -> list:
 
 def _grads(loss: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
     """FP32 gradients of ``loss`` (zeros where unused), all at once."""
-    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    with refuse_reentrant():
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
     return [torch.zeros_like(p) if g is None else g.to(torch.float32)
             for g, p in zip(grads, params)]
 
@@ -617,7 +619,8 @@ def _as_they_arrive(loss: torch.Tensor, params: list[torch.Tensor],
     hooks = [p.register_post_accumulate_grad_hook(partial(take, i))
              for i, p in enumerate(params)]
     try:
-        torch.autograd.backward(loss, inputs=params, retain_graph=retain_graph)
+        with refuse_reentrant():
+            torch.autograd.backward(loss, inputs=params, retain_graph=retain_graph)
     finally:
         for h in hooks:
             h.remove()

@@ -108,6 +108,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from autoprec._util import Spilled, floating, own_class
 from autoprec.formats import Format, Gemm
 from autoprec.measure import shards
+from autoprec.measure.checkpointing import recomputing, refuse_reentrant
 from autoprec.measure.deviation import DeviationMeter, all_finite, writable
 from autoprec.policy import Budget, LossScaling, Policy
 from autoprec.runtime import calls, rewrite
@@ -416,6 +417,8 @@ class _Watch:
 
     def _enter(self, module, args, kwargs):
         est = self.est
+        if recomputing():  # a checkpoint replaying a forward these hooks saw
+            return
         if est.probing is not None:
             self.active += 1
             if not self.mine:
@@ -428,6 +431,8 @@ class _Watch:
 
     def _exit(self, module, args, output):
         est = self.est
+        if recomputing():
+            return
         if est.probing is not None:
             self.active = max(0, self.active - 1)
             if not self.mine:  # the backward goes as far as on the rank that estimates it
@@ -577,7 +582,9 @@ class _Estimator:
             # the parameters used outside them
             whole = sorted(self.outside)
             wrt = [*self.reached, *(params[i] for i in whole)]
-            grads = torch.autograd.grad(loss.reshape(()), wrt, allow_unused=True) if wrt else ()
+            with refuse_reentrant():
+                grads = torch.autograd.grad(loss.reshape(()), wrt, allow_unused=True) \
+                    if wrt else ()
         finally:
             self.probing, self.reached, self.copies = None, [], {}
         self.probes_finite = self.probes_finite and math.isfinite(float(loss.detach())) \

@@ -62,6 +62,7 @@ from torch.overrides import TorchFunctionMode
 
 from autoprec._util import check_keys, decode_float, encode_float, floating, move_to
 from autoprec.formats import FP8_E4M3, FP8_E5M2, Format
+from autoprec.measure.checkpointing import recomputing
 from autoprec.measure.deviation import (
     Deviation,
     DeviationMeter,
@@ -290,9 +291,12 @@ class _ReferenceProbe:
                         module.register_forward_hook(self._exit)]
 
     def _enter(self, module, args):
-        self.active.append(self)
+        if not recomputing():  # a checkpoint's replay of a call already seen
+            self.active.append(self)
 
     def _exit(self, module, args, output):
+        if recomputing():
+            return
         if self.active and self.active[-1] is self:
             self.active.pop()
         if not self.keep_outputs:
@@ -374,6 +378,8 @@ class _OutputProbe:
         self.handle = module.register_forward_hook(self._hook)
 
     def _hook(self, module, args, output):
+        if recomputing():  # a checkpoint's replay in the backward, not another call
+            return
         flat = _flat_output(output)
         if flat is not None and rewrite.applied_policy(self.model) == self.policy:
             self.outputs.append(flat)
