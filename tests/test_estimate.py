@@ -536,6 +536,33 @@ def test_a_linear_layers_probe_gradients_need_no_moved_weight(kind, monkeypatch)
     assert peaks and all(p < q + weight / 2 for p, q in zip(peaks, plain)), (peaks, plain, weight)
 
 
+def _traced_re_runs(monkeypatch, layer: str) -> tuple[list[int], list[int]]:
+    """Per local re-run of ``layer`` (each call's, from now on), the peak of its traced
+    allocations above its start and what it leaves allocated; two lists filled as they run."""
+    import itertools
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from autoprec import memory
+    from autoprec.measure import estimate
+
+    peaks, kept = [], []
+    process = estimate._Estimator._process
+
+    def traced(self, watch, call):
+        if watch.name != layer:
+            return process(self, watch, call)
+        with memory._quiet_kineto(), profile(activities=[ProfilerActivity.CPU],
+                                             profile_memory=True) as prof:
+            process(self, watch, call)
+        steps = [n for _, n in memory._allocations(prof.profiler.kineto_results.events())]
+        peaks.append(max(itertools.accumulate(steps)))
+        kept.append(sum(steps))
+
+    monkeypatch.setattr(estimate._Estimator, "_process", traced)
+    return peaks, kept
+
+
 def test_a_heads_local_re_runs_hold_a_few_of_its_weights_at_most(monkeypatch):
     """The local re-runs of the largest layer (a 32k-vocabulary head, HF Llama) hold at most
     3.5 of its weights above what they start with (traced allocations; issue 38): the FP32
@@ -546,12 +573,9 @@ def test_a_heads_local_re_runs_hold_a_few_of_its_weights_at_most(monkeypatch):
     they leave waiting for the reference's gradient of the weight is that gradient's local
     sum alone, one weight (it was three: each probe's difference too). The estimate's chunks
     are made small here, as they are beside a head of a real model's size."""
-    import itertools
 
-    from torch.profiler import ProfilerActivity, profile
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from autoprec import memory
     from autoprec.measure import estimate
 
     torch.manual_seed(0)
@@ -562,24 +586,41 @@ def test_a_heads_local_re_runs_hold_a_few_of_its_weights_at_most(monkeypatch):
     batches = [{"input_ids": torch.randint(0, 32000, (1, 32), generator=g),
                 "labels": torch.randint(0, 32000, (1, 32), generator=g)} for _ in range(2)]
     weight = model.lm_head.weight.nbytes
-    peaks, kept = [], []
-    process = estimate._Estimator._process
-
-    def traced(self, watch, call):
-        if watch.name != "lm_head":
-            return process(self, watch, call)
-        with memory._quiet_kineto(), profile(activities=[ProfilerActivity.CPU],
-                                             profile_memory=True) as prof:
-            process(self, watch, call)
-        steps = [n for _, n in memory._allocations(prof.profiler.kineto_results.events())]
-        peaks.append(max(itertools.accumulate(steps)))
-        kept.append(sum(steps))
-
     monkeypatch.setattr(estimate, "_CHUNK", 1 << 16)
-    monkeypatch.setattr(estimate._Estimator, "_process", traced)
+    peaks, kept = _traced_re_runs(monkeypatch, "lm_head")
     out = measure_sensitivity(model, ["lm_head", "model.layers.0.mlp.down_proj"],
                               ["bf16", "fp8"], batches=batches,
                               loss_fn=lambda m, b: m(**b).loss, mode="fast", in_place=True)
     assert all(math.isfinite(s.loss_rel_change) for r in out.values() for s in r.values())
     assert len(peaks) == 2 and max(peaks) < 3.5 * weight, [p / weight for p in peaks]
     assert max(kept) < 1.1 * weight, [k / weight for k in kept]
+
+
+def test_a_heads_local_re_runs_hold_no_float64_copy_of_its_logits(monkeypatch):
+    """Where the logits outweigh the head's weight (a long calibration sequence; a real
+    model's head at 8192 tokens and a 128k vocabulary: 4 GB of FP32 logits), the head's local
+    re-runs hold its outputs a few times (the FP32 run's, a format's, the weights-only run's)
+    and no more: the statistics over them (the loss change's first and second order, the
+    output SQNR, the probes' weighing of the rest of the error) are summed in float64 a
+    chunk at a time, and the probes' changes of the output gradient are taken chunk by chunk
+    where they are weighed. They used to be whole float64 copies and per-probe tensors: 13.1
+    logits above the start (traced allocations; 4.7 now)."""
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=32000, hidden_size=64, intermediate_size=172, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256))
+    g = torch.Generator().manual_seed(1)
+    batches = [{"input_ids": torch.randint(0, 32000, (2, 256), generator=g),
+                "labels": torch.randint(0, 32000, (2, 256), generator=g)} for _ in range(2)]
+    logits = 2 * 256 * 32000 * 4
+    assert model.lm_head.weight.nbytes <= logits / 8
+    peaks, _ = _traced_re_runs(monkeypatch, "lm_head")
+    out = measure_sensitivity(model, ["lm_head"], ["bf16", "fp8"], batches=batches,
+                              loss_fn=lambda m, b: m(**b).loss, mode="fast", in_place=True)
+    assert all(math.isfinite(s.loss_rel_change) and math.isfinite(s.output_sqnr_db)
+               for r in out.values() for s in r.values())
+    assert len(peaks) == 2 and max(peaks) < 6 * logits, [p / logits for p in peaks]

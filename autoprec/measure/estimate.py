@@ -481,7 +481,11 @@ class _Watch:
 
 
 def _keep_grad(store: dict, i: int, g: torch.Tensor) -> None:
-    store[i] = g.detach().clone()
+    """A probe pass's output gradient, kept as autograd hands it over: the same tensor the
+    pass's ``autograd.grad`` returns for that output (a copy would hold it twice until the
+    pass ends), which nothing changes in place (autograd does not change a gradient it has
+    handed on, and the re-runs only read it)."""
+    store[i] = g.detach()
 
 
 class _Estimator:
@@ -753,7 +757,7 @@ class _Estimator:
             run = run[:2]
             wonly = self._weights_only(watch, call, fmt, g_out, ref)
             _accumulate(watch.results[fmt], call.batch, (ref, run, wonly), compared, g_out,
-                        watch.own, tangents)
+                        watch.own, tangents, self.step)
             run = wonly = None  # this format's gradients go before the next format's run
         del tangents
         self._probe_grads(watch, call, recs, ref[2])
@@ -839,17 +843,19 @@ class _Estimator:
 
     def _tangents(self, call: _Call, g_out: list[torch.Tensor], recs: list):
         """Per probe whose pass saw this call: the finite differences of the layer's output
-        gradients (``u``) and of its inputs (``v``) between the probe point and here."""
-        xs = _grad_inputs(call.args, call.kwargs)
+        gradients (``u``) and of its inputs (``v``) between the probe point and here, as the
+        pairs ``(at the probe, here)`` they are taken from (``None`` at the probe: a zero
+        gradient there), divided by the step a chunk at a time where they are weighed
+        (:func:`_weighed`): a head's are logit-sized, one per probe."""
+        xs = [x.detach() for x in _grad_inputs(call.args, call.kwargs)]
         out = []
         for rec in recs:
             if not _matches(rec, xs):
                 continue
-            u = [(rec.grads[i] - g) / self.step if i in rec.grads else -g / self.step
-                 for i, g in enumerate(g_out)]
-            if any(a.shape != g.shape for a, g in zip(u, g_out)):
+            u = [(rec.grads.get(i), g) for i, g in enumerate(g_out)]
+            if any(a is not None and a.shape != g.shape for a, g in u):
                 continue
-            out.append((u, [(a - x.detach()) / self.step for a, x in zip(rec.xs, xs)]))
+            out.append((u, list(zip(rec.xs, xs))))
         return out
 
     def _run(self, watch: _Watch, call: _Call, fmt: Format | None, g_out=None,
@@ -935,9 +941,42 @@ def _flat_part(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
     return rows[first:-(-end // cols)].reshape(-1)[start - first * cols:end - first * cols]
 
 
-def _weighed(d: torch.Tensor, t: torch.Tensor) -> float:
-    """``sum (d * t)^2``, summed in float64: an error weighed element by element by a probe."""
-    return float((d.to(torch.float32) * t.to(torch.float32)).square().sum(dtype=torch.float64))
+def _weighed(y: torch.Tensor, w: torch.Tensor, tangent: tuple, step: float) -> float:
+    """``sum ((y - w) * t)^2`` with ``t = (at - here) / step`` (``tangent = (at, here)``;
+    ``at`` None: ``t = -here / step``), in FP32 element by element and summed in float64, a
+    chunk at a time: an error weighed by a probe, holding no output-sized tensor."""
+    at, here = tangent
+    total = 0.0
+    for start in range(0, y.numel(), _CHUNK):
+        end = start + _CHUNK
+        g = _flat_part(here, start, end)
+        t = -g / step if at is None else (_flat_part(at, start, end) - g) / step
+        d = _flat_part(y, start, end).to(torch.float32) - _flat_part(w, start, end).to(
+            torch.float32)
+        total += float((d * t.to(torch.float32)).square().sum(dtype=torch.float64))
+    return total
+
+
+def _output_terms(r: torch.Tensor, y: torch.Tensor, g: torch.Tensor) -> tuple[float, ...]:
+    """For one output of a layer's FP32 run ``r`` and format run ``y`` with output gradient
+    ``g``, in float64: ``<g, d>`` with ``d = y - r``, ``1/2 n sum_k <g[k], d[k]>^2`` over the
+    ``n`` samples along the first dimension (0 for a vector), ``sum r^2`` and ``sum d^2``.
+    A sample's chunk at a time: no float64 copy of an output (a head's logits) is held."""
+    per, signal, noise = [], 0.0, 0.0
+    for k in range(r.shape[0] if r.dim() >= 2 else 1):
+        rk, yk, gk = (t[k] for t in (r, y, g)) if r.dim() >= 2 else (r, y, g)
+        dot = 0.0
+        for start in range(0, rk.numel(), _CHUNK):
+            end = start + _CHUNK
+            rc = _flat_part(rk, start, end).to(torch.float64)
+            d = _flat_part(yk, start, end).to(torch.float64) - rc
+            dot += float((_flat_part(gk, start, end).to(torch.float64) * d).sum())
+            signal += float(rc.square().sum())
+            noise += float(d.square().sum())
+        per.append(dot)
+    first = math.fsum(per)
+    second = 0.5 * len(per) * math.fsum(p * p for p in per) if r.dim() >= 2 else 0.0
+    return first, second, signal, noise
 
 
 def _param_diffs(run: tuple, ref_gp: list[torch.Tensor]) -> tuple[bool, list[float]]:
@@ -949,11 +988,11 @@ def _param_diffs(run: tuple, ref_gp: list[torch.Tensor]) -> tuple[bool, list[flo
 
 
 def _accumulate(est: Estimate, b: int, runs: tuple, compared: tuple[bool, list[float]],
-                g_out: list, own: list[int], tangents: list) -> None:
+                g_out: list, own: list[int], tangents: list, step: float) -> None:
     """Add batch ``b``'s call to ``est``: ``runs`` are the (outputs, input grads) of the layer
     in FP32 (with its parameter grads), in the estimated format and in FP32 with the format's
     rounded weights (see ``_Estimator._run``); ``compared`` the format's :func:`_param_diffs`;
-    ``tangents`` the probes' (u, v)."""
+    ``tangents`` the probes' (u, v) as :meth:`_Estimator._tangents` gives them, over ``step``."""
     (ref_out, ref_gx, ref_gp), (out, gx), (w_out, w_gx, _) = runs
     finite, diffs = compared
     est.finite = est.finite and finite
@@ -961,23 +1000,18 @@ def _accumulate(est: Estimate, b: int, runs: tuple, compared: tuple[bool, list[f
         return
     first = second = 0.0
     for r, y, g in zip(ref_out, out, g_out):
-        d = (y.to(torch.float64) - r.to(torch.float64))
-        g64 = g.to(torch.float64)
-        first += float((g64 * d).sum())
-        if d.dim() >= 2:
-            n = d.shape[0]
-            per = (g64 * d).reshape(n, -1).sum(1)
-            second += 0.5 * n * float(per.square().sum())
-        est.signal += _sq(r)
-        est.noise += float(d.square().sum())
+        f, s, signal, noise = _output_terms(r, y, g)
+        first, second = first + f, second + s
+        est.signal += signal
+        est.noise += noise
     est.first[b] = est.first.get(b, 0.0) + first
     est.second[b] = est.second.get(b, 0.0) + second
     est.sub_diff += math.fsum(diffs)
     est.own_diff += math.fsum(diffs[i] for i in own)
     est.own_ref += math.fsum(_sq(ref_gp[i]) for i in own)
     # what the weights' rounding does not explain, weighed by each probe's response to it
-    resid = [math.fsum([*(_weighed(y.float() - w.float(), t) for y, w, t in zip(out, w_out, u)),
-                        *(_weighed(a - w, t) for a, w, t in zip(gx, w_gx, v))])
+    resid = [math.fsum([*(_weighed(y, w, t, step) for y, w, t in zip(out, w_out, u)),
+                        *(_weighed(a, w, t, step) for a, w, t in zip(gx, w_gx, v))])
              for u, v in tangents]
     est.resid += math.fsum(resid) / len(resid) if resid else math.nan
 
