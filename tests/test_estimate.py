@@ -624,3 +624,30 @@ def test_a_heads_local_re_runs_hold_no_float64_copy_of_its_logits(monkeypatch):
     assert all(math.isfinite(s.loss_rel_change) and math.isfinite(s.output_sqnr_db)
                for r in out.values() for s in r.values())
     assert len(peaks) == 2 and max(peaks) < 6 * logits, [p / logits for p in peaks]
+
+
+@pytest.mark.parametrize("shape", [(3, 7, 11), (500, 6), (9,), (), "transposed"])
+def test_output_terms_a_chunk_at_a_time_are_the_whole_tensors_sums(shape, monkeypatch):
+    """The loss change's first and second order, and the SQNR's sums, over an output taken a
+    chunk at a time (chunks of 16 elements here: samples bigger than a chunk split, smaller
+    ones many to a chunk) equal the sums over the whole float64 tensors to float64 rounding,
+    for a batch of samples, a 2-D list of tokens, a vector, a scalar and a transposed view."""
+    from autoprec.measure import estimate
+
+    monkeypatch.setattr(estimate, "_CHUNK", 16)
+    gen = torch.Generator().manual_seed(0)
+    if shape == "transposed":
+        r, y, g = (torch.randn(5, 40, generator=gen).t() for _ in range(3))
+    else:
+        r, y, g = (torch.randn(shape, generator=gen) for _ in range(3))
+    y = r + 1e-3 * y
+    first, second, signal, noise = estimate._output_terms(r, y, g)
+    d, g64 = y.double() - r.double(), g.double()
+    want = [float((g64 * d).sum()), 0.0, float(r.double().square().sum()),
+            float(d.square().sum())]
+    if d.dim() >= 2:
+        per = (g64 * d).reshape(d.shape[0], -1).sum(1)
+        want[1] = 0.5 * d.shape[0] * float(per.square().sum())
+    assert second != 0.0 or d.dim() < 2
+    for got, w in zip((first, second, signal, noise), want):
+        assert got == pytest.approx(w, rel=1e-12, abs=1e-300)

@@ -961,22 +961,40 @@ def _output_terms(r: torch.Tensor, y: torch.Tensor, g: torch.Tensor) -> tuple[fl
     """For one output of a layer's FP32 run ``r`` and format run ``y`` with output gradient
     ``g``, in float64: ``<g, d>`` with ``d = y - r``, ``1/2 n sum_k <g[k], d[k]>^2`` over the
     ``n`` samples along the first dimension (0 for a vector), ``sum r^2`` and ``sum d^2``.
-    A sample's chunk at a time: no float64 copy of an output (a head's logits) is held."""
+    A chunk at a time, as many whole samples as fit in one (a sample bigger than a chunk in
+    parts): no float64 copy of an output (a head's logits) is held, and a layer whose output
+    lists thousands of tokens along its first dimension takes a few chunks, not a loop per
+    token."""
+    r2, y2, g2 = (t.reshape(1, -1) if r.dim() < 2 else t for t in (r, y, g))
+    n = r2.shape[0]
+    cols = r2[0].numel() if n else 0
     per, signal, noise = [], 0.0, 0.0
-    for k in range(r.shape[0] if r.dim() >= 2 else 1):
-        rk, yk, gk = (t[k] for t in (r, y, g)) if r.dim() >= 2 else (r, y, g)
-        dot = 0.0
-        for start in range(0, rk.numel(), _CHUNK):
-            end = start + _CHUNK
-            rc = _flat_part(rk, start, end).to(torch.float64)
-            d = _flat_part(yk, start, end).to(torch.float64) - rc
-            dot += float((_flat_part(gk, start, end).to(torch.float64) * d).sum())
+    rows = max(1, _CHUNK // max(cols, 1))
+    for a in range(0, n, rows):
+        b = min(n, a + rows)
+        dots = None
+        for rc, yc, gc in _sample_chunks((r2, y2, g2), a, b, cols):
+            d = yc - rc
+            dot = (gc * d).sum(1)
+            dots = dot if dots is None else dots + dot
             signal += float(rc.square().sum())
             noise += float(d.square().sum())
-        per.append(dot)
+        per.extend(dots.tolist())
     first = math.fsum(per)
-    second = 0.5 * len(per) * math.fsum(p * p for p in per) if r.dim() >= 2 else 0.0
+    second = 0.5 * n * math.fsum(p * p for p in per) if r.dim() >= 2 else 0.0
     return first, second, signal, noise
+
+
+def _sample_chunks(ts: tuple, a: int, b: int, cols: int):
+    """Samples ``a:b`` of each of ``ts`` (``cols`` elements each) in float64, one chunk at a
+    time, each ``(samples, elements)``: the samples whole where they fit in a chunk (a slice
+    copies at most that), else sample ``a`` alone (``b == a + 1``) in parts."""
+    if cols <= _CHUNK:
+        yield tuple(t[a:b].reshape(b - a, -1).to(torch.float64) for t in ts)
+        return
+    for i in range(0, cols, _CHUNK):
+        yield tuple(_flat_part(t[a], i, i + _CHUNK).to(torch.float64).reshape(1, -1)
+                    for t in ts)
 
 
 def _param_diffs(run: tuple, ref_gp: list[torch.Tensor]) -> tuple[bool, list[float]]:
