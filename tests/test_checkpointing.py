@@ -52,8 +52,9 @@ def _block_class(model):
     return type(model.transformer.h[0] if hasattr(model, "transformer") else model.model.layers[0])
 
 
-def _checkpointed(model, how: str):
-    """``model`` with each transformer block checkpointed as ``how`` says."""
+def _checkpointed(model, how: str, block: type | None = None):
+    """``model`` with each transformer block (``block``: the class checkpointed by torch's
+    wrapper; HF's switch knows its own) checkpointed as ``how`` says."""
     if how.startswith("hf"):
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": how == "hf reentrant"})
@@ -62,7 +63,7 @@ def _checkpointed(model, how: str):
             apply_activation_checkpointing,
         )
 
-        block = _block_class(model)
+        block = block or _block_class(model)
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, block))
     return model
 

@@ -18,6 +18,7 @@ import math
 import pytest
 import torch
 from conftest import tiny_llama
+from test_checkpointing import _checkpointed
 from test_sensitivity import matmul_layers
 
 from autoprec.measure.checkpointing import recomputing
@@ -27,21 +28,6 @@ from examples.data import byte_batches
 FIELDS = ("loss_rel_change", "grad_rel_error", "layer_grad_rel_error", "output_sqnr_db",
           "act_overflow", "act_underflow", "grad_overflow", "grad_underflow", "finite")
 WRAPPED = "._checkpoint_wrapped_module"
-
-
-def _checkpointed(model, how: str, block: type):
-    """``model`` with each ``block`` checkpointed: HF's switch (non-reentrant, or reentrant)
-    or torch's module wrapper (which renames what it wraps)."""
-    if how.startswith("hf"):
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": how == "hf reentrant"})
-    else:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            apply_activation_checkpointing,
-        )
-
-        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, block))
-    return model
 
 
 def _assert_same(want, got, names) -> None:
@@ -99,7 +85,7 @@ def test_a_layer_shared_by_checkpointed_regions_measures_as_without(mode):
 
 
 def test_a_reentrant_checkpoint_is_a_one_line_error():
-    model = _checkpointed(tiny_llama().train(), "hf reentrant", object)
+    model = _checkpointed(tiny_llama().train(), "hf reentrant")
     with pytest.raises(ValueError, match=r"use_reentrant=True") as info:
         measure_sensitivity(model, matmul_layers(model)[:2], ["bf16"],
                             batches=byte_batches(1, 2, 16, seed=1), mode="fast")
