@@ -651,3 +651,29 @@ def test_output_terms_a_chunk_at_a_time_are_the_whole_tensors_sums(shape, monkey
     assert second != 0.0 or d.dim() < 2
     for got, w in zip((first, second, signal, noise), want):
         assert got == pytest.approx(w, rel=1e-12, abs=1e-300)
+
+
+@pytest.mark.parametrize("shape,order", [((2000, 8000), (1, 0)), ((8, 1400, 1800), (0, 2, 1)),
+                                         ((4, 5, 600, 1400), (2, 0, 3, 1))])
+def test_a_part_of_a_non_contiguous_tensor_copies_about_the_part(shape, order):
+    """``_flat_part`` of a transposed or permuted tensor is the same elements as the
+    contiguous copy's, for parts that start and end anywhere, and allocates about the part,
+    not the tensor (traced allocations: no timing); ``_sq`` over such a tensor holds less
+    than the tensor's bytes."""
+    from autoprec import memory
+    from autoprec.measure.estimate import _CHUNK, _flat_part, _sq
+
+    t = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).permute(*order)
+    assert not t.is_contiguous()
+    flat = t.contiguous().reshape(-1)
+    n = flat.numel()
+    for start, end in [(0, 7), (123, 123 + _CHUNK), (n - _CHUNK // 3, n), (n // 2, n // 2 + 1),
+                       (891, 4003), (0, n)]:
+        assert torch.equal(_flat_part(t, start, end), flat[start:end]), (start, end)
+    got = []
+    peak = memory._peak_above(lambda: got.append(_flat_part(t, 12345, 12345 + _CHUNK)),
+                              torch.device("cpu"))
+    assert peak <= 3 * _CHUNK * t.element_size(), (peak, t.nbytes)
+    peak = memory._peak_above(lambda: _sq(t), torch.device("cpu"))
+    assert peak < t.nbytes / 2, (peak, t.nbytes)
+    assert _sq(t) == _sq(t.contiguous())

@@ -929,16 +929,22 @@ def _sq(t: torch.Tensor, minus: torch.Tensor | None = None) -> float:
 
 
 def _flat_part(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """Elements ``start:end`` of ``t`` flattened in row-major order, copying no more than the
-    rows they lie in: ``t.reshape(-1)`` copies all of a non-contiguous ``t`` (a gradient
-    autograd hands back transposed), a head's worth of memory for a chunk of it."""
+    """Elements ``start:end`` of ``t`` flattened in row-major order, copying no more than
+    about three times ``end - start`` elements: ``t.reshape(-1)`` copies all of a
+    non-contiguous ``t`` (a gradient autograd hands back transposed, a permuted activation),
+    a head's worth of memory for a chunk of it. The part is taken along the first dimension:
+    the rows it spans, copied, where it spans three or more (a row is then at most the part's
+    size); within a row, from that row alone, and so on down the dimensions."""
     t = t.detach()
-    if t.is_contiguous() or t.dim() < 2:
+    if t.is_contiguous() or t.dim() < 2 or t.numel() == 0:
         return t.reshape(-1)[start:end]
-    rows = t.reshape(t.shape[0], -1)
-    cols = rows.shape[1]
-    first = start // cols
-    return rows[first:-(-end // cols)].reshape(-1)[start - first * cols:end - first * cols]
+    cols = t[0].numel()
+    first, last = start // cols, min(t.shape[0], -(-end // cols))
+    if last - first >= 3:
+        return t[first:last].reshape(-1)[start - first * cols:end - first * cols]
+    parts = [_flat_part(t[i], max(start - i * cols, 0), min(end - i * cols, cols))
+             for i in range(first, last)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _weighed(y: torch.Tensor, w: torch.Tensor, tangent: tuple, step: float) -> float:
