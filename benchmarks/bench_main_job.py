@@ -90,20 +90,20 @@ def spread(xs: list[float], fmt: str = "{:.1f}") -> str:
 def report(a: list[dict], b: list[dict]) -> str:
     lines = ["| | A median [min-max] | B median [min-max] | A/B per pair, median [min-max] |",
              "|---|---|---|---|"]
-    per_round = [{**r, "per_round": r["after"] / r["rounds"] if r["rounds"] else math.nan}
-                 for r in (*a, *b)]
-    a, b = per_round[:len(a)], per_round[len(a):]
     for key, label, fmt in (("wall", "wall s", "{:.1f}"), ("cpu", "cpu s", "{:.1f}"),
                             ("rss", "peak RSS MiB", "{:.0f}"),
                             ("before", "before the trials s", "{:.1f}"),
                             ("trials", "trials s", "{:.1f}"), ("n", "trials", "{:.0f}"),
                             ("after", "after the trials s", "{:.1f}"),
-                            ("rounds", "re-timing rounds", "{:.0f}"),
-                            ("per_round", "after, per round s", "{:.2f}")):
+                            ("rounds", "re-timing rounds", "{:.0f}")):
         ratios = [x[key] / y[key] for x, y in zip(a, b) if y[key]]
         lines.append(f"| {label} | {spread([r[key] for r in a], fmt)} | "
                      f"{spread([r[key] for r in b], fmt)} | "
                      f"{spread(ratios, '{:.3f}') if key not in ('n', 'rounds') else '-'} |")
+    # the part after the trials compared only where both re-timings ran as many rounds
+    same = [x["after"] / y["after"] for x, y in zip(a, b) if x["rounds"] == y["rounds"]]
+    lines.append(f"| after the trials, pairs of equal rounds ({len(same)}) | | | "
+                 f"{spread(same, '{:.3f}')} |")
     return "\n".join(lines)
 
 
