@@ -5,11 +5,15 @@ ratio. A ratio whose interval contains 1 is a tie."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -56,6 +60,29 @@ def ratio_cell(r: Interval) -> str:
     """``1.027 [0.998-1.051]``, and "tie" where the interval contains 1."""
     tie = " (tie)" if r.low <= 1.0 <= r.high else ""
     return f"{r.value:.3f} [{r.low:.3f}-{r.high:.3f}]{tie}"
+
+
+def median_range(values: Sequence[float], fmt: str = ".3f") -> str:
+    """``1.027 [0.998-1.051]``: the median of ``values`` and their range (NaNs left out;
+    "-" where none is left)."""
+    xs = [v for v in values if v == v]
+    if not xs:
+        return "-"
+    return f"{statistics.median(xs):{fmt}} [{min(xs):{fmt}}-{max(xs):{fmt}}]"
+
+
+@contextlib.contextmanager
+def worktree(rev: str) -> Iterator[str]:
+    """A ``git worktree`` of this repository at ``rev`` (detached), removed after: another
+    revision's code, run beside this checkout's."""
+    other = os.path.join(tempfile.mkdtemp(prefix="autoprec-against-"), "tree")
+    subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", other, rev],
+                   check=True)
+    try:
+        yield other
+    finally:
+        subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", other],
+                       check=False)
 
 
 def print_table(rows: list[list[str]], header: list[str]) -> None:

@@ -11,8 +11,8 @@ machine was. So each run is also split, from its study's trial times and its pol
 the phases before the first trial (capture, profile), the trials, and after the last trial
 (the final re-timing, validation, writing), with the re-timing's rounds and the number of
 trials; the phases before and during the trials are compared pair by pair too, and the part
-after per re-timing round. A difference in whole time that the re-timing's rounds explain is
-the search's luck, not the code's speed.
+after over the pairs whose re-timings ran as many rounds. A difference in whole time that the
+re-timing's rounds explain is the search's luck, not the code's speed.
 
     python benchmarks/bench_main_job.py --against REV [--pairs 3] [--keep DIR]
 """
@@ -24,14 +24,13 @@ import datetime as dt
 import math
 import os
 import sqlite3
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from _common import ROOT, device_line, median_range, worktree
+
 TASK = "examples/gpt2_bytes.py:task"
 
 
@@ -48,9 +47,9 @@ def run_once(root: str, folder: str) -> dict:
                                 stdin=subprocess.DEVNULL)
         _, status, usage = os.wait4(proc.pid, 0)
     wall = time.monotonic() - t0
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise SystemExit(f"the main job exited {proc.returncode} in {root}: see "
+    code = proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+    if code != 0:
+        raise SystemExit(f"the main job exited {code} in {root}: see "
                          f"{os.path.join(folder, 'out.log')}")
     run = {"wall": wall, "cpu": usage.ru_utime + usage.ru_stime,
            "rss": usage.ru_maxrss / 1024}  # Linux: KiB
@@ -79,31 +78,23 @@ def phases(folder: str, began: dt.datetime, wall: float) -> dict:
             "n": len(rows), "rounds": rounds}
 
 
-def spread(xs: list[float], fmt: str = "{:.1f}") -> str:
-    xs = [x for x in xs if not math.isnan(x)]
-    if not xs:
-        return "-"
-    return (f"{fmt.format(statistics.median(xs))} "
-            f"[{fmt.format(min(xs))}-{fmt.format(max(xs))}]")
-
-
 def report(a: list[dict], b: list[dict]) -> str:
     lines = ["| | A median [min-max] | B median [min-max] | A/B per pair, median [min-max] |",
              "|---|---|---|---|"]
-    for key, label, fmt in (("wall", "wall s", "{:.1f}"), ("cpu", "cpu s", "{:.1f}"),
-                            ("rss", "peak RSS MiB", "{:.0f}"),
-                            ("before", "before the trials s", "{:.1f}"),
-                            ("trials", "trials s", "{:.1f}"), ("n", "trials", "{:.0f}"),
-                            ("after", "after the trials s", "{:.1f}"),
-                            ("rounds", "re-timing rounds", "{:.0f}")):
+    for key, label, fmt in (("wall", "wall s", ".1f"), ("cpu", "cpu s", ".1f"),
+                            ("rss", "peak RSS MiB", ".0f"),
+                            ("before", "before the trials s", ".1f"),
+                            ("trials", "trials s", ".1f"), ("n", "trials", ".0f"),
+                            ("after", "after the trials s", ".1f"),
+                            ("rounds", "re-timing rounds", ".0f")):
         ratios = [x[key] / y[key] for x, y in zip(a, b) if y[key]]
-        lines.append(f"| {label} | {spread([r[key] for r in a], fmt)} | "
-                     f"{spread([r[key] for r in b], fmt)} | "
-                     f"{spread(ratios, '{:.3f}') if key not in ('n', 'rounds') else '-'} |")
+        lines.append(f"| {label} | {median_range([r[key] for r in a], fmt)} | "
+                     f"{median_range([r[key] for r in b], fmt)} | "
+                     f"{median_range(ratios) if key not in ('n', 'rounds') else '-'} |")
     # the part after the trials compared only where both re-timings ran as many rounds
     same = [x["after"] / y["after"] for x, y in zip(a, b) if x["rounds"] == y["rounds"]]
     lines.append(f"| after the trials, pairs of equal rounds ({len(same)}) | | | "
-                 f"{spread(same, '{:.3f}')} |")
+                 f"{median_range(same)} |")
     return "\n".join(lines)
 
 
@@ -118,13 +109,11 @@ def main() -> None:
     head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
                           capture_output=True, text=True, check=True).stdout.strip()
     keep = args.keep or tempfile.mkdtemp(prefix="main_job.")
-    other = tempfile.mkdtemp(prefix="main_job_b.")
-    subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", other,
-                    args.against], check=True)
-    try:
+    print(device_line())
+    with worktree(args.against) as other:
         sides: dict[str, list[dict]] = {"A": [], "B": []}
         print(f"A = {head} (this checkout), B = {args.against}; {args.pairs} pairs; "
-              f"{time.strftime('%Y-%m-%d %H:%M')}; folders under {keep}", flush=True)
+              f"folders under {keep}", flush=True)
         for k in range(args.pairs):
             for side, root in (("A", ROOT), ("B", other)):
                 folder = os.path.join(keep, f"{side}{k}")
@@ -135,9 +124,6 @@ def main() -> None:
                       f"{r['before']:.1f}, {r['n']} trials {r['trials']:.1f}, after "
                       f"{r['after']:.1f} ({r['rounds']} re-timing rounds), "
                       f"peak {r['rss']:.0f} MiB", flush=True)
-    finally:
-        subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", other],
-                       check=False)
     print(report(sides["A"], sides["B"]))
 
 

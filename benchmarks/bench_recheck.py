@@ -22,7 +22,7 @@ import time
 
 import _common  # noqa: F401  (sets up sys.path)
 import torch
-from _common import device_line, interleaved, print_table, ratio_cell
+from _common import device_line, interleaved, median_range, print_table, ratio_cell
 from bench_guard import plain_step  # the same training step the guard's overhead is timed on
 
 from autoprec import Policy
@@ -112,9 +112,7 @@ def overhead_in_training(steps: int, every: int, pairs: int) -> None:
 
 def _spread(values: list[float]) -> str:
     """The median of per-run ratios with their range."""
-    s = sorted(values)
-    mid = s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
-    return f"{mid:.3f} [{s[0]:.3f}-{s[-1]:.3f}] ({len(s)} runs)"
+    return f"{median_range(values)} ({len(values)} runs)"
 
 
 def main() -> None:

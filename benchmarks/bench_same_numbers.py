@@ -123,18 +123,12 @@ def main() -> None:
         child(*args.child, args.only, args.skip_tune)
         return
     sys.path.insert(0, HERE)
-    from _common import device_line, print_table
+    from _common import device_line, print_table, worktree
 
     print(device_line())
-    tmp = tempfile.mkdtemp(prefix="autoprec-against-")
-    other = os.path.join(tmp, "tree")
-    subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", other, args.against],
-                   check=True)
-    try:
+    with worktree(args.against) as other:
         new = run_side(ROOT, args.only, args.skip_tune)
         old = run_side(other, args.only, args.skip_tune)
-    finally:
-        subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", other], check=False)
     print(f"this checkout against {args.against}: each layer x format's numbers")
     print_table(compare(new, old),
                 ["model", "mode", "metric", "bitwise equal", "max rel diff", "Spearman"])
